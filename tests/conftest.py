@@ -1,0 +1,58 @@
+"""Shared fixtures: a tiny random Qwen2 and a locally trained tokenizer (no hub, no network)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast
+
+from trl_cb.data import synthetic_gsm8k
+from trl_cb.tiny import tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return tiny_tokenizer()
+
+
+@pytest.fixture
+def model(tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
+    """Fresh fp32 tiny model whose completions end at varied lengths."""
+    return tiny_model(tokenizer, eos_logit_bias=4.0)
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer: PreTrainedTokenizerFast) -> list[list[int]]:
+    return [tokenizer(r["prompt"])["input_ids"] for r in synthetic_gsm8k(6, seed=3)]
+
+
+def sampling_config(tokenizer: PreTrainedTokenizerFast, **overrides: object) -> GenerationConfig:
+    kwargs = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=24,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    kwargs.update(overrides)
+    return GenerationConfig(**kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_threads():
+    """Every test must leave no CB engine thread behind."""
+    before = set(threading.enumerate())
+    yield
+    leaked = [t for t in threading.enumerate() if t not in before and t.is_alive() and "_run_generation_loop" in repr(t)]
+    for t in leaked:
+        t.join(timeout=5)
+    assert not [t for t in leaked if t.is_alive()], f"engine threads leaked: {leaked}"
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)

@@ -1,0 +1,25 @@
+"""trl_cb: continuous-batching rollouts for TRL's GRPO and RLOO trainers.
+
+Change one import — `from trl_cb import GRPOConfig, GRPOTrainer` (or `RLOOConfig, RLOOTrainer`) — and set
+`use_transformers_continuous_batching=True`. See docs/index.md.
+"""
+
+from .configs import ContinuousBatchingArguments, GRPOConfig, RLOOConfig
+from .generator import ContinuousBatchingGenerator, EngineDiedError, GenerationError, GenerationResult
+from .trainers import ContinuousBatchingTrainerMixin, GRPOTrainer, RLOOTrainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ContinuousBatchingArguments",
+    "ContinuousBatchingGenerator",
+    "ContinuousBatchingTrainerMixin",
+    "EngineDiedError",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "GenerationError",
+    "GenerationResult",
+    "RLOOConfig",
+    "RLOOTrainer",
+    "__version__",
+]

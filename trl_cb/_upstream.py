@@ -1,0 +1,118 @@
+"""The only place trl_cb touches transformers' continuous-batching internals.
+
+Why one module: transformers' CB engine is young and moves between minor releases. Every attribute or behaviour we
+rely on beyond the documented `init_continuous_batching` / `add_request` / `get_result` / `pause` / `stop` /
+`destroy` surface is reached through a function here, and `tests/unit/test_contracts.py` pins each one, so an
+upstream change fails one cheap test with a clear message instead of corrupting rollouts.
+
+What we rely on, and why:
+- `ContinuousBatchingManager.num_return_sequences` is read by `add_request` to set the request's number of forked
+  children. Setting it per request lets each unique prompt fork exactly as many samples as TRL asked for (a group
+  may be split across ranks), without rebuilding the engine when G changes (train vs eval).
+- `manager.batch_processor.cache.reset()` clears the prefix-hash ledger, which otherwise survives between rounds and
+  lets a later prompt reuse KV blocks computed with the previous weights (see docs/index.md, "Fresh weights").
+- `manager._original_attn_impl` records the attention implementation CB switched away from; we restore it after
+  each round so the training forward never runs through the paged path (transformers issues 48296/48297).
+- `manager.warmup()` builds the batch processor on the calling thread. That constructor seeds the *global* RNG
+  (`torch.manual_seed`); doing it here, inside `fork_rng`, keeps the caller's RNG stream untouched.
+- `manager.background_thread_status.fatal_error` tells a crashed engine from an idle one.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation import ContinuousBatchingConfig
+from transformers.generation.continuous_batching import ContinuousBatchingManager
+from transformers.generation.continuous_batching.utils import WorkloadHints
+
+__all__ = [
+    "ContinuousBatchingManager",
+    "WorkloadHints",
+    "add_forked_request",
+    "create_manager",
+    "engine_fatal_error",
+    "reset_prefix_cache",
+    "restore_training_attention",
+    "switch_to_generation_attention",
+]
+
+_fork_lock = threading.Lock()
+
+
+def create_manager(
+    model: PreTrainedModel,
+    generation_config: GenerationConfig,
+    cb_config: ContinuousBatchingConfig,
+    hints: WorkloadHints,
+) -> ContinuousBatchingManager:
+    """Build, warm up (on this thread, RNG preserved) and start a fresh manager. Never reuses a cached one."""
+    if getattr(model, "_cached_continuous_batching_manager", None) is not None:
+        # A cached manager would be returned as-is and silently ignore our configs (notes: "persistent pitfalls").
+        model.destroy_cached_continuous_batching_manager()
+    devices = [model.device] if model.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        manager = model.init_continuous_batching(
+            generation_config=generation_config, continuous_batching_config=cb_config, workload_hints=hints
+        )
+        try:
+            manager.warmup()
+        except BaseException:
+            restore_training_attention(manager)
+            raise
+    manager.start()
+    return manager
+
+
+def add_forked_request(
+    manager: ContinuousBatchingManager, input_ids: list[int], request_id: str, num_samples: int, max_new_tokens: int
+) -> list[str]:
+    """Submit one prompt whose prefill is shared by `num_samples` sampled continuations; return their request ids.
+
+    The engine prefills the prompt once, then forks `num_samples - 1` children that share its full KV blocks.
+    """
+    with _fork_lock:
+        manager.num_return_sequences = num_samples
+        try:
+            rid = manager.add_request(input_ids, request_id=request_id, max_new_tokens=max_new_tokens)
+        finally:
+            manager.num_return_sequences = 1
+    if rid is None:
+        raise RuntimeError(f"The continuous batching engine refused request {request_id} (it is stopping).")
+    return [rid] + [f"{rid}__child#{i}" for i in range(num_samples - 1)]
+
+
+def reset_prefix_cache(manager: ContinuousBatchingManager) -> None:
+    """Drop every cached KV block and the prefix-hash ledger. Call only with no request in flight."""
+    processor = manager.batch_processor
+    if processor is not None:
+        with manager.pause():
+            processor.cache.reset()
+
+
+def switch_to_generation_attention(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
+    """Put the CB-compatible attention implementation on the model (idempotent)."""
+    manager.switch_to_cb_friendly_attn(model, manager.continuous_batching_config.auto_switch_to_flash)
+
+
+def restore_training_attention(manager: ContinuousBatchingManager) -> None:
+    """Give the model back the attention implementation it had before CB switched it (no-op if unchanged)."""
+    original = getattr(manager, "_original_attn_impl", None)
+    if original is not None:
+        manager.model.set_attn_implementation(original)
+        manager._original_attn_impl = None
+
+
+def engine_fatal_error(manager: ContinuousBatchingManager) -> Exception | None:
+    """The exception that killed the generation thread, if any."""
+    status: Any = getattr(manager, "background_thread_status", None)
+    return getattr(status, "fatal_error", None)
+
+
+def resolved_cache_blocks(manager: ContinuousBatchingManager) -> int | None:
+    """Number of whole-model KV blocks the engine's cache actually holds (after its own rounding)."""
+    processor = manager.batch_processor
+    return None if processor is None else int(processor.cache.num_blocks)

@@ -1,0 +1,165 @@
+"""`GRPOConfig` and `RLOOConfig`: TRL's configs plus the continuous-batching (CB) fields, validated up front.
+
+Why subclasses: a user switches by changing one import. The CB fields are declared here even though recent TRL
+releases declare some of them too, so behaviour does not depend on which TRL is installed; this module's
+`__post_init__` runs before TRL's and leaves nothing for TRL's own shim to act on twice.
+
+Invariants after `__post_init__`:
+- `transformers_continuous_batching_config` is a dict (a JSON string is parsed), holds only keys that
+  `transformers.generation.ContinuousBatchingConfig` accepts, and has `max_memory_percent` in (0, 1] (0.5 if unset).
+- `use_transformers_paged=True` has been turned into `use_transformers_continuous_batching=True`, with one
+  FutureWarning, and reads `False` afterwards.
+- The IS settings are a valid combination for the trainer (RLOO's loss is per sequence: `sequence_*` modes only).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import trl
+
+from .deprecation import warn_deprecated
+from .generator import validate_cb_kwargs
+from .importance_sampling import IS_MODES, validate_mode
+
+DEFAULT_MAX_MEMORY_PERCENT = 0.5
+
+
+@dataclass
+class ContinuousBatchingArguments:
+    """CB fields shared by `GRPOConfig` and `RLOOConfig` (a mixin: use those, not this class directly).
+
+    Parameters:
+        use_transformers_continuous_batching (`bool`, *optional*, defaults to `False`):
+            Generate rollouts with trl_cb's continuous batching engine (persistent, workload-sized, logprobs
+            recorded for importance sampling).
+        transformers_continuous_batching_config (`dict` or `str`, *optional*):
+            Keyword arguments for `transformers.generation.ContinuousBatchingConfig` (a JSON string on the CLI).
+            Cache geometry left unset is sized from the workload; `max_memory_percent` defaults to 0.5 and caps it.
+        cb_importance_sampling_correction (`bool`, *optional*, defaults to `True`):
+            Correct the policy-gradient term for the gap between the sampler's and the trainer's logprobs.
+        cb_importance_sampling_mode (`str`, *optional*, defaults to `"sequence_mask"`):
+            `token_truncate`, `token_mask`, `sequence_truncate` or `sequence_mask` (see docs/index.md).
+        cb_importance_sampling_clip_min (`float`, *optional*):
+            Lower IS bound (truncate: clamp; mask: zero below).
+        cb_importance_sampling_clip_max (`float`, *optional*, defaults to `3.0`):
+            Upper IS bound (truncate: clamp; mask: zero above).
+        cb_generation_timeout (`float`, *optional*):
+            Seconds one generation round may take before it fails with `TimeoutError` (`None`: no limit).
+        use_transformers_paged:
+            Deprecated; use `use_transformers_continuous_batching`.
+    """
+
+    use_transformers_continuous_batching: bool = field(
+        default=False,
+        metadata={"help": "Generate rollouts with trl_cb's continuous batching engine."},
+    )
+    transformers_continuous_batching_config: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments for `transformers.generation.ContinuousBatchingConfig` (dict or JSON string). "
+            "Unset cache geometry is sized from the workload; `max_memory_percent` defaults to 0.5."
+        },
+    )
+    cb_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={"help": "Apply importance-sampling correction on the continuous batching path."},
+    )
+    cb_importance_sampling_mode: str = field(
+        default="sequence_mask",
+        metadata={"help": f"Importance-sampling mode, one of {IS_MODES}.", "choices": list(IS_MODES)},
+    )
+    cb_importance_sampling_clip_min: float | None = field(
+        default=None,
+        metadata={"help": "Lower importance-sampling bound (truncate: clamp, mask: zero below)."},
+    )
+    cb_importance_sampling_clip_max: float | None = field(
+        default=3.0,
+        metadata={"help": "Upper importance-sampling bound (truncate: clamp, mask: zero above)."},
+    )
+    cb_generation_timeout: float | None = field(
+        default=None,
+        metadata={"help": "Seconds a continuous batching round may take before it fails (None: no limit)."},
+    )
+
+    # Deprecated parameters
+    use_transformers_paged: bool = field(
+        default=False,
+        metadata={"help": "Deprecated. Use `use_transformers_continuous_batching` instead."},
+    )
+
+    def _post_init_continuous_batching(self) -> None:
+        """Normalise and validate the CB fields (called first thing in the configs' `__post_init__`)."""
+        if self.use_transformers_paged:
+            warn_deprecated("use_transformers_paged", "use_transformers_continuous_batching", stacklevel=5)
+            self.use_transformers_continuous_batching = True
+            # Forwarded: clear it so an installed TRL that has its own shim does not warn a second time.
+            self.use_transformers_paged = False
+
+        cb_config: Any = self.transformers_continuous_batching_config
+        if isinstance(cb_config, str):
+            try:
+                cb_config = json.loads(cb_config) if cb_config.strip() else {}
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"transformers_continuous_batching_config is not valid JSON: {err.msg} ({cb_config!r})."
+                ) from err
+        if cb_config is not None and not isinstance(cb_config, dict):
+            raise ValueError(
+                f"transformers_continuous_batching_config must be a dict or JSON object, got {type(cb_config).__name__}."
+            )
+        cb_config = dict(cb_config or {})
+        validate_cb_kwargs(cb_config)
+        if cb_config.get("max_memory_percent") is None:
+            cb_config["max_memory_percent"] = DEFAULT_MAX_MEMORY_PERCENT
+        self.transformers_continuous_batching_config = cb_config
+
+        validate_mode(
+            self.cb_importance_sampling_mode, self.cb_importance_sampling_clip_min, self.cb_importance_sampling_clip_max
+        )
+        if self.cb_generation_timeout is not None and self.cb_generation_timeout <= 0:
+            raise ValueError(f"cb_generation_timeout must be > 0 or None, got {self.cb_generation_timeout}.")
+        if self.use_transformers_continuous_batching and getattr(self, "use_vllm", False):
+            raise ValueError(
+                "use_transformers_continuous_batching and use_vllm are mutually exclusive; enable one of them."
+            )
+
+
+@dataclass
+class GRPOConfig(ContinuousBatchingArguments, trl.GRPOConfig):
+    """TRL's `GRPOConfig` with trl_cb's continuous batching fields (see `ContinuousBatchingArguments`)."""
+
+    def __post_init__(self) -> None:
+        self._post_init_continuous_batching()
+        super().__post_init__()
+        if (
+            self.use_transformers_continuous_batching
+            and self.cb_importance_sampling_correction
+            and self.loss_type == "vespo"
+            and not self.cb_importance_sampling_mode.startswith("token")
+        ):
+            raise ValueError(
+                "loss_type='vespo' weights tokens itself and needs a token-level IS mode; set "
+                f"cb_importance_sampling_mode to 'token_truncate' or 'token_mask' (got {self.cb_importance_sampling_mode!r})."
+            )
+
+
+@dataclass
+class RLOOConfig(ContinuousBatchingArguments, trl.RLOOConfig):
+    """TRL's `RLOOConfig` with trl_cb's continuous batching fields (see `ContinuousBatchingArguments`).
+
+    RLOO's loss is per sequence, so its IS weight is too: `cb_importance_sampling_mode` must be `sequence_mask`
+    (default) or `sequence_truncate`.
+    """
+
+    def __post_init__(self) -> None:
+        self._post_init_continuous_batching()
+        super().__post_init__()
+        if not self.cb_importance_sampling_mode.startswith("sequence"):
+            raise ValueError(
+                "RLOO's loss is per sequence, so its importance-sampling weight is too: set "
+                "cb_importance_sampling_mode to 'sequence_mask' or 'sequence_truncate' "
+                f"(got {self.cb_importance_sampling_mode!r})."
+            )

@@ -1,0 +1,74 @@
+"""Size the CB cache from the workload, never from "how much memory is free".
+
+Why: without `num_blocks`/`max_batch_tokens`, transformers sizes the KV cache from free device memory (on CPU, ~60 %
+of *system* RAM) and, with sdpa, allocates a dense attention mask proportional to it: several GiB, seconds per call,
+and a process that stays slow afterwards (docs/index.md, "Sizing"). A training step knows its workload exactly, so
+we ask for that: every request's longest possible sequence, rounded up to pages, plus one page of slack per request
+for the partial page a fork copies. `max_memory_percent` remains the hard cap that transformers enforces when it
+checks the footprint.
+
+Invariant: the cache returned holds every request of the workload at its maximum length at the same time, so no
+request is ever preempted or starved for lack of blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+#: Upper bound on tokens per forward; larger batches buy nothing on CPU and little on GPU.
+MAX_BATCH_TOKENS_CAP = 8192
+#: Page size used on CPU when the user sets none: small pages waste less cache, and with sdpa the dense mask scales
+#: with the cache size (measured: 256-token pages are ~2x slower than 16-64 on the tiny default).
+CPU_PAGE_SIZE = 32
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one generation round asks of the engine."""
+
+    num_requests: int  # sequences to sample (prompts x samples per prompt)
+    max_prompt_len: int
+    max_new_tokens: int
+    prefill_tokens: int  # tokens of the unique prompts (forked samples share their prompt's prefill)
+
+    def fits_in(self, other: Workload) -> bool:
+        """True when an engine sized for `other` can serve this workload without re-sizing."""
+        return (
+            self.num_requests <= other.num_requests
+            and self.max_prompt_len + self.max_new_tokens <= other.max_prompt_len + other.max_new_tokens
+        )
+
+    def union(self, other: Workload) -> Workload:
+        """The smallest workload both fit in (used when re-sizing so the engine only grows)."""
+        return Workload(
+            num_requests=max(self.num_requests, other.num_requests),
+            max_prompt_len=max(self.max_prompt_len, other.max_prompt_len),
+            max_new_tokens=max(self.max_new_tokens, other.max_new_tokens),
+            prefill_tokens=max(self.prefill_tokens, other.prefill_tokens),
+        )
+
+
+@dataclass(frozen=True)
+class CacheSize:
+    page_size: int
+    num_blocks: int
+    max_batch_tokens: int
+
+
+def default_page_size(device: torch.device) -> int | None:
+    """The page size we pick when the user sets none: small on CPU, transformers' default elsewhere (`None`)."""
+    return CPU_PAGE_SIZE if device.type == "cpu" else None
+
+
+def size_cache(workload: Workload, page_size: int) -> CacheSize:
+    """Blocks and batch tokens for `workload` with `page_size`-token pages (see module docstring)."""
+    if page_size <= 0:
+        raise ValueError(f"page_size must be > 0, got {page_size}.")
+    blocks_per_request = math.ceil((workload.max_prompt_len + workload.max_new_tokens) / page_size) + 1
+    num_blocks = workload.num_requests * blocks_per_request
+    # One forward must hold one decode token per running request; prefill larger than this is chunked by the engine.
+    max_batch_tokens = min(MAX_BATCH_TOKENS_CAP, max(workload.num_requests, workload.prefill_tokens, 64))
+    return CacheSize(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)

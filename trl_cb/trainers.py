@@ -1,0 +1,207 @@
+"""`GRPOTrainer` and `RLOOTrainer`: TRL's trainers with the CB path routed through one shared adapter.
+
+Hops (file per hop): prompts -> `ContinuousBatchingGenerator` (generator.py) -> completions + sampling logprobs ->
+TRL scores them -> `ContinuousBatchingTrainerMixin._cb_importance_sampling` weights the policy-gradient term
+(importance_sampling.py) -> TRL's loss.
+
+How the IS weight reaches the loss: TRL multiplies its loss by an IS ratio only on the vLLM path. Both trainers'
+policy terms are `-min(c * A, clip(c) * A)` (or another form linear in A), so for a non-negative weight w,
+`w * term(A) == term(w * A)`. We therefore fold w into the advantages, which TRL documents as accepting shape (B, T)
+for exactly this kind of extension; VESPO, which consumes the ratio itself, gets it as `importance_sampling_ratio`.
+The KL term is not weighted (as in TRL). Only these overrides touch TRL internals; `tests/unit/test_contracts.py`
+pins them: `_generate_single_turn`, `_generate_and_score_completions`' output keys,
+`_get_per_token_logps_and_entropies`, `_metrics`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import trl
+from transformers import ProcessorMixin
+from trl.extras.profiling import profiling_context
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import nanmax, nanmin, pad
+
+from .generator import ContinuousBatchingGenerator
+from .importance_sampling import importance_sampling_ratio, importance_sampling_stats
+
+logger = logging.getLogger(__name__)
+
+
+class ContinuousBatchingTrainerMixin:
+    """Everything GRPO and RLOO share on the CB path: the persistent generator, IS correction, lifecycle."""
+
+    _cb_generator: ContinuousBatchingGenerator | None = None
+    _cb_last_logprobs: list[list[float]] | None = None
+
+    def _cb_check_processing_class(self, args: Any, processing_class: Any) -> None:
+        if args is not None and args.use_transformers_continuous_batching and isinstance(
+            processing_class, ProcessorMixin
+        ):
+            raise ValueError(
+                "trl_cb's continuous batching path does not support multimodal models (processing_class is a "
+                f"{type(processing_class).__name__}). Use a text-only model, or `use_vllm` / the `generate()` path."
+            )
+
+    # ---------------------------------------------------------------------------------------------- generation
+
+    def _cb_get_generator(self) -> ContinuousBatchingGenerator:
+        """The trainer's one generator, built at the first generation and kept across steps."""
+        wrapped = self.model_wrapped
+        if self._cb_generator is not None and self._cb_generator.model is not wrapped:
+            self._cb_close()  # the training wrapper changed (e.g. eval before train, then accelerate.prepare)
+        if self._cb_generator is None:
+            args = self.args
+            cast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+            self._cb_generator = ContinuousBatchingGenerator(
+                wrapped,
+                self.generation_config,
+                continuous_batching_config=args.transformers_continuous_batching_config,
+                accelerator=self.accelerator,
+                gather_deepspeed3_params=args.ds3_gather_for_generation,
+                cast_dtype=cast,
+                cast_lm_head_to_fp32=bool(getattr(args, "cast_lm_head_to_fp32", False)),
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
+                timeout=args.cb_generation_timeout,
+            )
+        return self._cb_generator
+
+    def _cb_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        """Completions and sampling logprobs for TRL's prompt list (each prompt already repeated per sample)."""
+        generator = self._cb_get_generator()
+        with profiling_context(self, "trl_cb.generate"):
+            result = generator.generate(prompt_ids, num_generations=1)
+        self._cb_last_logprobs = result.logprobs
+        return result.completion_ids, result.logprobs
+
+    def _cb_close(self) -> None:
+        generator, self._cb_generator = self._cb_generator, None
+        if generator is not None:
+            generator.close()
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's `train`, with the CB engine stopped at the end, on errors and on Ctrl-C (no thread left behind)."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._cb_close()
+
+    def __del__(self) -> None:
+        try:
+            self._cb_close()
+        except Exception:  # pragma: no cover - interpreter teardown
+            pass
+
+    # ------------------------------------------------------------------------------------- importance sampling
+
+    def _cb_sampling_logps(self, output: dict[str, Any]) -> torch.Tensor:
+        """(B, T) sampling logprobs aligned with `output["completion_ids"]`."""
+        if "sampling_per_token_logps" in output:  # GRPO pads them itself (tool turns included)
+            return output["sampling_per_token_logps"]
+        assert self._cb_last_logprobs is not None, "CB path produced no logprobs for this batch"
+        width = output["completion_ids"].size(1)
+        rows = [torch.tensor(lp, dtype=torch.float32) for lp in self._cb_last_logprobs]
+        padded = pad(rows, padding_value=0.0, padding_side="right")
+        padded = torch.nn.functional.pad(padded, (0, width - padded.size(1)))
+        return padded.to(output["completion_ids"].device)
+
+    def _cb_old_logps(self, output: dict[str, Any]) -> torch.Tensor:
+        """(B, T) training-policy logprobs of the sampled tokens (reused when TRL computed them)."""
+        if output.get("old_per_token_logps") is not None:
+            return output["old_per_token_logps"]
+        prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        mode = "train" if self.model.training else "eval"
+        batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            old, _, _ = self._get_per_token_logps_and_entropies(
+                self.model, prompt_completion_ids, attention_mask, output["completion_ids"].size(1), batch_size
+            )
+        return old
+
+    def _cb_importance_sampling(self, output: dict[str, Any], per_token_loss: bool) -> None:
+        """Weight `output`'s advantages by the IS ratio and log TRL's IS metrics (see module docstring)."""
+        args = self.args
+        mask = output["completion_mask"]
+        if output.get("tool_mask") is not None:
+            mask = mask * output["tool_mask"]
+        sampling = self._cb_sampling_logps(output)
+        old = self._cb_old_logps(output)
+        mode_name = args.cb_importance_sampling_mode
+        ratio = importance_sampling_ratio(
+            old, sampling, mask, mode_name, args.cb_importance_sampling_clip_min, args.cb_importance_sampling_clip_max
+        )  # (B, T) or (B, 1)
+        output["importance_sampling_ratio"] = ratio
+        if getattr(args, "loss_type", None) != "vespo":
+            advantages = output["advantages"]
+            if per_token_loss:
+                output["advantages"] = advantages.unsqueeze(1) * ratio  # (B, T) or (B, 1)
+            else:
+                output["advantages"] = advantages * ratio.squeeze(1)  # sequence modes only: (B,)
+
+        stats = importance_sampling_stats(ratio, old, sampling, mask)
+        mode = "train" if self.model.training else "eval"
+        gather = self.accelerator.gather
+        metrics = self._metrics[mode]
+        metrics["sampling/sampling_logp_difference/mean"].append(gather(stats.logp_diff_mean).mean().item())
+        metrics["sampling/sampling_logp_difference/max"].append(gather(stats.logp_diff_max).max().item())
+        metrics["sampling/importance_sampling_ratio/min"].append(nanmin(gather(stats.ratio_min)).item())
+        metrics["sampling/importance_sampling_ratio/mean"].append(gather(stats.ratio_mean).nanmean().item())
+        metrics["sampling/importance_sampling_ratio/max"].append(nanmax(gather(stats.ratio_max)).item())
+
+    def _cb_uses_is(self) -> bool:
+        return bool(self.args.use_transformers_continuous_batching and self.args.cb_importance_sampling_correction)
+
+
+class GRPOTrainer(ContinuousBatchingTrainerMixin, trl.GRPOTrainer):
+    """TRL's `GRPOTrainer`; with `args.use_transformers_continuous_batching`, rollouts come from trl_cb's engine and
+    the loss is importance-sampling corrected (see `GRPOConfig`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._cb_check_processing_class(kwargs.get("args"), kwargs.get("processing_class"))
+        super().__init__(*args, **kwargs)
+
+    def _generate_single_turn(
+        self,
+        prompt_ids: list[list[int]],
+        images: Any,
+        multimodal_fields: dict[str, Any],
+        num_generations: int,
+        has_tool_images: bool = False,
+    ) -> tuple[list[list[int]], list[list[float]] | None]:
+        if not self.args.use_transformers_continuous_batching:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        return self._cb_generate(prompt_ids)
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        output = super()._generate_and_score_completions(inputs)
+        if self._cb_uses_is():
+            self._cb_importance_sampling(output, per_token_loss=True)
+        return output
+
+
+class RLOOTrainer(ContinuousBatchingTrainerMixin, trl.RLOOTrainer):
+    """TRL's `RLOOTrainer`; with `args.use_transformers_continuous_batching`, rollouts come from trl_cb's engine and
+    the (per-sequence) loss is importance-sampling corrected (see `RLOOConfig`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._cb_check_processing_class(kwargs.get("args"), kwargs.get("processing_class"))
+        super().__init__(*args, **kwargs)
+
+    def _generate_single_turn(
+        self, prompt_ids: list[list[int]], images: Any, multimodal_fields: dict[str, Any]
+    ) -> list[list[int]]:
+        if not self.args.use_transformers_continuous_batching:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields)
+        completion_ids, _ = self._cb_generate(prompt_ids)
+        return completion_ids
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        self._cb_last_logprobs = None
+        output = super()._generate_and_score_completions(inputs)
+        if self._cb_uses_is():
+            self._cb_importance_sampling(output, per_token_loss=False)
+        return output
