@@ -29,6 +29,8 @@ from transformers.generation import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
+from .errors import EngineDiedError
+
 __all__ = [
     "ContinuousBatchingManager",
     "WorkloadHints",
@@ -81,7 +83,7 @@ def add_forked_request(
         finally:
             manager.num_return_sequences = 1
     if rid is None:
-        raise RuntimeError(f"The continuous batching engine refused request {request_id} (it is stopping).")
+        raise EngineDiedError(f"The continuous batching engine refused request {request_id}: it is stopping.")
     return [rid] + [f"{rid}__child#{i}" for i in range(num_samples - 1)]
 
 

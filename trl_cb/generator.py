@@ -32,6 +32,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import ContinuousBatchingConfig
 
 from . import _upstream
+from .errors import EngineDiedError, GenerationError
 from .sizing import CacheSize, Workload, default_page_size, size_cache
 
 if TYPE_CHECKING:
@@ -43,19 +44,6 @@ logger = logging.getLogger(__name__)
 _SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id")
 #: How often the collector wakes up to check that the engine thread is still alive.
 _POLL_SECONDS = 0.2
-
-
-class GenerationError(RuntimeError):
-    """A request failed inside the CB engine. The round is abandoned; nothing partial is returned."""
-
-    def __init__(self, request_id: str, cause: str) -> None:
-        super().__init__(f"Continuous batching request {request_id!r} failed: {cause}")
-        self.request_id = request_id
-        self.cause = cause
-
-
-class EngineDiedError(RuntimeError):
-    """The CB engine's background thread stopped while requests were outstanding."""
 
 
 @dataclass
@@ -304,35 +292,37 @@ class ContinuousBatchingGenerator:
     def _ensure_engine(self, module: PreTrainedModel, workload: Workload) -> _Engine:
         signature = (id(module), module.dtype, _sampling_signature(self.generation_config))
         engine = self._engine
-        if engine is not None and engine.signature == signature and workload.fits_in(engine.workload):
-            return engine
-        if engine is not None:
-            if engine.signature != signature:
-                logger.info("Generation settings or model changed: rebuilding the continuous batching engine.")
-            else:
-                workload = workload.union(engine.workload)
-                logger.info(
-                    "Workload grew to %d requests of up to %d tokens: re-sizing the continuous batching engine.",
-                    workload.num_requests,
-                    workload.max_prompt_len + workload.max_new_tokens,
-                )
-            self.close()
+        if engine is not None and engine.signature == signature:
+            if engine.size.holds(self._cache_size(module, workload)):
+                return engine
+            workload = workload.union(engine.workload)
+            logger.info(
+                "Workload grew to %d requests of up to %d tokens: re-sizing the continuous batching engine.",
+                workload.num_requests,
+                workload.max_prompt_len + workload.max_new_tokens,
+            )
+        elif engine is not None:
+            logger.info("Generation settings or model changed: rebuilding the continuous batching engine.")
+        self.close()
         self._engine = self._build_engine(module, workload, signature)
         self.num_engine_builds += 1
         return self._engine
 
-    def _build_engine(self, module: PreTrainedModel, workload: Workload, signature: tuple[Any, ...]) -> _Engine:
-        kwargs = dict(self._cb_kwargs)
-        page_size = kwargs.get("page_size") or default_page_size(module.device)
+    def _cache_size(self, module: PreTrainedModel, workload: Workload) -> CacheSize:
+        """The cache geometry for `workload`: the user's settings where given, else sized from the workload."""
+        page_size = self._cb_kwargs.get("page_size") or default_page_size(module.device)
         if page_size is None:
             page_size = ContinuousBatchingConfig().page_size
         sized = size_cache(workload, page_size)
-        user_blocks = kwargs.get("num_blocks")
-        size = CacheSize(
+        return CacheSize(
             page_size=page_size,
-            num_blocks=user_blocks if user_blocks is not None else sized.num_blocks,
-            max_batch_tokens=kwargs.get("max_batch_tokens") or sized.max_batch_tokens,
+            num_blocks=self._cb_kwargs.get("num_blocks") or sized.num_blocks,
+            max_batch_tokens=self._cb_kwargs.get("max_batch_tokens") or sized.max_batch_tokens,
         )
+
+    def _build_engine(self, module: PreTrainedModel, workload: Workload, signature: tuple[Any, ...]) -> _Engine:
+        kwargs = dict(self._cb_kwargs)
+        size = self._cache_size(module, workload)
         kwargs.update(
             page_size=size.page_size,
             num_blocks=size.num_blocks,
@@ -398,12 +388,13 @@ def validate_prompts(
 
 def _engine_generation_config(generation_config: GenerationConfig) -> GenerationConfig:
     """A private copy of the sampling settings, checked for what CB cannot honour."""
-    cfg = GenerationConfig.from_dict(generation_config.to_dict())
-    if cfg.max_new_tokens is None or cfg.max_new_tokens <= 0:
+    max_new_tokens = generation_config.max_new_tokens
+    if max_new_tokens is None or max_new_tokens <= 0:
         raise ValueError(
-            f"generation_config.max_new_tokens must be a positive integer, got {cfg.max_new_tokens!r}. Without it "
+            f"generation_config.max_new_tokens must be a positive integer, got {max_new_tokens!r}. Without it "
             "the engine generates until its cache is full and then fails every request."
         )
+    cfg = GenerationConfig.from_dict(generation_config.to_dict())
     unsupported = []
     if cfg.min_p is not None:
         unsupported.append(f"min_p={cfg.min_p}")

@@ -34,13 +34,6 @@ class Workload:
     max_new_tokens: int
     prefill_tokens: int  # tokens of the unique prompts (forked samples share their prompt's prefill)
 
-    def fits_in(self, other: Workload) -> bool:
-        """True when an engine sized for `other` can serve this workload without re-sizing."""
-        return (
-            self.num_requests <= other.num_requests
-            and self.max_prompt_len + self.max_new_tokens <= other.max_prompt_len + other.max_new_tokens
-        )
-
     def union(self, other: Workload) -> Workload:
         """The smallest workload both fit in (used when re-sizing so the engine only grows)."""
         return Workload(
@@ -57,6 +50,13 @@ class CacheSize:
     num_blocks: int
     max_batch_tokens: int
 
+    def holds(self, other: CacheSize) -> bool:
+        """True when a cache of this size can serve a workload that needs `other` (same page size).
+
+        Only capacity counts: a smaller token budget per forward just splits a large prefill over more steps.
+        """
+        return self.page_size == other.page_size and self.num_blocks >= other.num_blocks
+
 
 def default_page_size(device: torch.device) -> int | None:
     """The page size we pick when the user sets none: small on CPU, transformers' default elsewhere (`None`)."""
@@ -69,6 +69,8 @@ def size_cache(workload: Workload, page_size: int) -> CacheSize:
         raise ValueError(f"page_size must be > 0, got {page_size}.")
     blocks_per_request = math.ceil((workload.max_prompt_len + workload.max_new_tokens) / page_size) + 1
     num_blocks = workload.num_requests * blocks_per_request
-    # One forward must hold one decode token per running request; prefill larger than this is chunked by the engine.
-    max_batch_tokens = min(MAX_BATCH_TOKENS_CAP, max(workload.num_requests, workload.prefill_tokens, 64))
+    # One forward should hold one decode token per running request and, ideally, the whole prefill (larger prefill is
+    # chunked by the engine). A power of two keeps the shape stable while prompt lengths jitter between steps.
+    wanted = max(workload.num_requests, workload.prefill_tokens, 64)
+    max_batch_tokens = min(MAX_BATCH_TOKENS_CAP, 1 << (wanted - 1).bit_length())
     return CacheSize(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)

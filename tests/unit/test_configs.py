@@ -1,0 +1,103 @@
+"""Config fields, validation and the deprecation shim, for both trainers."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from trl_cb import GRPOConfig, RLOOConfig
+from trl_cb.deprecation import REMOVAL_VERSION
+
+CONFIGS = [GRPOConfig, RLOOConfig]
+
+
+def make(cls, **kwargs):
+    return cls(output_dir="/tmp/trl_cb_test", report_to=[], use_cpu=True, **kwargs)
+
+
+@pytest.mark.parametrize("cls", CONFIGS)
+def test_defaults(cls):
+    cfg = make(cls)
+    assert cfg.use_transformers_continuous_batching is False
+    assert cfg.transformers_continuous_batching_config == {"max_memory_percent": 0.5}
+    assert cfg.cb_importance_sampling_correction is True
+    assert cfg.cb_importance_sampling_mode == "sequence_mask"
+
+
+@pytest.mark.parametrize("cls", CONFIGS)
+def test_deprecated_paged_flag_forwards_with_one_warning(cls):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = make(cls, use_transformers_paged=True)
+    future = [w for w in caught if issubclass(w.category, FutureWarning) and "use_transformers_paged" in str(w.message)]
+    assert len(future) == 1, [str(w.message) for w in future]
+    message = str(future[0].message)
+    assert "use_transformers_continuous_batching" in message and REMOVAL_VERSION in message
+    assert future[0].filename == __file__, "the warning must point at the user's line"
+    assert cfg.use_transformers_continuous_batching is True
+
+
+@pytest.mark.parametrize("cls", CONFIGS)
+def test_unknown_cb_key_lists_valid_keys(cls):
+    with pytest.raises(ValueError, match=r"Unknown continuous batching config key\(s\) \['num_blockz'\].*num_blocks"):
+        make(cls, transformers_continuous_batching_config={"num_blockz": 3})
+
+
+@pytest.mark.parametrize("cls", CONFIGS)
+@pytest.mark.parametrize("value", [0, -0.1, 1.5])
+def test_max_memory_percent_bounds(cls, value):
+    with pytest.raises(ValueError, match=r"max_memory_percent must be in \(0, 1\]"):
+        make(cls, transformers_continuous_batching_config={"max_memory_percent": value})
+
+
+@pytest.mark.parametrize("cls", CONFIGS)
+def test_json_string_and_user_memory_percent_kept(cls):
+    cfg = make(cls, transformers_continuous_batching_config='{"max_memory_percent": 0.3, "page_size": 64}')
+    assert cfg.transformers_continuous_batching_config == {"max_memory_percent": 0.3, "page_size": 64}
+    with pytest.raises(ValueError, match="not valid JSON"):
+        make(cls, transformers_continuous_batching_config="{page_size: 64")
+
+
+@pytest.mark.parametrize("cls", CONFIGS)
+def test_is_settings_validated(cls):
+    with pytest.raises(ValueError, match="Unknown importance sampling mode"):
+        make(cls, cb_importance_sampling_mode="sequence_clip")
+    with pytest.raises(ValueError, match="must be smaller than"):
+        make(cls, cb_importance_sampling_clip_min=2.0, cb_importance_sampling_clip_max=1.0)
+    with pytest.raises(ValueError, match="needs clip_min or clip_max"):
+        make(cls, cb_importance_sampling_mode="sequence_truncate", cb_importance_sampling_clip_max=None)
+
+
+def test_rloo_rejects_token_level_is():
+    with pytest.raises(ValueError, match="RLOO's loss is per sequence"):
+        make(RLOOConfig, cb_importance_sampling_mode="token_truncate")
+    assert make(GRPOConfig, cb_importance_sampling_mode="token_truncate").cb_importance_sampling_mode
+
+
+def test_grpo_vespo_needs_token_mode():
+    with pytest.raises(ValueError, match="vespo"):
+        make(GRPOConfig, use_transformers_continuous_batching=True, loss_type="vespo")
+
+
+@pytest.mark.parametrize("cls", CONFIGS)
+def test_cb_and_vllm_are_exclusive(cls):
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        make(cls, use_transformers_continuous_batching=True, use_vllm=True)
+
+
+@pytest.mark.parametrize("cls", CONFIGS)
+def test_cli_parses_cb_fields(cls):
+    from trl import TrlParser
+
+    (cfg,) = TrlParser((cls,)).parse_args_and_config(
+        [
+            "--output_dir", "/tmp/x", "--use_cpu", "--report_to", "none",
+            "--use_transformers_continuous_batching",
+            "--transformers_continuous_batching_config", '{"page_size": 16}',
+            "--cb_importance_sampling_mode", "sequence_truncate",
+        ]
+    )  # fmt: skip
+    assert cfg.use_transformers_continuous_batching
+    assert cfg.transformers_continuous_batching_config == {"page_size": 16, "max_memory_percent": 0.5}
+    assert cfg.cb_importance_sampling_mode == "sequence_truncate"
