@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 _NAMES = ("Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena")
@@ -89,3 +90,41 @@ def corpus_for_tokenizer(num_examples: int = 400, seed: int = 1234) -> list[str]
     """Text to train the local tokenizer on: synthetic problems and answers plus the digits and answer marker."""
     texts = [r["prompt"] + f" #### {r['answer']}" for r in synthetic_gsm8k(num_examples, seed)]
     return texts + ["0 1 2 3 4 5 6 7 8 9 #### . , ? !"]
+
+
+@dataclass
+class GSM8KScriptArguments:
+    """Data and model flags shared by the example scripts (parsed by `TrlParser` next to the trainer config).
+
+    Defaults are offline: the tiny random model and generated problems. `--model_name_or_path`,
+    `--data_file` and `--dataset_name` opt into real models and data.
+    """
+
+    model_name_or_path: str = field(
+        default="tiny",
+        metadata={"help": "Hub id or local path of the policy; 'tiny' builds a random tiny Qwen2 offline."},
+    )
+    data_file: str | None = field(
+        default=None, metadata={"help": "GSM8K JSONL file (question/answer); default: generated problems."}
+    )
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "Hub dataset, e.g. 'openai/gsm8k' (needs network); overrides --data_file."}
+    )
+    num_examples: int = field(default=64, metadata={"help": "Training problems to use."})
+
+
+def load_prompts(args: GSM8KScriptArguments, seed: int = 0) -> list[dict[str, str]]:
+    """`prompt`/`answer` records from the hub dataset, the JSONL file, or the generator (in that order)."""
+    if args.num_examples <= 0:
+        raise ValueError(f"--num_examples must be > 0, got {args.num_examples}.")
+    if args.dataset_name:
+        from datasets import load_dataset
+
+        rows = load_dataset(args.dataset_name, "main", split="train").select(range(args.num_examples))
+        return [
+            {"prompt": r["question"] + _PROMPT_SUFFIX, "answer": r["answer"].split("####")[-1].strip().replace(",", "")}
+            for r in rows
+        ]
+    if args.data_file:
+        return load_gsm8k_jsonl(args.data_file, limit=args.num_examples)
+    return synthetic_gsm8k(args.num_examples, seed=seed)

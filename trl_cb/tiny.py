@@ -9,6 +9,8 @@ Invariant: `tiny_model(seed=s)` returns identical weights for the same seed on e
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
@@ -102,3 +104,17 @@ def _bias_eos(model: PreTrainedModel, eos_id: int, bias: float) -> None:
     direction = hidden.mean(0)
     scale = bias / max(float(direction.norm() ** 2), 1e-6)
     model.lm_head.weight[eos_id] = direction * scale
+
+
+def tiny_checkpoint(directory: str | Path, eos_logit_bias: float | None = 4.0, seed: int = 0) -> str:
+    """Save (once) the tiny model and tokenizer to `directory` and return its path.
+
+    TRL trainers load a policy — and a reference model when `beta > 0` — from a path; a saved tiny checkpoint lets
+    the examples run the exact user-facing path offline.
+    """
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        tokenizer = tiny_tokenizer()
+        tiny_model(tokenizer, eos_logit_bias=eos_logit_bias, seed=seed).save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+    return str(directory)

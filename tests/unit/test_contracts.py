@@ -1,0 +1,190 @@
+"""Contract tests: the transformers and TRL surface trl_cb relies on (see trl_cb/_upstream.py, trl_cb/trainers.py).
+
+Each test names what broke, so an upstream release that moves an API fails here first, cheaply and clearly,
+instead of corrupting rollouts or their importance weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+import trl
+from transformers import GenerationConfig
+from transformers.generation import ContinuousBatchingConfig
+from transformers.generation.continuous_batching import ContinuousBatchingManager
+from transformers.generation.continuous_batching.requests import GenerationOutput
+from transformers.generation.continuous_batching.utils import WorkloadHints
+
+from tests.conftest import sampling_config
+from trl_cb import _upstream
+
+
+def params(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+# ------------------------------------------------------------------------------------------------- transformers
+
+
+def test_cb_config_fields():
+    names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    assert {"return_logprobs", "num_blocks", "max_batch_tokens", "page_size", "max_memory_percent"} <= names
+    assert {"allow_block_sharing", "auto_switch_to_flash", "seed"} <= names
+
+
+def test_manager_public_surface():
+    for name in ("start", "stop", "destroy", "pause", "warmup", "is_running", "get_result", "switch_to_cb_friendly_attn"):
+        assert callable(getattr(ContinuousBatchingManager, name, None)), f"ContinuousBatchingManager.{name} is gone"
+    assert params(ContinuousBatchingManager.add_request)[:4] == ["self", "input_ids", "request_id", "max_new_tokens"]
+    assert "timeout" in params(ContinuousBatchingManager.get_result)
+
+
+def test_generate_batch_and_init_signatures():
+    from transformers.generation.continuous_batching import ContinuousMixin
+
+    assert {"inputs", "generation_config", "continuous_batching_config"} <= set(params(ContinuousMixin.generate_batch))
+    assert {"generation_config", "continuous_batching_config", "workload_hints"} <= set(
+        params(ContinuousMixin.init_continuous_batching)
+    )
+
+
+def test_generation_output_and_hints_fields():
+    names = {f.name for f in dataclasses.fields(GenerationOutput)}
+    assert {"request_id", "generated_tokens", "logprobs", "error", "status"} <= names
+    assert {"max_prompt_length", "max_generated_length", "num_requests"} <= {
+        f.name for f in dataclasses.fields(WorkloadHints)
+    }
+
+
+def test_add_request_reads_num_return_sequences_for_forking(model, tokenizer, prompts):
+    """`_upstream.add_forked_request` sets `manager.num_return_sequences` per request; add_request must read it."""
+    manager = _upstream.create_manager(
+        model,
+        sampling_config(tokenizer, max_new_tokens=4),
+        ContinuousBatchingConfig(return_logprobs=True, num_blocks=32, max_batch_tokens=128, page_size=16),
+        WorkloadHints(max_prompt_length=40, max_generated_length=4, num_requests=4),
+    )
+    try:
+        assert manager.num_return_sequences == 1
+        ids = _upstream.add_forked_request(manager, prompts[0], "probe", 3, 4)
+        assert ids == ["probe", "probe__child#0", "probe__child#1"]
+        got = set()
+        while len(got) < 3:
+            result = manager.get_result(timeout=10)
+            assert result is not None, "forked children never arrived"
+            if result.is_finished():
+                assert result.error is None and len(result.logprobs) == len(result.generated_tokens) == 4
+                got.add(result.request_id)
+        assert got == set(ids)
+        assert _upstream.engine_fatal_error(manager) is None
+        assert _upstream.resolved_cache_blocks(manager) >= 32
+    finally:
+        manager.destroy()
+
+
+def test_internal_attributes_we_touch(model, tokenizer):
+    manager = _upstream.create_manager(
+        model,
+        sampling_config(tokenizer, max_new_tokens=4),
+        ContinuousBatchingConfig(return_logprobs=True, num_blocks=8, max_batch_tokens=64, page_size=16),
+        WorkloadHints(max_prompt_length=16, max_generated_length=4, num_requests=1),
+    )
+    try:
+        assert hasattr(manager, "_original_attn_impl"), "attention restore relies on manager._original_attn_impl"
+        assert callable(manager.batch_processor.cache.reset), "prefix-cache reset relies on cache.reset()"
+        assert hasattr(manager.background_thread_status, "fatal_error")
+        _upstream.reset_prefix_cache(manager)  # under pause(), with the loop running
+    finally:
+        manager.destroy()
+
+
+def test_eager_model_is_switched_and_restored(tokenizer):
+    from trl_cb.tiny import tiny_model
+
+    model = tiny_model(tokenizer)
+    model.set_attn_implementation("eager")
+    manager = _upstream.create_manager(
+        model,
+        sampling_config(tokenizer, max_new_tokens=4),
+        ContinuousBatchingConfig(return_logprobs=True, num_blocks=8, max_batch_tokens=64, page_size=16),
+        WorkloadHints(max_prompt_length=16, max_generated_length=4, num_requests=1),
+    )
+    try:
+        assert model.config._attn_implementation == "paged|eager", "CB no longer switches eager to paged|eager"
+        _upstream.restore_training_attention(manager)
+        assert model.config._attn_implementation == "eager"
+        _upstream.switch_to_generation_attention(manager, model)
+        assert model.config._attn_implementation == "paged|eager"
+        _upstream.restore_training_attention(manager)
+    finally:
+        manager.destroy()
+
+
+def test_batch_processor_seeds_global_rng_upstream(model, tokenizer):
+    """Why create_manager wraps construction in fork_rng: upstream re-seeds the global RNG when it builds the batch
+    processor. If this test starts failing, upstream stopped doing so and the fork_rng can go."""
+    cfg = ContinuousBatchingConfig(return_logprobs=True, num_blocks=8, max_batch_tokens=64, page_size=16, seed=5)
+    manager = model.init_continuous_batching(generation_config=sampling_config(tokenizer), continuous_batching_config=cfg)
+    try:
+        torch.manual_seed(0)
+        manager.warmup()
+        after = torch.rand(2)
+        torch.manual_seed(5)
+        assert torch.equal(torch.rand(2), after)
+    finally:
+        _upstream.restore_training_attention(manager)
+        manager.batch_processor = None
+
+
+def test_generate_adds_top_k_but_cb_does_not():
+    cfg = GenerationConfig(do_sample=True)
+    assert cfg.top_k in (None, 50)  # generate() falls back to 50 when unset; we set top_k=0 explicitly for CB
+
+
+# ---------------------------------------------------------------------------------------------------------- TRL
+
+
+def test_trl_generation_hooks():
+    assert params(trl.GRPOTrainer._generate_single_turn) == [
+        "self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images",
+    ]  # fmt: skip
+    assert params(trl.RLOOTrainer._generate_single_turn) == ["self", "prompt_ids", "images", "multimodal_fields"]
+    for cls in (trl.GRPOTrainer, trl.RLOOTrainer):
+        p = params(cls._get_per_token_logps_and_entropies)
+        assert p[:5] == ["self", "model", "input_ids", "attention_mask", "logits_to_keep"]
+        assert "batch_size" in p
+
+
+def test_trl_grpo_accepts_per_token_advantages_and_reads_is_ratio_for_vespo():
+    src = inspect.getsource(trl.GRPOTrainer._compute_loss)
+    assert "advantages.dim() == 1" in src, "GRPO loss no longer accepts (B, T) advantages"
+    assert 'inputs.get("importance_sampling_ratio")' in src, "VESPO no longer reads importance_sampling_ratio"
+    src = inspect.getsource(trl.RLOOTrainer._compute_loss)
+    assert 'advantages = inputs["advantages"]' in src and "coef_1 * advantages" in src
+
+
+def test_trl_output_keys_we_read():
+    grpo = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
+    for key in ("sampling_per_token_logps", "old_per_token_logps", "completion_mask", "prompt_mask", "tool_mask"):
+        assert f'"{key}"' in grpo, f"GRPO output no longer has {key!r}"
+    rloo = inspect.getsource(trl.RLOOTrainer._generate_and_score_completions)
+    for key in ("completion_ids", "completion_mask", "prompt_ids", "prompt_mask", "advantages"):
+        assert f'"{key}"' in rloo
+
+
+def test_trl_unwrap_helpers():
+    from trl.distributed import DistributedBackend
+    from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
+
+    assert {"gather_deepspeed3_params", "gradient_checkpointing_kwargs"} <= set(params(unwrap_model_for_generation))
+    assert callable(DistributedBackend.summon_full_params)
+    assert callable(disable_gradient_checkpointing)
+
+
+@pytest.mark.parametrize("cls", [trl.GRPOConfig, trl.RLOOConfig])
+def test_trl_config_fields_we_read(cls):
+    names = {f.name for f in dataclasses.fields(cls)}
+    assert {"ds3_gather_for_generation", "bf16", "fp16", "gradient_checkpointing_kwargs", "temperature"} <= names
