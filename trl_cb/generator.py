@@ -313,7 +313,7 @@ class ContinuousBatchingGenerator:
         page_size = self._cb_kwargs.get("page_size") or default_page_size(module.device)
         if page_size is None:
             page_size = ContinuousBatchingConfig().page_size
-        sized = size_cache(workload, page_size)
+        sized = size_cache(workload, page_size, module.device)
         return CacheSize(
             page_size=page_size,
             num_blocks=self._cb_kwargs.get("num_blocks") or sized.num_blocks,

@@ -1,0 +1,116 @@
+"""Shared benchmark plumbing: isolated worker processes, statistics, environment capture, tables, JSON.
+
+Why isolation: TRL's native CB call pattern sizes its cache from system memory and leaves a CPU process slow for a
+while afterwards (docs/index.md, "Sizing"); measured in one process, it would slow whatever backend runs next. Every
+(backend, point) therefore runs in a fresh `python` subprocess that prints one JSON document as its last line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """mean/std/min/max of a list of measurements (std 0 for a single value)."""
+    vals = list(values)
+    return {
+        "mean": statistics.fmean(vals),
+        "std": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+        "min": min(vals),
+        "max": max(vals),
+    }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100])."""
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
+    return float(ordered[rank])
+
+
+def environment(device: str) -> dict[str, Any]:
+    """Machine and versions, so a result file says where and with what it was measured."""
+    import torch
+    import transformers
+    import trl
+
+    import trl_cb
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        device_name = torch.cuda.get_device_name(0)
+    else:
+        device_name = f"cpu: {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {
+        "device": device_name,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "trl_cb": trl_cb.__version__,
+        "git_commit": commit,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def run_worker(script: Path, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Run `script --worker SPEC` in a fresh interpreter and return the JSON document it prints last."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [sys.executable, str(script), "--worker", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"benchmark worker {spec.get('backend')} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+        )
+    return json.loads(lines[-1])
+
+
+def format_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
+    """A plain-text table: `columns` is [(key, header)]; floats get 3 significant decimals."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+        return "-" if value is None else str(value)
+
+    table = [[header for _, header in columns]] + [[cell(row.get(key)) for key, _ in columns] for row in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_json(payload: dict[str, Any], out_dir: Path, stem: str) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(payload, indent=2))
+    return path

@@ -1,0 +1,173 @@
+"""Training-step benchmark: median GRPO / RLOO step time with plain generate(), TRL's own CB path, and trl_cb.
+
+    pip install -e . && python benchmarks/grpo_step.py           # tiny Qwen2, CPU: 8 prompts x 4 completions x 48 tokens
+    python benchmarks/grpo_step.py --trainers grpo --steps 10 --max-completion-length 128
+    python benchmarks/grpo_step.py --quick                        # seconds, smoke test
+
+Backends, same workload and settings in one run, each (trainer, backend) in its own subprocess (isolation, see
+benchmarks/common.py):
+- `generate`:   TRL's trainer, `use_transformers_continuous_batching=False` (left-padded `model.generate`).
+- `trl_native`: TRL's trainer with its own `use_transformers_continuous_batching=True` (new manager every step,
+                no logprobs, no IS correction).
+- `trl_cb`:     trl_cb's trainer with the flag on (persistent engine, logprobs, IS correction).
+
+Each run trains `--warmup + --steps` steps; step times come from a `TrainerCallback` (step begin to step end, which
+includes generation, scoring and the optimizer step). Table on stdout, JSON under `--out`, JSON as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS_DIR, environment, format_table, run_worker, summarize, write_json  # noqa: E402
+
+BACKENDS = ("generate", "trl_native", "trl_cb")
+TRAINERS = ("grpo", "rloo")
+
+
+def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    import trl
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    import trl_cb
+    from trl_cb.data import synthetic_gsm8k
+    from trl_cb.tiny import tiny_model, tiny_tokenizer
+
+    kind, backend = spec["trainer"], spec["backend"]
+    package = trl_cb if backend == "trl_cb" else trl
+    config_cls = package.GRPOConfig if kind == "grpo" else package.RLOOConfig
+    trainer_cls = package.GRPOTrainer if kind == "grpo" else package.RLOOTrainer
+    steps = spec["warmup"] + spec["steps"]
+    args = config_cls(
+        output_dir=spec["output_dir"], per_device_train_batch_size=spec["prompts"] * spec["num_generations"],
+        num_generations=spec["num_generations"], max_completion_length=spec["max_completion_length"],
+        max_steps=steps, learning_rate=1e-4, beta=0.0, bf16=False, use_cpu=True, report_to=[], save_strategy="no",
+        logging_steps=1, disable_tqdm=True, seed=spec["seed"], use_transformers_continuous_batching=backend != "generate",
+    )  # fmt: skip
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tokenizer, eos_logit_bias=spec["eos_logit_bias"])
+    dataset = Dataset.from_list(synthetic_gsm8k(spec["prompts"] * steps, seed=spec["seed"]))
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self._start = 0.0
+
+        def on_step_begin(self, *a: Any, **k: Any) -> None:
+            self._start = time.perf_counter()
+
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            self.times.append(time.perf_counter() - self._start)
+
+    def length_reward(completions: list[str], **kwargs: Any) -> list[float]:
+        return [len(c) / 100 for c in completions]
+
+    timer = StepTimer()
+    trainer = trainer_cls(
+        model=model, reward_funcs=length_reward, args=args, train_dataset=dataset, processing_class=tokenizer,
+        callbacks=[timer],
+    )  # fmt: skip
+    trainer.train()
+    lengths = [e["completions/mean_length"] for e in trainer.state.log_history if "completions/mean_length" in e]
+    return {"trainer": kind, "backend": backend, "step_times": timer.times[spec["warmup"] :], "mean_lengths": lengths}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trainers", nargs="+", default=list(TRAINERS), help=f"subset of {TRAINERS}")
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"subset of {BACKENDS}")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    p.add_argument("--num-generations", type=int, default=4)
+    p.add_argument("--max-completion-length", type=int, default=48)
+    p.add_argument("--steps", type=int, default=6, help="timed steps (after --warmup)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--eos-logit-bias", type=float, default=4.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument("--quick", action="store_true", help="2 timed steps of a tiny workload (smoke test)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker is not None:
+        return args
+    if args.quick:
+        args.prompts, args.num_generations, args.max_completion_length, args.steps = 2, 2, 8, 2
+    for name, allowed, given in (("--trainers", TRAINERS, args.trainers), ("--backends", BACKENDS, args.backends)):
+        unknown = sorted(set(given) - set(allowed))
+        if unknown:
+            p.error(f"unknown {name} value(s) {unknown}; choose from {list(allowed)}")
+    for name in ("prompts", "num_generations", "max_completion_length", "steps"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.worker is not None:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return {}
+    from tqdm import tqdm
+
+    print(
+        f"trl_cb training-step benchmark: {args.prompts} prompts x {args.num_generations} completions x "
+        f"{args.max_completion_length} tokens, {args.steps} timed steps, trainers={args.trainers}",
+        flush=True,
+    )
+    results = []
+    runs = [(t, b) for t in args.trainers for b in args.backends]
+    for kind, backend in tqdm(runs, desc="training runs", unit="run"):
+        spec = {
+            "trainer": kind, "backend": backend, "prompts": args.prompts, "num_generations": args.num_generations,
+            "max_completion_length": args.max_completion_length, "steps": args.steps, "warmup": args.warmup,
+            "eos_logit_bias": args.eos_logit_bias, "seed": args.seed, "output_dir": f"/tmp/trl_cb_bench_{kind}_{backend}",
+        }  # fmt: skip
+        results.append(run_worker(Path(__file__), spec, timeout=3600))
+
+    points = []
+    for r in results:
+        median = statistics.median(r["step_times"])
+        ref = {x["backend"]: statistics.median(x["step_times"]) for x in results if x["trainer"] == r["trainer"]}
+        points.append(
+            {
+                "trainer": r["trainer"],
+                "backend": r["backend"],
+                "step_time_s": {"median": median, **summarize(r["step_times"])},
+                "ratio_vs_trl_native": median / ref["trl_native"] if "trl_native" in ref else None,
+                "ratio_vs_generate": median / ref["generate"] if "generate" in ref else None,
+                "mean_completion_length": statistics.fmean(r["mean_lengths"]) if r["mean_lengths"] else None,
+            }
+        )
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"}
+    payload = {"benchmark": "grpo_step", "config": config, "env": environment("cpu"), "points": points}
+    rows = [
+        {
+            "trainer": p["trainer"], "backend": p["backend"], "median": p["step_time_s"]["median"],
+            "min": p["step_time_s"]["min"], "max": p["step_time_s"]["max"], "vs_native": p["ratio_vs_trl_native"],
+            "vs_generate": p["ratio_vs_generate"], "len": p["mean_completion_length"],
+        }
+        for p in points
+    ]  # fmt: skip
+    print(
+        format_table(
+            rows,
+            [("trainer", "trainer"), ("backend", "backend"), ("median", "median s/step"), ("min", "min"),
+             ("max", "max"), ("vs_native", "x TRL CB"), ("vs_generate", "x generate"), ("len", "mean len")],
+        )  # fmt: skip
+    )
+    path = write_json(payload, args.out, "grpo_step")
+    print(f"results: {path}")
+    print(json.dumps(payload))
+    return payload
+
+
+if __name__ == "__main__":
+    main()
