@@ -53,7 +53,11 @@ def environment(device: str) -> dict[str, Any]:
         device_name = f"cpu: {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
     try:
         commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"

@@ -1,6 +1,6 @@
 """Training-step benchmark: median GRPO / RLOO step time with plain generate(), TRL's own CB path, and trl_cb.
 
-    pip install -e . && python benchmarks/grpo_step.py           # tiny Qwen2, CPU: 8 prompts x 4 completions x 48 tokens
+    pip install -e . && python benchmarks/grpo_step.py    # tiny Qwen2, CPU: 8 prompts x 4 completions x 48 tokens
     python benchmarks/grpo_step.py --trainers grpo --steps 10 --max-completion-length 128
     python benchmarks/grpo_step.py --quick                        # seconds, smoke test
 
@@ -51,7 +51,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         output_dir=spec["output_dir"], per_device_train_batch_size=spec["prompts"] * spec["num_generations"],
         num_generations=spec["num_generations"], max_completion_length=spec["max_completion_length"],
         max_steps=steps, learning_rate=1e-4, beta=0.0, bf16=False, use_cpu=True, report_to=[], save_strategy="no",
-        logging_steps=1, disable_tqdm=True, seed=spec["seed"], use_transformers_continuous_batching=backend != "generate",
+        logging_steps=1, disable_tqdm=True, seed=spec["seed"],
+        use_transformers_continuous_batching=backend != "generate",
     )  # fmt: skip
     tokenizer = tiny_tokenizer()
     model = tiny_model(tokenizer, eos_logit_bias=spec["eos_logit_bias"])
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         spec = {
             "trainer": kind, "backend": backend, "prompts": args.prompts, "num_generations": args.num_generations,
             "max_completion_length": args.max_completion_length, "steps": args.steps, "warmup": args.warmup,
-            "eos_logit_bias": args.eos_logit_bias, "seed": args.seed, "output_dir": f"/tmp/trl_cb_bench_{kind}_{backend}",
+            "eos_logit_bias": args.eos_logit_bias, "seed": args.seed,
+            "output_dir": f"/tmp/trl_cb_bench_{kind}_{backend}",
         }  # fmt: skip
         results.append(run_worker(Path(__file__), spec, timeout=3600))
 
@@ -159,8 +161,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         format_table(
             rows,
-            [("trainer", "trainer"), ("backend", "backend"), ("median", "median s/step"), ("min", "min"),
-             ("max", "max"), ("vs_native", "x TRL CB"), ("vs_generate", "x generate"), ("len", "mean len")],
+            [
+                ("trainer", "trainer"),
+                ("backend", "backend"),
+                ("median", "median s/step"),
+                ("min", "min"),
+                ("max", "max"),
+                ("vs_native", "x TRL CB"),
+                ("vs_generate", "x generate"),
+                ("len", "mean len"),
+            ],
         )  # fmt: skip
     )
     path = write_json(payload, args.out, "grpo_step")

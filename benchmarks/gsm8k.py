@@ -221,9 +221,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.worker is not None:
         print(json.dumps(worker(json.loads(args.worker))))
         return {}
-    from tqdm import tqdm
-
     from plot import render
+    from tqdm import tqdm
 
     default_run = args.model == "tiny" and args.device == "cpu" and not args.quick
     print(
@@ -246,7 +245,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     points_out = []
     for r in raw:
-        base = next((x for x in raw if x["backend"] == "generate" and x["num_generations"] == r["num_generations"]), None)
+        base = next(
+            (x for x in raw if x["backend"] == "generate" and x["num_generations"] == r["num_generations"]), None
+        )
         time_stats = summarize(r["times"])
         points_out.append(
             {
@@ -281,9 +282,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         format_table(
             rows,
-            [("N", "N"), ("backend", "backend"), ("time", "s/round"), ("std", "±std"), ("tok_s", "tok/s"),
-             ("speedup", "vs generate"), ("mem", "peak MiB"), ("pad", "pad frac"), ("p50", "len p50"),
-             ("p90", "len p90"), ("max", "len max")],
+            [
+                ("N", "N"),
+                ("backend", "backend"),
+                ("time", "s/round"),
+                ("std", "±std"),
+                ("tok_s", "tok/s"),
+                ("speedup", "vs generate"),
+                ("mem", "peak MiB"),
+                ("pad", "pad frac"),
+                ("p50", "len p50"),
+                ("p90", "len p90"),
+                ("max", "len max"),
+            ],
         )  # fmt: skip
     )
     json_path = write_json(payload, args.out, "gsm8k")

@@ -47,7 +47,9 @@ def _no_leaked_threads():
     """Every test must leave no CB engine thread behind."""
     before = set(threading.enumerate())
     yield
-    leaked = [t for t in threading.enumerate() if t not in before and t.is_alive() and "_run_generation_loop" in repr(t)]
+    leaked = [
+        t for t in threading.enumerate() if t not in before and t.is_alive() and "_run_generation_loop" in repr(t)
+    ]
     for t in leaked:
         t.join(timeout=5)
     assert not [t for t in leaked if t.is_alive()], f"engine threads leaked: {leaked}"

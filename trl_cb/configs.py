@@ -108,7 +108,8 @@ class ContinuousBatchingArguments:
                 ) from err
         if cb_config is not None and not isinstance(cb_config, dict):
             raise ValueError(
-                f"transformers_continuous_batching_config must be a dict or JSON object, got {type(cb_config).__name__}."
+                "transformers_continuous_batching_config must be a dict or JSON object, got "
+                f"{type(cb_config).__name__}."
             )
         cb_config = dict(cb_config or {})
         validate_cb_kwargs(cb_config)
@@ -117,7 +118,9 @@ class ContinuousBatchingArguments:
         self.transformers_continuous_batching_config = cb_config
 
         validate_mode(
-            self.cb_importance_sampling_mode, self.cb_importance_sampling_clip_min, self.cb_importance_sampling_clip_max
+            self.cb_importance_sampling_mode,
+            self.cb_importance_sampling_clip_min,
+            self.cb_importance_sampling_clip_max,
         )
         if self.cb_generation_timeout is not None and self.cb_generation_timeout <= 0:
             raise ValueError(f"cb_generation_timeout must be > 0 or None, got {self.cb_generation_timeout}.")
@@ -142,7 +145,8 @@ class GRPOConfig(ContinuousBatchingArguments, trl.GRPOConfig):
         ):
             raise ValueError(
                 "loss_type='vespo' weights tokens itself and needs a token-level IS mode; set "
-                f"cb_importance_sampling_mode to 'token_truncate' or 'token_mask' (got {self.cb_importance_sampling_mode!r})."
+                "cb_importance_sampling_mode to 'token_truncate' or 'token_mask' "
+                f"(got {self.cb_importance_sampling_mode!r})."
             )
 
 

@@ -122,7 +122,10 @@ def load_prompts(args: GSM8KScriptArguments, seed: int = 0) -> list[dict[str, st
 
         rows = load_dataset(args.dataset_name, "main", split="train").select(range(args.num_examples))
         return [
-            {"prompt": r["question"] + _PROMPT_SUFFIX, "answer": r["answer"].split("####")[-1].strip().replace(",", "")}
+            {
+                "prompt": r["question"] + _PROMPT_SUFFIX,
+                "answer": r["answer"].split("####")[-1].strip().replace(",", ""),
+            }
             for r in rows
         ]
     if args.data_file:

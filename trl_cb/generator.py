@@ -192,7 +192,9 @@ class ContinuousBatchingGenerator:
             finally:
                 module.train(was_training)
 
-    def _generate_on(self, module: PreTrainedModel, prompts: list[list[int]], num_generations: int) -> GenerationResult:
+    def _generate_on(
+        self, module: PreTrainedModel, prompts: list[list[int]], num_generations: int
+    ) -> GenerationResult:
         t0 = time.perf_counter()
         gen_cfg = self.generation_config
         max_new_tokens = int(gen_cfg.max_new_tokens)
@@ -233,7 +235,7 @@ class ContinuousBatchingGenerator:
 
         completion_ids: list[list[int]] = []
         logprobs: list[list[float]] = []
-        for (prompt, count), request_ids in zip(groups, slots, strict=True):
+        for (_, count), request_ids in zip(groups, slots, strict=True):
             for rid in request_ids:
                 out = outputs[rid]
                 if len(out.generated_tokens) != len(out.logprobs):
@@ -337,7 +339,9 @@ class ContinuousBatchingGenerator:
         module.eval()
         t0 = time.perf_counter()
         try:
-            manager = _upstream.create_manager(module, self.generation_config, ContinuousBatchingConfig(**kwargs), hints)
+            manager = _upstream.create_manager(
+                module, self.generation_config, ContinuousBatchingConfig(**kwargs), hints
+            )
         except MemoryError as err:
             raise MemoryError(
                 f"The continuous batching cache for this workload ({workload.num_requests} requests of up to "
@@ -448,9 +452,7 @@ def validate_cb_kwargs(kwargs: dict[str, Any]) -> None:
 
 
 def _sampling_signature(cfg: GenerationConfig) -> tuple[Any, ...]:
-    return tuple(
-        tuple(v) if isinstance(v := getattr(cfg, name, None), list) else v for name in _SAMPLING_FIELDS
-    )
+    return tuple(tuple(v) if isinstance(v := getattr(cfg, name, None), list) else v for name in _SAMPLING_FIELDS)
 
 
 def _extract_module(model: torch.nn.Module) -> torch.nn.Module:

@@ -38,8 +38,10 @@ class ContinuousBatchingTrainerMixin:
     _cb_last_logprobs: list[list[float]] | None = None
 
     def _cb_check_processing_class(self, args: Any, processing_class: Any) -> None:
-        if args is not None and args.use_transformers_continuous_batching and isinstance(
-            processing_class, ProcessorMixin
+        if (
+            args is not None
+            and args.use_transformers_continuous_batching
+            and isinstance(processing_class, ProcessorMixin)
         ):
             raise ValueError(
                 "trl_cb's continuous batching path does not support multimodal models (processing_class is a "
@@ -173,7 +175,9 @@ class GRPOTrainer(ContinuousBatchingTrainerMixin, trl.GRPOTrainer):
         has_tool_images: bool = False,
     ) -> tuple[list[list[int]], list[list[float]] | None]:
         if not self.args.use_transformers_continuous_batching:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
         return self._cb_generate(prompt_ids)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:

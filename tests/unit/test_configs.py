@@ -30,7 +30,9 @@ def test_deprecated_paged_flag_forwards_with_one_warning(cls):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cfg = make(cls, use_transformers_paged=True)
-    future = [w for w in caught if issubclass(w.category, FutureWarning) and "use_transformers_paged" in str(w.message)]
+    future = [
+        w for w in caught if issubclass(w.category, FutureWarning) and "use_transformers_paged" in str(w.message)
+    ]
     assert len(future) == 1, [str(w.message) for w in future]
     message = str(future[0].message)
     assert "use_transformers_continuous_batching" in message and REMOVAL_VERSION in message

@@ -36,7 +36,16 @@ def test_cb_config_fields():
 
 
 def test_manager_public_surface():
-    for name in ("start", "stop", "destroy", "pause", "warmup", "is_running", "get_result", "switch_to_cb_friendly_attn"):
+    for name in (
+        "start",
+        "stop",
+        "destroy",
+        "pause",
+        "warmup",
+        "is_running",
+        "get_result",
+        "switch_to_cb_friendly_attn",
+    ):
         assert callable(getattr(ContinuousBatchingManager, name, None)), f"ContinuousBatchingManager.{name} is gone"
     assert params(ContinuousBatchingManager.add_request)[:4] == ["self", "input_ids", "request_id", "max_new_tokens"]
     assert "timeout" in params(ContinuousBatchingManager.get_result)
@@ -127,7 +136,9 @@ def test_batch_processor_seeds_global_rng_upstream(model, tokenizer):
     """Why create_manager wraps construction in fork_rng: upstream re-seeds the global RNG when it builds the batch
     processor. If this test starts failing, upstream stopped doing so and the fork_rng can go."""
     cfg = ContinuousBatchingConfig(return_logprobs=True, num_blocks=8, max_batch_tokens=64, page_size=16, seed=5)
-    manager = model.init_continuous_batching(generation_config=sampling_config(tokenizer), continuous_batching_config=cfg)
+    manager = model.init_continuous_batching(
+        generation_config=sampling_config(tokenizer), continuous_batching_config=cfg
+    )
     try:
         torch.manual_seed(0)
         manager.warmup()

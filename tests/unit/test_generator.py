@@ -35,7 +35,9 @@ def teacher_forced_logprobs(
 
 
 @pytest.mark.parametrize(
-    ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 20, 0.9)], ids=["T1", "T0.7", "T0.7-k20-p0.9"]
+    ("temperature", "top_k", "top_p"),
+    [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 20, 0.9)],
+    ids=["T1", "T0.7", "T0.7-k20-p0.9"],
 )
 def test_logprobs_match_teacher_forcing(model, tokenizer, prompts, temperature, top_k, top_p):
     cfg = sampling_config(tokenizer, temperature=temperature, top_k=top_k, top_p=top_p)

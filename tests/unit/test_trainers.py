@@ -30,7 +30,9 @@ def length_reward(completions: list[str], **kwargs: object) -> list[float]:
     return [len(c) / 50.0 for c in completions]
 
 
-def make_trainer(kind: str, tokenizer, tmp_path, eos_logit_bias: float | None = 4.0, reward=length_reward, **overrides):
+def make_trainer(
+    kind: str, tokenizer, tmp_path, eos_logit_bias: float | None = 4.0, reward=length_reward, **overrides
+):
     config_cls, trainer_cls = PAIRS[kind]
     kwargs = dict(
         output_dir=str(tmp_path),
@@ -52,9 +54,7 @@ def make_trainer(kind: str, tokenizer, tmp_path, eos_logit_bias: float | None = 
     args = config_cls(**kwargs)
     dataset = Dataset.from_list(synthetic_gsm8k(16, seed=5))
     model = tiny_model(tokenizer, eos_logit_bias=eos_logit_bias)
-    return trainer_cls(
-        model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer
-    )
+    return trainer_cls(model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer)
 
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
@@ -164,7 +164,9 @@ def test_multimodal_processor_rejected(kind, tokenizer, tmp_path):
     config_cls, trainer_cls = PAIRS[kind]
     args = config_cls(output_dir=str(tmp_path), report_to=[], use_cpu=True, use_transformers_continuous_batching=True)
     with pytest.raises(ValueError, match="does not support multimodal"):
-        trainer_cls(model=tiny_model(tokenizer), reward_funcs=length_reward, args=args, processing_class=_FakeProcessor())
+        trainer_cls(
+            model=tiny_model(tokenizer), reward_funcs=length_reward, args=args, processing_class=_FakeProcessor()
+        )
 
 
 def test_engine_closed_when_training_fails(tokenizer, tmp_path):

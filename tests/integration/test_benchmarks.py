@@ -1,0 +1,80 @@
+"""Benchmarks run end to end in --quick mode and write what they promise. No timing assertions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GSM8K = ROOT / "benchmarks" / "gsm8k.py"
+
+
+def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_gsm8k_quick_writes_table_json_png(tmp_path):
+    proc = run(str(GSM8K), "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads(proc.stdout.strip().splitlines()[-1])  # the JSON document is the last stdout line
+    assert payload["benchmark"] == "gsm8k"
+    assert {"device", "torch", "transformers", "trl", "git_commit"} <= set(payload["env"])
+    assert payload["config"]["num_generations"] == [2, 4]
+    points = payload["points"]
+    assert {p["backend"] for p in points} == {"generate", "trl_native", "trl_cb"}
+    for n in (2, 4):
+        counts = {p["backend"]: p["num_completions"] for p in points if p["num_generations"] == n}
+        assert len(set(counts.values())) == 1 and counts["trl_cb"] == 2 * n, counts
+    for p in points:
+        assert set(p["round_time_s"]) == {"mean", "std", "min", "max"}
+        assert p["tokens_per_s"]["mean"] > 0 and p["peak_memory_mib"] is not None
+        assert {"p50", "p90", "max"} <= set(p["completion_length"])
+        assert (p["padding_fraction"] is not None) == (p["backend"] == "generate")
+    assert "vs generate" in proc.stdout
+    json_files, png_files = list(tmp_path.glob("gsm8k-*.json")), list(tmp_path.glob("gsm8k-*.png"))
+    assert len(json_files) == 1 and len(png_files) == 1 and png_files[0].stat().st_size > 10_000
+
+    redraw = tmp_path / "again.png"
+    proc = run(str(ROOT / "benchmarks" / "plot.py"), str(json_files[0]), "--out", str(redraw))
+    assert proc.returncode == 0 and redraw.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--backends", "vllm"], "unknown backend"),
+        (["--num-generations", "0"], "must be > 0"),
+        (["--data-file", "/nonexistent.jsonl"], "not found"),
+        (["--repeats", "0"], "--repeats must be > 0"),
+    ],
+)
+def test_gsm8k_bad_flags_fail_clearly(flags, message):
+    proc = run(str(GSM8K), *flags, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+@pytest.mark.slow
+def test_grpo_step_quick(tmp_path):
+    proc = run(str(ROOT / "benchmarks" / "grpo_step.py"), "--quick", "--trainers", "grpo", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads(proc.stdout.strip().splitlines()[-1])
+    points = {p["backend"]: p for p in payload["points"]}
+    assert set(points) == {"generate", "trl_native", "trl_cb"}
+    for p in points.values():
+        assert set(p["step_time_s"]) == {"median", "mean", "std", "min", "max"}
+    assert points["trl_native"]["ratio_vs_trl_native"] == pytest.approx(1.0)
+    assert len(list(tmp_path.glob("grpo_step-*.json"))) == 1
+
+
+def test_data_file_path_is_used(tmp_path):
+    from trl_cb.data import GSM8KScriptArguments, load_prompts
+
+    f = tmp_path / "g.jsonl"
+    f.write_text('{"question": "What is 2+3?", "answer": "2+3=5\\n#### 5"}\n')
+    records = load_prompts(GSM8KScriptArguments(data_file=str(f), num_examples=5))
+    assert records == [{"prompt": records[0]["prompt"], "answer": "5"}] and "2+3" in records[0]["prompt"]
