@@ -16,11 +16,14 @@ What we rely on, and why:
 - `manager.warmup()` builds the batch processor on the calling thread. That constructor seeds the *global* RNG
   (`torch.manual_seed`); doing it here, inside `fork_rng`, keeps the caller's RNG stream untouched.
 - `manager.background_thread_status.fatal_error` tells a crashed engine from an idle one.
+- torch FSDP2's per-group reshard setting (`fsdp2_unsharded`): saved and restored around a round.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -37,6 +40,7 @@ __all__ = [
     "add_forked_request",
     "create_manager",
     "engine_fatal_error",
+    "fsdp2_unsharded",
     "reset_prefix_cache",
     "restore_training_attention",
     "switch_to_generation_attention",
@@ -118,3 +122,43 @@ def resolved_cache_blocks(manager: ContinuousBatchingManager) -> int | None:
     """Number of whole-model KV blocks the engine's cache actually holds (after its own rounding)."""
     processor = manager.batch_processor
     return None if processor is None else int(processor.cache.num_blocks)
+
+
+@contextmanager
+def fsdp2_unsharded(module: torch.nn.Module) -> Iterator[None]:
+    """Hold every FSDP2 (`fully_shard`) parameter group of `module` unsharded for a whole generation round.
+
+    Why: TRL's `summon_full_params` is a no-op for FSDP2, whose hooks all-gather before each forward and reshard
+    after it. The CB engine runs forwards on its own thread, a data-dependent number of times per rank, so per-forward
+    collectives would pair up across ranks out of step (seen: gloo "connection closed", wrong results). We unshard
+    once (collectively, all ranks together), turn reshard-after-forward off so the engine's forwards run no
+    collective, and on exit reshard and restore each group's exact reshard setting (torch internals
+    `_auto_reshard_after_forward` and `post_forward_mesh_info`, pinned by tests/unit/test_contracts.py).
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        yield
+        return
+    fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not fsdp_modules:
+        yield
+        return
+    saved = []
+    for m in fsdp_modules:
+        state = m._get_fsdp_state()
+        saved.append(
+            (state, state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups])
+        )
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        for m in fsdp_modules:
+            m.unshard()
+        yield
+    finally:
+        for m in fsdp_modules:
+            m.reshard()
+        for state, auto, infos in saved:
+            state._auto_reshard_after_forward = auto
+            for group, info in zip(state._fsdp_param_groups, infos):
+                group.post_forward_mesh_info = info

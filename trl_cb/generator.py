@@ -74,8 +74,10 @@ class ContinuousBatchingGenerator:
 
     Args:
         model: A transformers causal LM, or the same wrapped for training (DDP, FSDP, DeepSpeed, PEFT). With an
-            `accelerator`, it is unwrapped the way TRL unwraps for generation (ZeRO-3 parameters gathered, FSDP
-            parameters summoned) for the duration of each round only.
+            `accelerator`, it is unwrapped the way TRL unwraps for generation (ZeRO-3 parameters gathered, FSDP1
+            parameters summoned) for the duration of each round only; FSDP2 (`fully_shard`) parameters are held
+            unsharded for the round and resharded after it, with or without an accelerator. Sharded strategies
+            must call `generate` on every rank together (as the trainers do).
         generation_config: Sampling settings; `max_new_tokens` is required. `num_return_sequences` is ignored: the
             number of samples is `generate(..., num_generations=G)`.
         continuous_batching_config: `ContinuousBatchingConfig` or its kwargs. Unset `num_blocks` /
@@ -180,7 +182,7 @@ class ContinuousBatchingGenerator:
         else:
             unwrap = contextlib.nullcontext(_extract_module(self.model))
             summon = contextlib.nullcontext()
-        with unwrap as unwrapped, torch.no_grad(), summon:
+        with unwrap as unwrapped, torch.no_grad(), summon, _upstream.fsdp2_unsharded(unwrapped):
             module = _base_transformers_model(unwrapped)
             if self.cast_dtype is not None:
                 module.to(self.cast_dtype)

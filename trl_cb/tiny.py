@@ -14,11 +14,12 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
-    AutoModelForCausalLM,
     LlamaConfig,
+    LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2ForCausalLM,
 )
 
 from .data import corpus_for_tokenizer
@@ -65,7 +66,9 @@ def tiny_model(
     """
     if architecture not in ("qwen2", "llama"):
         raise ValueError(f"architecture must be 'qwen2' or 'llama', got {architecture!r}")
-    config_cls = Qwen2Config if architecture == "qwen2" else LlamaConfig
+    config_cls, model_cls = (
+        (Qwen2Config, Qwen2ForCausalLM) if architecture == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    )
     heads = max(2, hidden_size // 16)
     config = config_cls(
         vocab_size=len(tokenizer),
@@ -82,7 +85,10 @@ def tiny_model(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        # The class constructor, not `from_config`: under an active DeepSpeed ZeRO-3 config, `from_config` would
+        # partition the weights at init; the tiny model is built whole and handed to the trainer like any checkpoint.
+        model = model_cls(config).to(dtype)
+        model.set_attn_implementation("sdpa")
         if eos_logit_bias is not None:
             _bias_eos(model, tokenizer.eos_token_id, eos_logit_bias)
     model.generation_config.pad_token_id = tokenizer.pad_token_id

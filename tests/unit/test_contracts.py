@@ -199,3 +199,15 @@ def test_trl_unwrap_helpers():
 def test_trl_config_fields_we_read(cls):
     names = {f.name for f in dataclasses.fields(cls)}
     assert {"ds3_gather_for_generation", "bf16", "fp16", "gradient_checkpointing_kwargs", "temperature"} <= names
+
+
+def test_torch_fsdp2_internals_we_save_and_restore():
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    for name in ("unshard", "reshard", "set_reshard_after_forward", "_get_fsdp_state"):
+        assert callable(getattr(FSDPModule, name, None)), f"FSDPModule.{name} is gone"
+    assert "_auto_reshard_after_forward" in inspect.getsource(FSDPState.__init__)
+    assert "post_forward_mesh_info" in inspect.getsource(FSDPParamGroup.__init__)
+    assert "_fsdp_param_groups" in inspect.getsource(FSDPState)

@@ -1,0 +1,73 @@
+"""Two-process runs on CPU (gloo): GRPO/RLOO with the CB flag through `accelerate launch` and the shipped configs,
+and the FSDP2 adapter under torchrun. Select with `-m distributed`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+CONFIGS = ROOT / "examples" / "accelerate_configs"
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def _launch(cmd: list[str], report: Path) -> list[dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    reports = [json.loads(p.read_text()) for p in sorted(report.glob("rank*.json"))]
+    assert [r["rank"] for r in reports] == [0, 1], proc.stderr[-3000:]
+    return reports
+
+
+def _accelerate(config: str, report: Path, *extra: str) -> list[dict]:
+    launcher = shutil.which("accelerate") or str(Path(sys.executable).with_name("accelerate"))
+    cmd = [launcher, "launch", "--config_file", str(CONFIGS / config), "--num_processes", "2",
+           str(HERE / "train_check.py"), "--report", str(report), *extra]  # fmt: skip
+    return _launch(cmd, report)
+
+
+@pytest.mark.parametrize(
+    ("config", "trainer", "lora", "expected_type", "shards"),
+    [
+        ("ddp.yaml", "grpo", False, "MULTI_CPU", False),
+        ("zero3.yaml", "grpo", False, "DEEPSPEED", True),
+        ("zero3.yaml", "rloo", False, "DEEPSPEED", True),
+        ("ddp.yaml", "grpo", True, "MULTI_CPU", False),
+        ("zero3.yaml", "grpo", True, "DEEPSPEED", True),
+    ],
+    ids=["ddp-grpo", "zero3-grpo", "zero3-rloo", "ddp-grpo-lora", "zero3-grpo-lora"],
+)
+def test_trainer_two_processes(config, trainer, lora, expected_type, shards, tmp_path):
+    if "zero" in config:
+        pytest.importorskip("deepspeed")
+    if lora:
+        pytest.importorskip("peft")
+    reports = _accelerate(config, tmp_path, "--trainer", trainer, *(["--lora"] if lora else []))
+    for r in reports:
+        assert r["world_size"] == 2 and r["distributed_type"].endswith(expected_type)
+        assert len(r["logs"]) == 2, "two training steps"
+        for entry in r["logs"]:
+            # Max over both ranks of |sampling logprob - teacher-forced logprob with the full weights| (fp32).
+            assert entry["sampling/sampling_logp_difference/max"] <= 1e-4
+        assert len(r["rounds"]) == 2 and all(x["lengths_match"] and x["num_completions"] == 4 for x in r["rounds"])
+        # Parameters are partitioned again right after every generation round (ZeRO-3) / never were (DDP).
+        assert all(x["sharded_after"] is (True if shards else None) for x in r["rounds"])
+        assert r["engine_builds"] == 1 and r["generator_closed"]
+
+
+def test_fsdp2_adapter_two_processes(tmp_path):
+    launcher = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+    cmd = [launcher, "--nproc_per_node", "2", str(HERE / "fsdp2_check.py"), "--report", str(tmp_path)]
+    for r in _launch(cmd, tmp_path):
+        assert r["world_size"] == 2 and r["engine_builds"] == 1 and r["sharded_at_end"]
+        for step in r["rounds"]:  # step 1 follows an optimizer step: fresh weights
+            assert step["max_diff"] <= 1e-4 and step["sharded_after"] and step["n"] == 6

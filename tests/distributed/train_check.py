@@ -1,0 +1,112 @@
+"""Multi-process check, launched by tests/distributed/test_distributed.py through `accelerate launch`.
+
+Trains GRPO (or RLOO) with the CB flag for 2 steps on the tiny model and writes, per rank, a JSON report: the IS
+metrics (whose `sampling_logp_difference/max` is the max over all ranks of |sampling logprob - teacher-forced logprob
+with the full weights|, TRL's old-logprob forward running through the sharded/wrapped model), whether parameters
+were sharded again after every generation round, and how many engines were built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+
+
+def params_sharded(model: torch.nn.Module) -> bool | None:
+    """True when every parameter is back in its sharded form (ZeRO-3 partitioned / FSDP2 DTensor), None if the
+    strategy does not shard parameters."""
+    params = list(model.parameters())
+    if any(hasattr(p, "ds_id") for p in params):
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        return all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in params)
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in params) or _is_fsdp2(model):
+        return all(isinstance(p, DTensor) for p in params)
+    return None
+
+
+def _is_fsdp2(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--report", required=True)
+    parser.add_argument("--trainer", default="grpo", choices=["grpo", "rloo"])
+    parser.add_argument("--lora", action="store_true")
+    args = parser.parse_args()
+
+    import trl_cb
+    from trl_cb.data import synthetic_gsm8k
+    from trl_cb.tiny import tiny_model, tiny_tokenizer
+
+    config_cls = trl_cb.GRPOConfig if args.trainer == "grpo" else trl_cb.RLOOConfig
+    trainer_cls = trl_cb.GRPOTrainer if args.trainer == "grpo" else trl_cb.RLOOTrainer
+    use_cpu = not torch.cuda.is_available()
+    config = config_cls(
+        output_dir=os.path.join(args.report, "out"), per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=16, max_steps=2, logging_steps=1, learning_rate=1e-3, beta=0.0, bf16=False,
+        use_cpu=use_cpu, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
+        use_transformers_continuous_batching=True, top_k=0, top_p=1.0,
+    )  # fmt: skip
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tokenizer, eos_logit_bias=4.0)
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+
+    def length_reward(completions: list[str], **kwargs: Any) -> list[float]:
+        return [len(c) / 50 for c in completions]
+
+    trainer = trainer_cls(
+        model=model, reward_funcs=length_reward, args=config, processing_class=tokenizer, peft_config=peft_config,
+        train_dataset=Dataset.from_list(synthetic_gsm8k(32, seed=1)),
+    )  # fmt: skip
+
+    rounds: list[dict[str, Any]] = []
+    builds: list[int] = []
+    original = trainer._cb_generate
+
+    def recording_generate(prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        completion_ids, logprobs = original(prompt_ids)
+        rounds.append(
+            {
+                "num_prompts": len(prompt_ids),
+                "num_completions": len(completion_ids),
+                "lengths_match": all(len(c) == len(lp) for c, lp in zip(completion_ids, logprobs)),
+                "sharded_after": params_sharded(trainer.model_wrapped),
+            }
+        )
+        builds.append(trainer._cb_generator.num_engine_builds)
+        return completion_ids, logprobs
+
+    trainer._cb_generate = recording_generate
+    trainer.train()
+
+    rank = trainer.accelerator.process_index
+    report = {
+        "rank": rank,
+        "world_size": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "rounds": rounds,
+        "engine_builds": builds[-1] if builds else 0,
+        "logs": [e for e in trainer.state.log_history if "loss" in e],
+        "generator_closed": trainer._cb_generator is None,
+    }
+    Path(args.report, f"rank{rank}.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
