@@ -102,6 +102,12 @@ class ContinuousBatchingGenerator:
         gradient_checkpointing_kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
     ) -> None:
+        if accelerator is not None and not gather_deepspeed3_params and _zero_stage(accelerator) == 3:
+            raise ValueError(
+                "ds3_gather_for_generation=False is not supported with continuous batching: the engine's forwards "
+                "would run ZeRO-3's per-layer all-gathers from its own thread, out of step across ranks (a hang). "
+                "Keep ds3_gather_for_generation=True (the default)."
+            )
         self.model = model
         self.accelerator = accelerator
         self.gather_deepspeed3_params = gather_deepspeed3_params
@@ -455,6 +461,11 @@ def validate_cb_kwargs(kwargs: dict[str, Any]) -> None:
 
 def _sampling_signature(cfg: GenerationConfig) -> tuple[Any, ...]:
     return tuple(tuple(v) if isinstance(v := getattr(cfg, name, None), list) else v for name in _SAMPLING_FIELDS)
+
+
+def _zero_stage(accelerator: Accelerator) -> int | None:
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return None if plugin is None else getattr(plugin, "zero_stage", None)
 
 
 def _extract_module(model: torch.nn.Module) -> torch.nn.Module:

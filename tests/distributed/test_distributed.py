@@ -71,3 +71,16 @@ def test_fsdp2_adapter_two_processes(tmp_path):
         assert r["world_size"] == 2 and r["engine_builds"] == 1 and r["sharded_at_end"]
         for step in r["rounds"]:  # step 1 follows an optimizer step: fresh weights
             assert step["max_diff"] <= 1e-4 and step["sharded_after"] and step["n"] == 6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
+    reason="accelerate enables FSDP only on GPU-class backends; needs 2 CUDA devices (see docs/distributed.md)",
+)
+def test_fsdp2_trainer_gpu(tmp_path):
+    reports = _accelerate("fsdp2.yaml", tmp_path, "--trainer", "grpo")
+    for r in reports:
+        assert r["distributed_type"].endswith("FSDP")
+        assert all(x["sharded_after"] is True for x in r["rounds"])
+        assert all(e["sampling/sampling_logp_difference/max"] <= 1e-4 for e in r["logs"])

@@ -114,3 +114,18 @@ def test_engine_crash_in_forward_surfaces(model, tokenizer, prompts):
         gen.close()
     with ContinuousBatchingGenerator(model, sampling_config(tokenizer)) as fresh:  # and recovery works
         assert len(fresh.generate(prompts[:2]).completion_ids) == 2
+
+
+def test_zero3_without_gather_is_rejected(model, tokenizer):
+    from types import SimpleNamespace
+
+    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3)))
+    with pytest.raises(ValueError, match="ds3_gather_for_generation=False is not supported"):
+        ContinuousBatchingGenerator(
+            model, sampling_config(tokenizer), accelerator=accelerator, gather_deepspeed3_params=False
+        )
+    # ZeRO-2 has nothing to gather: accepted.
+    accelerator.state.deepspeed_plugin.zero_stage = 2
+    ContinuousBatchingGenerator(
+        model, sampling_config(tokenizer), accelerator=accelerator, gather_deepspeed3_params=False
+    )
