@@ -41,6 +41,7 @@ __all__ = [
     "create_manager",
     "engine_fatal_error",
     "fsdp2_unsharded",
+    "inflight_generated_lengths",
     "reset_prefix_cache",
     "restore_training_attention",
     "switch_to_generation_attention",
@@ -162,3 +163,13 @@ def fsdp2_unsharded(module: torch.nn.Module) -> Iterator[None]:
             state._auto_reshard_after_forward = auto
             for group, info in zip(state._fsdp_param_groups, infos):
                 group.post_forward_mesh_info = info
+
+
+def inflight_generated_lengths(manager: ContinuousBatchingManager) -> dict[str, int]:
+    """Tokens generated so far by every request the scheduler holds (active or waiting). Call under `pause()`."""
+    processor = manager.batch_processor
+    if processor is None:
+        return {}
+    scheduler = processor.scheduler
+    states = {**scheduler.waiting_requests, **scheduler.active_requests}
+    return {rid: len(state.generated_tokens) for rid, state in states.items()}

@@ -48,6 +48,14 @@ class ContinuousBatchingArguments:
             Upper IS bound (truncate: clamp; mask: zero above).
         cb_generation_timeout (`float`, *optional*):
             Seconds one generation round may take before it fails with `TimeoutError` (`None`: no limit).
+        async_generation (`bool`, *optional*, defaults to `False`):
+            Keep the engine generating across steps; see docs/async.md.
+        max_staleness (`int`, *optional*, defaults to `1`):
+            Async: largest accepted staleness of a group, in optimizer steps.
+        prefetch_depth (`int`, *optional*, defaults to `1`):
+            Async: steps of prompts submitted ahead of the current step.
+        async_keep_stale (`bool`, *optional*, defaults to `False`):
+            Async: keep and IS-correct groups above `max_staleness` instead of dropping them.
         use_transformers_paged:
             Deprecated; use `use_transformers_continuous_batching`.
     """
@@ -82,6 +90,26 @@ class ContinuousBatchingArguments:
     cb_generation_timeout: float | None = field(
         default=None,
         metadata={"help": "Seconds a continuous batching round may take before it fails (None: no limit)."},
+    )
+
+    async_generation: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the CB engine generating across training steps (bounded staleness, partial rollouts, IS "
+            "with behaviour logprobs). Single process or DDP; see docs/async.md."
+        },
+    )
+    max_staleness: int = field(
+        default=1,
+        metadata={"help": "Async: largest accepted age of a group's oldest token, in optimizer steps."},
+    )
+    prefetch_depth: int = field(
+        default=1,
+        metadata={"help": "Async: steps of prompts kept submitted to the engine ahead of the current step."},
+    )
+    async_keep_stale: bool = field(
+        default=False,
+        metadata={"help": "Async: keep (and IS-correct) groups older than max_staleness instead of dropping them."},
     )
 
     # Deprecated parameters
@@ -124,6 +152,18 @@ class ContinuousBatchingArguments:
         )
         if self.cb_generation_timeout is not None and self.cb_generation_timeout <= 0:
             raise ValueError(f"cb_generation_timeout must be > 0 or None, got {self.cb_generation_timeout}.")
+        if self.async_generation:
+            if not self.use_transformers_continuous_batching:
+                raise ValueError("async_generation needs use_transformers_continuous_batching=True.")
+            if not self.cb_importance_sampling_correction:
+                raise ValueError(
+                    "async_generation trains on samples drawn by older weights; it needs "
+                    "cb_importance_sampling_correction=True."
+                )
+            if self.max_staleness < 0 or self.prefetch_depth < 0:
+                raise ValueError(
+                    f"max_staleness and prefetch_depth must be >= 0, got {self.max_staleness}, {self.prefetch_depth}."
+                )
         if self.use_transformers_continuous_batching and getattr(self, "use_vllm", False):
             raise ValueError(
                 "use_transformers_continuous_batching and use_vllm are mutually exclusive; enable one of them."

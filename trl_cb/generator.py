@@ -144,6 +144,17 @@ class ContinuousBatchingGenerator:
         with self._generation_module() as module:
             return self._generate_on(module, [list(p) for p in prompt_ids], num_generations)
 
+    def engine_for(self, module: PreTrainedModel, workload: Workload) -> _upstream.ContinuousBatchingManager:
+        """The running engine for `module`, sized for `workload`, for callers that keep requests in flight across
+        weight updates (async rollouts). Prefix block sharing is turned off: its cache cannot be cleared while
+        requests are in flight, and a shared block computed with old weights must never serve a new prompt."""
+        self._cb_kwargs["allow_block_sharing"] = False
+        was_training = module.training
+        try:
+            return self._ensure_engine(module, workload).manager
+        finally:
+            module.train(was_training)  # the engine's constructor calls module.eval()
+
     def close(self) -> None:
         """Stop the engine thread and free its cache. Safe to call twice; a later `generate` builds a new engine."""
         engine, self._engine = self._engine, None
@@ -300,7 +311,8 @@ class ContinuousBatchingGenerator:
         return outputs
 
     def _ensure_engine(self, module: PreTrainedModel, workload: Workload) -> _Engine:
-        signature = (id(module), module.dtype, _sampling_signature(self.generation_config))
+        sharing = self._cb_kwargs.get("allow_block_sharing", True)
+        signature = (id(module), module.dtype, sharing, _sampling_signature(self.generation_config))
         engine = self._engine
         if engine is not None and engine.signature == signature:
             if engine.size.holds(self._cache_size(module, workload)):
@@ -478,6 +490,11 @@ def _summon_full_params(model: torch.nn.Module, accelerator: Accelerator) -> con
     from trl.distributed import DistributedBackend
 
     return DistributedBackend(accelerator).summon_full_params(model, recurse=False)
+
+
+def plain_module(model: torch.nn.Module) -> PreTrainedModel:
+    """The transformers model inside a training wrapper (DDP, accelerate) and PEFT, with parameters in place."""
+    return _base_transformers_model(_extract_module(model))
 
 
 def _base_transformers_model(model: torch.nn.Module) -> PreTrainedModel:

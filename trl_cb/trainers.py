@@ -16,16 +16,19 @@ pins them: `_generate_single_turn`, `_generate_and_score_completions`' output ke
 from __future__ import annotations
 
 import logging
+import random
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import trl
-from transformers import ProcessorMixin
+from transformers import ProcessorMixin, TrainerCallback
 from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import nanmax, nanmin, pad
 
-from .generator import ContinuousBatchingGenerator
+from .async_rollouts import AsyncRolloutController, RolloutGroup
+from .generator import ContinuousBatchingGenerator, plain_module
 from .importance_sampling import importance_sampling_ratio, importance_sampling_stats
 
 logger = logging.getLogger(__name__)
@@ -36,6 +39,8 @@ class ContinuousBatchingTrainerMixin:
 
     _cb_generator: ContinuousBatchingGenerator | None = None
     _cb_last_logprobs: list[list[float]] | None = None
+    _cb_async: AsyncRolloutController | None = None
+    _cb_async_groups: list[RolloutGroup] | None = None
 
     def _cb_check_processing_class(self, args: Any, processing_class: Any) -> None:
         if (
@@ -73,6 +78,8 @@ class ContinuousBatchingTrainerMixin:
 
     def _cb_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
         """Completions and sampling logprobs for TRL's prompt list (each prompt already repeated per sample)."""
+        if self._cb_async_groups is not None:
+            return self._cb_async_completions(prompt_ids)
         generator = self._cb_get_generator()
         with profiling_context(self, "trl_cb.generate"):
             result = generator.generate(prompt_ids, num_generations=1)
@@ -80,9 +87,122 @@ class ContinuousBatchingTrainerMixin:
         return result.completion_ids, result.logprobs
 
     def _cb_close(self) -> None:
+        controller, self._cb_async = self._cb_async, None
+        if controller is not None:
+            controller.stop()
         generator, self._cb_generator = self._cb_generator, None
         if generator is not None:
             generator.close()
+
+    # ------------------------------------------------------------------------------------------ async rollouts
+
+    def _cb_async_setup(self) -> None:
+        """Called at the end of `__init__`: refuse unsupported setups early and hook weight updates."""
+        args = self.args
+        if not getattr(args, "async_generation", False):
+            return
+        ds_plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        if self.is_fsdp_enabled or (ds_plugin is not None and ds_plugin.zero_stage == 3):
+            raise ValueError(
+                "async_generation runs the engine on local, unsharded parameters: use a single process or DDP "
+                "(ZeRO-3 and FSDP shard parameters between steps)."
+            )
+        if getattr(self, "tools", None):
+            raise ValueError("async_generation does not support tool calling (multi-turn rollouts).")
+        trainer = self
+
+        class _PauseEngineForOptimizerStep(TrainerCallback):
+            """The optimizer mutates weights in place: the engine must not run a forward meanwhile."""
+
+            def on_pre_optimizer_step(self, *a: Any, **k: Any) -> None:
+                if trainer._cb_async is not None:
+                    trainer._cb_async.begin_weight_update()
+
+            def on_optimizer_step(self, *a: Any, **k: Any) -> None:
+                if trainer._cb_async is not None:
+                    trainer._cb_async.end_weight_update()
+
+        self.add_callback(_PauseEngineForOptimizerStep())
+
+    def _cb_prompt_stream(self) -> Iterator[tuple[Any, list[int]]]:
+        """Endless shuffled stream of (dataset row, prompt ids), distinct per process, reproducible from the seed."""
+        dataset = self.train_dataset
+        rng = random.Random(self.args.seed * 1000 + self.accelerator.process_index)
+        while True:
+            order = list(range(len(dataset)))
+            rng.shuffle(order)
+            for index in order:
+                row = dataset[index]
+                prompt_ids = self._tokenize_prompts([row["prompt"]])[0][0]
+                yield row, prompt_ids
+
+    def _cb_async_controller(self) -> AsyncRolloutController:
+        """The async controller, built (and its engine filled) the first time a training step needs it."""
+        if self._cb_async is None:
+            args = self.args
+            generator = ContinuousBatchingGenerator(
+                self.model_wrapped,
+                self.generation_config,
+                continuous_batching_config=args.transformers_continuous_batching_config,
+                timeout=args.cb_generation_timeout,
+            )
+            rows_per_step = args.generation_batch_size // self.accelerator.num_processes
+            probe = range(min(256, len(self.train_dataset)))
+            longest = max(len(self._tokenize_prompts([self.train_dataset[i]["prompt"]])[0][0]) for i in probe)
+            self._cb_async = AsyncRolloutController(
+                generator,
+                plain_module(self.model_wrapped),
+                self._cb_prompt_stream(),
+                num_generations=self.num_generations,
+                groups_per_step=rows_per_step // self.num_generations,
+                prefetch_depth=args.prefetch_depth,
+                max_staleness=args.max_staleness,
+                keep_stale=args.async_keep_stale,
+                timeout=args.cb_generation_timeout,
+            )
+            self._cb_async.start(max_prompt_len=longest + 16)
+        return self._cb_async
+
+    def _cb_async_take(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Replace the sampler's rows by those of finished groups; stash the groups for `_generate_single_turn`."""
+        controller = self._cb_async_controller()
+        num_groups = len(inputs) // self.num_generations
+        if num_groups != controller.groups_per_step:
+            raise RuntimeError(
+                f"Async rollouts expected {controller.groups_per_step} groups per step, got {num_groups}."
+            )
+        with profiling_context(self, "trl_cb.async_wait"):
+            groups, metrics = controller.take(num_groups)
+        for name, value in metrics.as_dict().items():
+            self._metrics["train"][name].append(value)
+        self._cb_async_groups = groups
+        return [group.row for group in groups for _ in range(self.num_generations)]
+
+    def _cb_async_completions(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        groups, G = self._cb_async_groups, self.num_generations
+        expected = [g.prompt_ids for g in groups for _ in range(G)]
+        if [list(p) for p in prompt_ids] != expected:
+            raise RuntimeError("Async rollouts are out of step with the prompts TRL tokenized (multi-turn?).")
+        completion_ids = [c for g in groups for c in g.completion_ids]
+        logprobs = [lp for g in groups for lp in g.logprobs]
+        self._cb_last_logprobs = logprobs
+        return completion_ids, logprobs
+
+    def _cb_async_active(self) -> bool:
+        return bool(getattr(self.args, "async_generation", False) and self.model.training)
+
+    def _cb_score(self, inputs: list[dict[str, Any]], per_token_loss: bool) -> dict[str, Any]:
+        """TRL's scoring of `inputs` (or, in async mode, of finished groups), then IS correction."""
+        self._cb_last_logprobs = None
+        if self._cb_async_active():
+            inputs = self._cb_async_take(inputs)
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._cb_async_groups = None
+        if self._cb_uses_is():
+            self._cb_importance_sampling(output, per_token_loss=per_token_loss)
+        return output
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """TRL's `train`, with the CB engine stopped at the end, on errors and on Ctrl-C (no thread left behind)."""
@@ -165,6 +285,7 @@ class GRPOTrainer(ContinuousBatchingTrainerMixin, trl.GRPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._cb_check_processing_class(kwargs.get("args"), kwargs.get("processing_class"))
         super().__init__(*args, **kwargs)
+        self._cb_async_setup()
 
     def _generate_single_turn(
         self,
@@ -181,10 +302,7 @@ class GRPOTrainer(ContinuousBatchingTrainerMixin, trl.GRPOTrainer):
         return self._cb_generate(prompt_ids)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        output = super()._generate_and_score_completions(inputs)
-        if self._cb_uses_is():
-            self._cb_importance_sampling(output, per_token_loss=True)
-        return output
+        return self._cb_score(inputs, per_token_loss=True)
 
 
 class RLOOTrainer(ContinuousBatchingTrainerMixin, trl.RLOOTrainer):
@@ -194,6 +312,7 @@ class RLOOTrainer(ContinuousBatchingTrainerMixin, trl.RLOOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._cb_check_processing_class(kwargs.get("args"), kwargs.get("processing_class"))
         super().__init__(*args, **kwargs)
+        self._cb_async_setup()
 
     def _generate_single_turn(
         self, prompt_ids: list[list[int]], images: Any, multimodal_fields: dict[str, Any]
@@ -204,8 +323,4 @@ class RLOOTrainer(ContinuousBatchingTrainerMixin, trl.RLOOTrainer):
         return completion_ids
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        self._cb_last_logprobs = None
-        output = super()._generate_and_score_completions(inputs)
-        if self._cb_uses_is():
-            self._cb_importance_sampling(output, per_token_loss=False)
-        return output
+        return self._cb_score(inputs, per_token_loss=False)
