@@ -10,6 +10,10 @@ benchmarks/common.py):
 - `trl_native`: TRL's trainer with its own `use_transformers_continuous_batching=True` (new manager every step,
                 no logprobs, no IS correction).
 - `trl_cb`:     trl_cb's trainer with the flag on (persistent engine, logprobs, IS correction).
+- `trl_cb_async`: the same with `async_generation=True` (engine fed ahead of the trainer, bounded staleness).
+
+Besides step times it reports samples/s (completions per step / median step time) and, for the trl_cb backends, the
+trainer's wait for rollouts per step (sync: the generation call; async: the wait for finished groups).
 
 Each run trains `--warmup + --steps` steps; step times come from a `TrainerCallback` (step begin to step end, which
 includes generation, scoring and the optimizer step). Table on stdout, JSON under `--out`, JSON as the last line.
@@ -29,8 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS_DIR, environment, format_table, run_worker, summarize, write_json  # noqa: E402
 
-BACKENDS = ("generate", "trl_native", "trl_cb")
+BACKENDS = ("generate", "trl_native", "trl_cb", "trl_cb_async")
 TRAINERS = ("grpo", "rloo")
+
+
+def _async_fields(spec: dict[str, Any]) -> dict[str, Any]:
+    return {"async_generation": True, "max_staleness": spec["max_staleness"], "prefetch_depth": spec["prefetch_depth"]}
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -43,7 +51,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from trl_cb.tiny import tiny_model, tiny_tokenizer
 
     kind, backend = spec["trainer"], spec["backend"]
-    package = trl_cb if backend == "trl_cb" else trl
+    package = trl_cb if backend.startswith("trl_cb") else trl
     config_cls = package.GRPOConfig if kind == "grpo" else package.RLOOConfig
     trainer_cls = package.GRPOTrainer if kind == "grpo" else package.RLOOTrainer
     steps = spec["warmup"] + spec["steps"]
@@ -53,6 +61,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         max_steps=steps, learning_rate=1e-4, beta=0.0, bf16=False, use_cpu=True, report_to=[], save_strategy="no",
         logging_steps=1, disable_tqdm=True, seed=spec["seed"],
         use_transformers_continuous_batching=backend != "generate",
+        **(_async_fields(spec) if backend == "trl_cb_async" else {}),
     )  # fmt: skip
     tokenizer = tiny_tokenizer()
     model = tiny_model(tokenizer, eos_logit_bias=spec["eos_logit_bias"])
@@ -77,9 +86,33 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         model=model, reward_funcs=length_reward, args=args, train_dataset=dataset, processing_class=tokenizer,
         callbacks=[timer],
     )  # fmt: skip
+    waits: list[float] = []
+    if backend.startswith("trl_cb"):  # time the trainer's wait for rollouts
+        name = "_cb_async_take" if backend == "trl_cb_async" else "_cb_generate"
+        original = getattr(trainer, name)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                waits.append(time.perf_counter() - start)
+
+        setattr(trainer, name, timed)
     trainer.train()
-    lengths = [e["completions/mean_length"] for e in trainer.state.log_history if "completions/mean_length" in e]
-    return {"trainer": kind, "backend": backend, "step_times": timer.times[spec["warmup"] :], "mean_lengths": lengths}
+    logs = trainer.state.log_history
+    lengths = [e["completions/mean_length"] for e in logs if "completions/mean_length" in e]
+    async_logs = [e for e in logs if "async/staleness_max" in e]
+    return {
+        "trainer": kind,
+        "backend": backend,
+        "step_times": timer.times[spec["warmup"] :],
+        "mean_lengths": lengths,
+        "waits": waits[spec["warmup"] :],
+        "completions_per_step": spec["prompts"] * spec["num_generations"],
+        "staleness_max": max((e["async/staleness_max"] for e in async_logs), default=None),
+        "dropped_total": async_logs[-1]["async/dropped_total"] if async_logs else None,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -92,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6, help="timed steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--eos-logit-bias", type=float, default=4.0)
+    p.add_argument("--max-staleness", type=int, default=2, help="trl_cb_async: max_staleness")
+    p.add_argument("--prefetch-depth", type=int, default=1, help="trl_cb_async: prefetch_depth")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--quick", action="store_true", help="2 timed steps of a tiny workload (smoke test)")
@@ -129,7 +164,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         spec = {
             "trainer": kind, "backend": backend, "prompts": args.prompts, "num_generations": args.num_generations,
             "max_completion_length": args.max_completion_length, "steps": args.steps, "warmup": args.warmup,
-            "eos_logit_bias": args.eos_logit_bias, "seed": args.seed,
+            "eos_logit_bias": args.eos_logit_bias, "seed": args.seed, "max_staleness": args.max_staleness,
+            "prefetch_depth": args.prefetch_depth,
             "output_dir": f"/tmp/trl_cb_bench_{kind}_{backend}",
         }  # fmt: skip
         results.append(run_worker(Path(__file__), spec, timeout=3600))
@@ -146,6 +182,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "ratio_vs_trl_native": median / ref["trl_native"] if "trl_native" in ref else None,
                 "ratio_vs_generate": median / ref["generate"] if "generate" in ref else None,
                 "mean_completion_length": statistics.fmean(r["mean_lengths"]) if r["mean_lengths"] else None,
+                "samples_per_s": r["completions_per_step"] / median,
+                "trainer_wait_s": summarize(r["waits"]) if r["waits"] else None,
+                "staleness_max": r["staleness_max"],
+                "dropped_groups": r["dropped_total"],
             }
         )
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"}
@@ -154,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         {
             "trainer": p["trainer"], "backend": p["backend"], "median": p["step_time_s"]["median"],
             "min": p["step_time_s"]["min"], "max": p["step_time_s"]["max"], "vs_native": p["ratio_vs_trl_native"],
-            "vs_generate": p["ratio_vs_generate"], "len": p["mean_completion_length"],
+            "vs_generate": p["ratio_vs_generate"], "len": p["mean_completion_length"], "sps": p["samples_per_s"],
+            "wait": p["trainer_wait_s"]["mean"] if p["trainer_wait_s"] else None,
         }
         for p in points
     ]  # fmt: skip
@@ -169,6 +210,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ("max", "max"),
                 ("vs_native", "x TRL CB"),
                 ("vs_generate", "x generate"),
+                ("sps", "samples/s"),
+                ("wait", "wait s/step"),
                 ("len", "mean len"),
             ],
         )  # fmt: skip

@@ -379,18 +379,10 @@ class AsyncRolloutController:
 
 
 def _check_async_safe(module: torch.nn.Module) -> None:
-    """Async mode runs the engine's forwards while the trainer runs its own on the same module: refuse setups
-    where that changes results (dropout active in the engine) or routes training through the paged path."""
-    active_dropout = [n for n, m in module.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
-    config = module.config.get_text_config()
-    for name in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop", "embd_pdrop"):
-        if float(getattr(config, name, 0.0) or 0.0) > 0:
-            active_dropout.append(f"config.{name}")
-    if active_dropout:
-        raise ValueError(
-            f"async_generation needs a model without dropout (the engine samples while the trainer is in train "
-            f"mode); found {active_dropout[:5]}. Set dropout to 0 or use synchronous generation."
-        )
+    """The engine keeps the attention implementation it was built with for its whole life, while the trainer trains
+    between rounds: refuse implementations CB would switch on the shared config (eager -> paged|eager), which would
+    route the training forward through the paged path. (Dropout needs no check: the engine only samples with the
+    module in eval mode.)"""
     if module.config._attn_implementation in ("eager", "paged|eager"):
         raise ValueError(
             "async_generation needs an attention implementation the engine can share with training (sdpa or flash); "

@@ -50,7 +50,7 @@ class ContinuousBatchingArguments:
             Seconds one generation round may take before it fails with `TimeoutError` (`None`: no limit).
         async_generation (`bool`, *optional*, defaults to `False`):
             Keep the engine generating across steps; see docs/async.md.
-        max_staleness (`int`, *optional*, defaults to `1`):
+        max_staleness (`int`, *optional*, defaults to `2`):
             Async: largest accepted staleness of a group, in optimizer steps.
         prefetch_depth (`int`, *optional*, defaults to `1`):
             Async: steps of prompts submitted ahead of the current step.
@@ -100,8 +100,11 @@ class ContinuousBatchingArguments:
         },
     )
     max_staleness: int = field(
-        default=1,
-        metadata={"help": "Async: largest accepted age of a group's oldest token, in optimizer steps."},
+        default=2,
+        metadata={
+            "help": "Async: largest accepted age of a group's oldest token, in optimizer steps. With "
+            "prefetch_depth=1 a group can start one step early and finish one step late: 2 drops nothing by design."
+        },
     )
     prefetch_depth: int = field(
         default=1,

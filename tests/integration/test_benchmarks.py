@@ -64,9 +64,13 @@ def test_grpo_step_quick(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
     points = {p["backend"]: p for p in payload["points"]}
-    assert set(points) == {"generate", "trl_native", "trl_cb"}
+    assert set(points) == {"generate", "trl_native", "trl_cb", "trl_cb_async"}
     for p in points.values():
         assert set(p["step_time_s"]) == {"median", "mean", "std", "min", "max"}
+        assert p["samples_per_s"] > 0
+    for name in ("trl_cb", "trl_cb_async"):
+        assert points[name]["trainer_wait_s"]["mean"] >= 0
+    assert points["trl_cb_async"]["staleness_max"] is not None and points["trl_cb"]["staleness_max"] is None
     assert points["trl_native"]["ratio_vs_trl_native"] == pytest.approx(1.0)
     assert len(list(tmp_path.glob("grpo_step-*.json"))) == 1
 

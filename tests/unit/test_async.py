@@ -184,7 +184,7 @@ def test_trainer_async_is_exact_without_updates_and_logs_every_metric(kind, toke
     for entry in logs:
         assert names <= set(entry), names - set(entry)
         assert entry["sampling/sampling_logp_difference/max"] <= 1e-4
-    assert max(e["async/staleness_max"] for e in logs) <= 1
+    assert max(e["async/staleness_max"] for e in logs) <= 2
     assert logs[-1]["async/policy_version"] == 2
     assert trainer._cb_async is None and trainer._cb_generator is None
 

@@ -26,6 +26,20 @@ def params(fn) -> list[str]:
     return list(inspect.signature(fn).parameters)
 
 
+def _manager(
+    model, tokenizer, max_new_tokens: int = 4, num_blocks: int = 8, max_batch_tokens: int = 64, requests: int = 1
+):
+    """A started manager on the tiny model, sized by hand (page size 16)."""
+    return _upstream.create_manager(
+        model,
+        sampling_config(tokenizer, max_new_tokens=max_new_tokens),
+        ContinuousBatchingConfig(
+            return_logprobs=True, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens, page_size=16
+        ),
+        WorkloadHints(max_prompt_length=40, max_generated_length=max_new_tokens, num_requests=requests),
+    )
+
+
 # ------------------------------------------------------------------------------------------------- transformers
 
 
@@ -70,12 +84,7 @@ def test_generation_output_and_hints_fields():
 
 def test_add_request_reads_num_return_sequences_for_forking(model, tokenizer, prompts):
     """`_upstream.add_forked_request` sets `manager.num_return_sequences` per request; add_request must read it."""
-    manager = _upstream.create_manager(
-        model,
-        sampling_config(tokenizer, max_new_tokens=4),
-        ContinuousBatchingConfig(return_logprobs=True, num_blocks=32, max_batch_tokens=128, page_size=16),
-        WorkloadHints(max_prompt_length=40, max_generated_length=4, num_requests=4),
-    )
+    manager = _manager(model, tokenizer, 4, 32, 128, 4)
     try:
         assert manager.num_return_sequences == 1
         ids = _upstream.add_forked_request(manager, prompts[0], "probe", 3, 4)
@@ -95,12 +104,7 @@ def test_add_request_reads_num_return_sequences_for_forking(model, tokenizer, pr
 
 
 def test_internal_attributes_we_touch(model, tokenizer):
-    manager = _upstream.create_manager(
-        model,
-        sampling_config(tokenizer, max_new_tokens=4),
-        ContinuousBatchingConfig(return_logprobs=True, num_blocks=8, max_batch_tokens=64, page_size=16),
-        WorkloadHints(max_prompt_length=16, max_generated_length=4, num_requests=1),
-    )
+    manager = _manager(model, tokenizer, 4, 8, 64, 1)
     try:
         assert hasattr(manager, "_original_attn_impl"), "attention restore relies on manager._original_attn_impl"
         assert callable(manager.batch_processor.cache.reset), "prefix-cache reset relies on cache.reset()"
@@ -115,12 +119,7 @@ def test_eager_model_is_switched_and_restored(tokenizer):
 
     model = tiny_model(tokenizer)
     model.set_attn_implementation("eager")
-    manager = _upstream.create_manager(
-        model,
-        sampling_config(tokenizer, max_new_tokens=4),
-        ContinuousBatchingConfig(return_logprobs=True, num_blocks=8, max_batch_tokens=64, page_size=16),
-        WorkloadHints(max_prompt_length=16, max_generated_length=4, num_requests=1),
-    )
+    manager = _manager(model, tokenizer, 4, 8, 64, 1)
     try:
         assert model.config._attn_implementation == "paged|eager", "CB no longer switches eager to paged|eager"
         _upstream.restore_training_attention(manager)
@@ -211,3 +210,28 @@ def test_torch_fsdp2_internals_we_save_and_restore():
     assert "_auto_reshard_after_forward" in inspect.getsource(FSDPState.__init__)
     assert "post_forward_mesh_info" in inspect.getsource(FSDPParamGroup.__init__)
     assert "_fsdp_param_groups" in inspect.getsource(FSDPState)
+
+
+def test_scheduler_state_read_under_pause(model, tokenizer, prompts):
+    """Async version tagging reads each in-flight request's generated-token count under `pause()`; requests keep
+    going after the pause (nothing drained)."""
+    manager = _manager(model, tokenizer, 40, 64, 64, 2)
+    try:
+        scheduler = manager.batch_processor.scheduler
+        assert isinstance(scheduler.active_requests, dict) and isinstance(scheduler.waiting_requests, dict)
+        ids = _upstream.add_forked_request(manager, prompts[0], "p", 2, 40)
+        seen: dict[str, int] = {}
+        for _ in range(200):
+            with manager.pause():
+                seen = _upstream.inflight_generated_lengths(manager)
+            if any(v > 0 for v in seen.values()):
+                break
+        assert set(seen) <= set(ids) and any(v > 0 for v in seen.values())
+        finished = set()
+        while len(finished) < 2:
+            result = manager.get_result(timeout=10)
+            assert result is not None, "requests did not continue after the pause"
+            if result.is_finished():
+                finished.add(result.request_id)
+    finally:
+        manager.destroy()
