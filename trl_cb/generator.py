@@ -13,7 +13,8 @@ Guarantees:
   KV block computed with older weights is reused.
 - Settings apply: the engine is rebuilt when the sampling settings or the module change, and re-sized (grown, with
   a log line) when a workload needs more cache than it has.
-- Training is unaffected: the module's train/eval mode and attention implementation are restored after each round.
+- Training is unaffected: the module's train/eval mode and attention implementation are restored after each round,
+  and the engine's thread is stopped between rounds (an idle torch thread slows CPU training; `_upstream.suspend`).
 - The caller's global RNG is never re-seeded; two rounds on the same prompts sample differently.
 """
 
@@ -151,7 +152,9 @@ class ContinuousBatchingGenerator:
         self._cb_kwargs["allow_block_sharing"] = False
         was_training = module.training
         try:
-            return self._ensure_engine(module, workload).manager
+            manager = self._ensure_engine(module, workload).manager
+            _upstream.resume(manager, module)  # the caller drives pauses from here on
+            return manager
         finally:
             module.train(was_training)  # the engine's constructor calls module.eval()
 
@@ -242,6 +245,7 @@ class ContinuousBatchingGenerator:
         try:
             # Weights may have changed since the last round: drop cached KV blocks and the prefix ledger.
             _upstream.reset_prefix_cache(manager)
+            _upstream.resume(manager, module)
             slots = self._submit(manager, groups, max_new_tokens)
             outputs = self._collect(manager, slots)
         except BaseException:
@@ -250,6 +254,7 @@ class ContinuousBatchingGenerator:
             raise
         finally:
             if self._engine is not None:
+                _upstream.suspend(manager)  # no engine thread between rounds (see `_upstream.suspend`)
                 _upstream.restore_training_attention(manager)
 
         completion_ids: list[list[int]] = []

@@ -2,7 +2,8 @@
 
 Hops (file per hop): prompts -> `ContinuousBatchingGenerator` (generator.py) -> completions + sampling logprobs ->
 TRL scores them -> `ContinuousBatchingTrainerMixin._cb_importance_sampling` weights the policy-gradient term
-(importance_sampling.py) -> TRL's loss.
+(importance_sampling.py) -> TRL's loss. With `async_generation`, `AsyncRolloutController` (async_rollouts.py) replaces
+the per-step generation call: finished groups, and the dataset rows they came from, go through the same scoring.
 
 How the IS weight reaches the loss: TRL multiplies its loss by an IS ratio only on the vLLM path. Both trainers'
 policy terms are `-min(c * A, clip(c) * A)` (or another form linear in A), so for a non-negative weight w,
@@ -59,7 +60,9 @@ class ContinuousBatchingTrainerMixin:
         """The trainer's one generator, built at the first generation and kept across steps."""
         wrapped = self.model_wrapped
         if self._cb_generator is not None and self._cb_generator.model is not wrapped:
-            self._cb_close()  # the training wrapper changed (e.g. eval before train, then accelerate.prepare)
+            # The training wrapper changed (e.g. eval before train, then accelerate.prepare): new generator.
+            self._cb_generator.close()
+            self._cb_generator = None
         if self._cb_generator is None:
             args = self.args
             cast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None

@@ -235,3 +235,25 @@ def test_scheduler_state_read_under_pause(model, tokenizer, prompts):
                 finished.add(result.request_id)
     finally:
         manager.destroy()
+
+
+def test_suspend_resume_keeps_the_engine(model, tokenizer, prompts):
+    """`_upstream.suspend` stops the loop through internals (`request_stop`, `_wake_up_loop`, `_generation_thread`)
+    and `start()` must resume on the same batch processor and cache."""
+    manager = _manager(model, tokenizer, 4, 32, 64, 2)
+    try:
+        processor, cache_tensor = manager.batch_processor, manager.batch_processor.cache.cache_tensor
+        _upstream.suspend(manager)
+        assert not manager.is_running() and manager._generation_thread is None
+        _upstream.resume(manager, model)
+        assert manager.is_running() and manager.batch_processor is processor
+        assert manager.batch_processor.cache.cache_tensor is cache_tensor
+        _upstream.add_forked_request(manager, prompts[0], "again", 2, 4)
+        done = set()
+        while len(done) < 2:
+            result = manager.get_result(timeout=10)
+            assert result is not None
+            if result.is_finished():
+                done.add(result.request_id)
+    finally:
+        manager.destroy()

@@ -200,7 +200,10 @@ def test_close_is_idempotent_and_context_manager_frees(model, tokenizer, prompts
     gen = ContinuousBatchingGenerator(model, sampling_config(tokenizer))
     gen.generate(prompts[:1])
     manager = gen._engine.manager
-    assert manager.is_running()
+    assert not manager.is_running(), "no engine thread between rounds"
+    assert getattr(model, "_cached_continuous_batching_manager", None) is None, "nothing cached on the model"
+    gen.generate(prompts[:1])
+    assert gen.num_engine_builds == 1 and not manager.is_running()
     gen.close()
     gen.close()
     assert not manager.is_running() and gen.cache_size is None
