@@ -64,7 +64,7 @@ class GenerationResult:
 @dataclass
 class _Engine:
     manager: _upstream.ContinuousBatchingManager
-    module: PreTrainedModel
+    module: PreTrainedModel  # held so that `id(module)` in `signature` cannot be reused by another object
     signature: tuple[Any, ...]
     workload: Workload
     size: CacheSize
