@@ -61,7 +61,7 @@ def _load_model(spec: dict[str, Any]) -> tuple[Any, Any]:
     elif name == "llama-1b-random":
         from transformers import LlamaConfig
 
-        from trl_cb.tiny import _bias_eos
+        from trl_cb.tiny import bias_eos
 
         tokenizer = tiny_tokenizer(vocab_size=4096)
         config = LlamaConfig(  # Llama-3.2-1B's shape with a small vocabulary, random init (no hub)
@@ -73,7 +73,7 @@ def _load_model(spec: dict[str, Any]) -> tuple[Any, Any]:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untie to bias EOS only
-        _bias_eos(model.to(device), tokenizer.eos_token_id, spec["eos_logit_bias"])
+        bias_eos(model.to(device), tokenizer.eos_token_id, spec["eos_logit_bias"])
     else:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa")

@@ -216,14 +216,6 @@ class AsyncRolloutController:
             self._hold_stack = None
 
     @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        self.hold()
-        try:
-            yield
-        finally:
-            self.release()
-
-    @contextlib.contextmanager
     def _running(self) -> Iterator[None]:
         """Let the engine run (drop every hold) for the duration, then restore the same number of holds."""
         depth = self._holds

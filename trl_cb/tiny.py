@@ -90,7 +90,7 @@ def tiny_model(
         model = model_cls(config).to(dtype)
         model.set_attn_implementation("sdpa")
         if eos_logit_bias is not None:
-            _bias_eos(model, tokenizer.eos_token_id, eos_logit_bias)
+            bias_eos(model, tokenizer.eos_token_id, eos_logit_bias)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
@@ -98,7 +98,7 @@ def tiny_model(
 
 
 @torch.no_grad()
-def _bias_eos(model: PreTrainedModel, eos_id: int, bias: float) -> None:
+def bias_eos(model: PreTrainedModel, eos_id: int, bias: float) -> None:
     """Point the EOS output row along the mean final hidden state so EOS gets a steady, context-dependent boost.
 
     The final RMSNorm output has a non-zero mean direction for a random model; aligning W_eos with it (scaled) adds
