@@ -19,12 +19,20 @@ What we rely on, and why:
 - torch FSDP2's per-group reshard setting (`fsdp2_unsharded`): saved and restored around a round.
 - `background_thread_status.request_stop(FLUSH_AND_STOP)`, `manager._wake_up_loop` and `manager._generation_thread`
   (`suspend`): the thread is stopped between rounds and restarted by `start()` on the kept batch processor.
+- `manager.logit_processor` (a `ContinuousBatchingLogitsProcessorList`) is what the batch processor, built later by
+  `warmup()`, applies to every step's logits. `install_request_processors` prepends trl_cb's per-request
+  processors to it (`ContinuousBatchingLogitsProcessor` subclasses: `prepare_tensor_args` receives the requests with
+  a new token, in the order of the logits rows, on the engine thread before the forward), and
+  `check_processors_kept` compares it with `model._get_logits_processor(config)` — what `generate()` would apply — so
+  a processor the engine drops raises instead of changing the sampled distribution silently.
+- `RequestState.initial_tokens`, `.generated_tokens` and `._true_initial_tokens` (`_request_history`): a request's
+  prompt and completion so far, also after the engine re-queued it with its tokens folded into the prompt.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,16 +40,21 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
+from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
 from transformers.generation.continuous_batching.utils import WorkloadHints
+from transformers.generation.logits_process import LogitsProcessorList
 
 from .errors import EngineDiedError
+from .request_processors import HistoryProcessor, RequestHistory
 
 __all__ = [
     "ContinuousBatchingManager",
     "WorkloadHints",
     "add_forked_request",
+    "check_processors_kept",
     "create_manager",
     "engine_fatal_error",
+    "install_request_processors",
     "fsdp2_unsharded",
     "inflight_generated_lengths",
     "reset_prefix_cache",
@@ -59,8 +72,14 @@ def create_manager(
     generation_config: GenerationConfig,
     cb_config: ContinuousBatchingConfig,
     hints: WorkloadHints,
+    request_processors: Sequence[HistoryProcessor] = (),
 ) -> ContinuousBatchingManager:
-    """Build, warm up (on this thread, RNG preserved) and start a fresh manager. Never reuses a cached one."""
+    """Build, warm up (on this thread, RNG preserved) and start a fresh manager. Never reuses a cached one.
+
+    The engine's processors are checked against `generate()`'s for `generation_config` (`check_processors_kept`),
+    and `request_processors` run before them at every step (`install_request_processors`); both happen before the
+    batch processor and its cache exist.
+    """
     if getattr(model, "_cached_continuous_batching_manager", None) is not None:
         # A cached manager would be returned as-is and silently ignore our configs (notes: "persistent pitfalls").
         model.destroy_cached_continuous_batching_manager()
@@ -70,6 +89,9 @@ def create_manager(
             generation_config=generation_config, continuous_batching_config=cb_config, workload_hints=hints
         )
         try:
+            check_processors_kept(manager, model, generation_config)
+            if request_processors:
+                install_request_processors(manager, request_processors)
             manager.warmup()
         except BaseException:
             restore_training_attention(manager)
@@ -206,3 +228,83 @@ def inflight_generated_lengths(manager: ContinuousBatchingManager) -> dict[str, 
     scheduler = processor.scheduler
     states = {**scheduler.waiting_requests, **scheduler.active_requests}
     return {rid: len(state.generated_tokens) for rid, state in states.items()}
+
+
+# --------------------------------------------------------------------------------------------- logits processors
+
+
+def check_processors_kept(
+    manager: ContinuousBatchingManager, model: PreTrainedModel, generation_config: GenerationConfig
+) -> None:
+    """`ValueError` if the engine dropped any processor `generate()` builds from `generation_config`.
+
+    The engine keeps a processor as-is or swaps it 1:1 for its per-request version, and drops the ones it marks
+    unsupported; so equal counts mean nothing was dropped.
+    """
+    expected = [type(p).__name__ for p in model._get_logits_processor(generation_config)]
+    kept = manager.logit_processor.logits_processor
+    if len(kept) != len(expected):
+        raise ValueError(
+            f"The continuous batching engine kept {len(kept)} of the logits processors generate() would apply "
+            f"({expected}); sampling would not follow the generation config. trl_cb's field table "
+            "(trl_cb/generation_settings.py) needs updating for this transformers version."
+        )
+
+
+class PerRequestProcessor(ContinuousBatchingLogitsProcessor):
+    """Adapts a trl_cb `HistoryProcessor` to the engine's processor interface.
+
+    Takes no per-request kwargs and no tensor argument (one zero row, as the interface requires one per processor);
+    it reads each request's history in `prepare_tensor_args`, which the engine calls right before the forward.
+    """
+
+    supported_kwargs: dict[str, type] = {}
+    ignored_kwargs: tuple[str, ...] = ()
+
+    def __init__(self, processor: HistoryProcessor) -> None:
+        self.processor = processor
+
+    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+        int32_tensor.zero_()
+
+    def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
+        self.processor.prepare([_request_history(future.state) for future in requests_with_new_token])
+        return torch.zeros(len(requests_with_new_token), dtype=torch.int32)
+
+    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        return self.processor(scores)
+
+
+def _request_history(state: Any) -> RequestHistory:
+    prompt_len = state._true_initial_tokens or len(state.initial_tokens)
+    return RequestHistory(
+        request_id=state.request_id,
+        key=state,
+        prompt_len=prompt_len,
+        prefix=state.initial_tokens,
+        generated=state.generated_tokens,
+    )
+
+
+def install_request_processors(manager: ContinuousBatchingManager, processors: Sequence[HistoryProcessor]) -> None:
+    """Run `processors` first on every step's logits (before the batch processor is built: call before warmup).
+
+    They need each request's tokens up to the row being sampled on the host, so the engine must prepare a step only
+    after the previous one finished: no async batching, no CUDA graphs or compilation (which would freeze the
+    processors' per-step tensors). `ValueError` if the resolved engine config has any of them.
+    """
+    cfg = manager.continuous_batching_config  # resolved by the manager's constructor
+    compiled = cfg.varlen_compile_config is not None or cfg.decode_compile_config is not None
+    if any(cfg.cuda_graph_booleans) or cfg.use_async_batching or compiled:
+        raise ValueError(
+            "repetition_penalty / min_new_tokens / min_length are applied from each request's history and need the "
+            "engine's synchronous, uncompiled path: set use_cuda_graph=False and use_async_batching=False and no "
+            f"compile config (resolved: use_cuda_graph={cfg.use_cuda_graph}, "
+            f"use_async_batching={cfg.use_async_batching}, varlen_compile_config={cfg.varlen_compile_config}, "
+            f"decode_compile_config={cfg.decode_compile_config})."
+        )
+    processor_list = manager.logit_processor
+    wrapped = [PerRequestProcessor(p) for p in processors]
+    processor_list.logits_processor = LogitsProcessorList([*wrapped, *processor_list.logits_processor])
+    processor_list.tensors_required += len(wrapped)
+    processor_list.do_processing = True

@@ -11,8 +11,9 @@ Guarantees:
   its cause; `EngineDiedError` when the engine thread is gone). Never fewer, never shifted completions.
 - Fresh weights: the engine reads the live module; the prefix cache is cleared at the start of every round, so no
   KV block computed with older weights is reused.
-- Settings apply: the engine is rebuilt when the sampling settings or the module change, and re-sized (grown, with
-  a log line) when a workload needs more cache than it has.
+- Settings apply: every `GenerationConfig` field reaches the sampler exactly or is refused with `ValueError` at
+  construction (`generation_settings.py`); the engine is rebuilt when the sampling settings or the module change,
+  and re-sized (grown, with a log line) when a workload needs more cache than it has.
 - Training is unaffected: the module's train/eval mode and attention implementation are restored after each round,
   and the engine's thread is stopped between rounds (an idle torch thread slows CPU training; `_upstream.suspend`).
 - The caller's global RNG is never re-seeded; two rounds on the same prompts sample differently.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import numbers
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +36,14 @@ from transformers.generation import ContinuousBatchingConfig
 
 from . import _upstream
 from .errors import EngineDiedError, GenerationError
+from .generation_settings import (
+    engine_generation_config,
+    eos_token_ids,
+    request_processor_settings,
+    sampling_signature,
+    without_trl_cb_fields,
+)
+from .request_processors import build_request_processors
 from .sizing import CacheSize, Workload, default_page_size, size_cache
 
 if TYPE_CHECKING:
@@ -41,8 +51,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Sampling fields whose change requires a new engine (a live manager silently ignores them).
-_SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id")
+#: CB-config keys that must be off for trl_cb's per-request processors (`_upstream.install_request_processors`).
+_SYNC_ONLY_KEYS = ("use_cuda_graph", "use_async_batching", "varlen_compile_config", "decode_compile_config")
 #: How often the collector wakes up to check that the engine thread is still alive.
 _POLL_SECONDS = 0.2
 
@@ -51,8 +61,10 @@ _POLL_SECONDS = 0.2
 class GenerationResult:
     """Completions in the caller's order; `logprobs[i][t]` is the sampling logprob of `completion_ids[i][t]`.
 
-    The logprob is log-softmax of the *processed* logits the token was sampled from (temperature, then top-k/top-p
-    renormalisation), in fp32 — the behaviour policy that importance sampling corrects for.
+    The logprob is log-softmax of the *processed* logits the token was sampled from (repetition penalty and
+    min-length EOS suppression, temperature, then top-k/top-p/min-p/... truncation and renormalisation: every
+    setting of the generation config, in `generate()`'s order), in fp32 — the behaviour policy that importance
+    sampling corrects for.
     """
 
     completion_ids: list[list[int]]
@@ -79,8 +91,10 @@ class ContinuousBatchingGenerator:
             parameters summoned) for the duration of each round only; FSDP2 (`fully_shard`) parameters are held
             unsharded for the round and resharded after it, with or without an accelerator. Sharded strategies
             must call `generate` on every rank together (as the trainers do).
-        generation_config: Sampling settings; `max_new_tokens` is required. `num_return_sequences` is ignored: the
-            number of samples is `generate(..., num_generations=G)`.
+        generation_config: Sampling settings; `max_new_tokens` is required. Each field is applied exactly or refused
+            with `ValueError` here (table: `generation_settings.FIELD_RULES`, docs/index.md). `eos_token_id=None`
+            falls back to the model's EOS, as in `generate()`. `num_return_sequences` is ignored: the number of
+            samples is `generate(..., num_generations=G)`.
         continuous_batching_config: `ContinuousBatchingConfig` or its kwargs. Unset `num_blocks` /
             `max_batch_tokens` / `page_size` are sized from the workload; `max_memory_percent` defaults to 0.5 and
             caps the cache; `return_logprobs` is always on.
@@ -116,8 +130,9 @@ class ContinuousBatchingGenerator:
         self.cast_lm_head_to_fp32 = cast_lm_head_to_fp32
         self.gradient_checkpointing_kwargs = gradient_checkpointing_kwargs
         self.timeout = timeout
-        self.generation_config = _engine_generation_config(generation_config)
+        self.generation_config = engine_generation_config(generation_config)
         self._cb_kwargs = _cb_kwargs(continuous_batching_config)
+        _check_cb_kwargs_for_settings(self._cb_kwargs, self.generation_config)
         self._engine: _Engine | None = None
         self._round = 0
         #: Engines built so far (a persistent engine keeps this at 1 across training steps).
@@ -139,11 +154,14 @@ class ContinuousBatchingGenerator:
         if num_generations <= 0:
             raise ValueError(f"num_generations must be >= 1, got {num_generations}.")
         if generation_config is not None:
-            self.generation_config = _engine_generation_config(generation_config)
+            new_config = engine_generation_config(generation_config)
+            _check_cb_kwargs_for_settings(self._cb_kwargs, new_config)
+            self.generation_config = new_config
         if len(prompt_ids) == 0:
             return GenerationResult(completion_ids=[], logprobs=[], num_generations=num_generations)
+        prompts = [p.tolist() if hasattr(p, "tolist") else list(p) for p in prompt_ids]  # tensors / arrays too
         with self._generation_module() as module:
-            return self._generate_on(module, [list(p) for p in prompt_ids], num_generations)
+            return self._generate_on(module, prompts, num_generations)
 
     def engine_for(self, module: PreTrainedModel, workload: Workload) -> _upstream.ContinuousBatchingManager:
         """The running engine for `module`, sized for `workload`, for callers that keep requests in flight across
@@ -316,8 +334,9 @@ class ContinuousBatchingGenerator:
         return outputs
 
     def _ensure_engine(self, module: PreTrainedModel, workload: Workload) -> _Engine:
+        _resolve_eos(self.generation_config, module)
         sharing = self._cb_kwargs.get("allow_block_sharing", True)
-        signature = (id(module), module.dtype, sharing, _sampling_signature(self.generation_config))
+        signature = (id(module), module.dtype, sharing, sampling_signature(self.generation_config))
         engine = self._engine
         if engine is not None and engine.signature == signature:
             if engine.size.holds(self._cache_size(module, workload)):
@@ -349,6 +368,10 @@ class ContinuousBatchingGenerator:
 
     def _build_engine(self, module: PreTrainedModel, workload: Workload, signature: tuple[Any, ...]) -> _Engine:
         kwargs = dict(self._cb_kwargs)
+        gen_cfg = self.generation_config
+        request_processors = build_request_processors(request_processor_settings(gen_cfg), eos_token_ids(gen_cfg))
+        if request_processors:  # they read each request's history on the host: synchronous, uncompiled engine only
+            kwargs.update(use_cuda_graph=False, use_async_batching=False)
         size = self._cache_size(module, workload)
         kwargs.update(
             page_size=size.page_size,
@@ -365,7 +388,7 @@ class ContinuousBatchingGenerator:
         t0 = time.perf_counter()
         try:
             manager = _upstream.create_manager(
-                module, self.generation_config, ContinuousBatchingConfig(**kwargs), hints
+                module, without_trl_cb_fields(gen_cfg), ContinuousBatchingConfig(**kwargs), hints, request_processors
             )
         except MemoryError as err:
             raise MemoryError(
@@ -398,6 +421,9 @@ def validate_prompts(
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ValueError(f"Prompt {i} is empty; continuous batching needs at least one prompt token.")
+        for token in prompt:
+            if not isinstance(token, numbers.Integral) or isinstance(token, bool):
+                raise ValueError(f"Prompt {i} holds {token!r} ({type(token).__name__}); token ids must be integers.")
         low, high = min(prompt), max(prompt)
         if low < 0 or high >= vocab_size:
             bad = low if low < 0 else high
@@ -415,31 +441,35 @@ def validate_prompts(
             )
 
 
-def _engine_generation_config(generation_config: GenerationConfig) -> GenerationConfig:
-    """A private copy of the sampling settings, checked for what CB cannot honour."""
-    max_new_tokens = generation_config.max_new_tokens
-    if max_new_tokens is None or max_new_tokens <= 0:
+def _resolve_eos(generation_config: GenerationConfig, module: PreTrainedModel) -> None:
+    """`eos_token_id=None` means the model's EOS, as in `generate()` (whose config falls back to the model's
+    generation config; the engine alone would disable EOS). Ids outside the vocabulary are refused."""
+    if generation_config.eos_token_id is None:
+        model_eos = getattr(getattr(module, "generation_config", None), "eos_token_id", None)
+        if model_eos is None:
+            model_eos = getattr(module.config.get_text_config(), "eos_token_id", None)
+        if model_eos is not None:
+            logger.info("eos_token_id is unset: using the model's EOS %s, as generate() does.", model_eos)
+            generation_config.eos_token_id = model_eos
+    vocab_size = module.config.get_text_config().vocab_size
+    outside = [t for t in eos_token_ids(generation_config) if t >= vocab_size]
+    if outside:
+        raise ValueError(f"eos_token_id {outside} is outside the model's vocabulary [0, {vocab_size}).")
+
+
+def _check_cb_kwargs_for_settings(cb_kwargs: dict[str, Any], generation_config: GenerationConfig) -> None:
+    """Refuse engine settings under which trl_cb's per-request processors cannot run exactly (before any build)."""
+    if not request_processor_settings(generation_config).needs_history:
+        return
+    conflicting = {key: cb_kwargs[key] for key in _SYNC_ONLY_KEYS if cb_kwargs.get(key) not in (None, False)}
+    if cb_kwargs.get("default_compile_level"):
+        conflicting["default_compile_level"] = cb_kwargs["default_compile_level"]
+    if conflicting:
         raise ValueError(
-            f"generation_config.max_new_tokens must be a positive integer, got {max_new_tokens!r}. Without it "
-            "the engine generates until its cache is full and then fails every request."
+            f"repetition_penalty / min_new_tokens / min_length are applied from each request's history at every "
+            f"step, which needs the engine's synchronous, uncompiled path; unset {sorted(conflicting)} in the "
+            "continuous batching config, or drop those generation settings."
         )
-    cfg = GenerationConfig.from_dict(generation_config.to_dict())
-    unsupported = []
-    if cfg.min_p is not None:
-        unsupported.append(f"min_p={cfg.min_p}")
-    if cfg.repetition_penalty not in (None, 1.0):
-        unsupported.append(f"repetition_penalty={cfg.repetition_penalty}")
-    if unsupported:
-        raise ValueError(
-            f"Continuous batching cannot apply {', '.join(unsupported)} (transformers drops these processors), so "
-            "samples and their logprobs would not follow the requested distribution. Unset them, or use the "
-            "`generate()` path."
-        )
-    if cfg.do_sample and cfg.top_k is None:
-        # `model.generate` silently adds top_k=50 when unset; CB adds nothing. Make "no top-k" explicit.
-        cfg.top_k = 0
-    cfg.num_return_sequences = 1
-    return cfg
 
 
 def _cb_kwargs(config: ContinuousBatchingConfig | dict[str, Any] | None) -> dict[str, Any]:
@@ -474,10 +504,6 @@ def validate_cb_kwargs(kwargs: dict[str, Any]) -> None:
     mmp = kwargs.get("max_memory_percent")
     if mmp is not None and not (0 < float(mmp) <= 1):
         raise ValueError(f"max_memory_percent must be in (0, 1], got {mmp}.")
-
-
-def _sampling_signature(cfg: GenerationConfig) -> tuple[Any, ...]:
-    return tuple(tuple(v) if isinstance(v := getattr(cfg, name, None), list) else v for name in _SAMPLING_FIELDS)
 
 
 def _zero_stage(accelerator: Accelerator) -> int | None:

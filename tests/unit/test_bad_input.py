@@ -48,13 +48,6 @@ def test_max_new_tokens_missing_or_not_positive(model, tokenizer, max_new_tokens
         ContinuousBatchingGenerator(model, cfg)
 
 
-def test_unsupported_processors_rejected(model, tokenizer):
-    with pytest.raises(ValueError, match="repetition_penalty=1.3"):
-        ContinuousBatchingGenerator(model, sampling_config(tokenizer, repetition_penalty=1.3))
-    with pytest.raises(ValueError, match="min_p=0.1"):
-        ContinuousBatchingGenerator(model, sampling_config(tokenizer, min_p=0.1))
-
-
 def test_num_generations_must_be_positive(model, tokenizer, prompts):
     with ContinuousBatchingGenerator(model, sampling_config(tokenizer)) as gen:
         with pytest.raises(ValueError, match="num_generations must be >= 1"):

@@ -1,0 +1,267 @@
+"""Every GenerationConfig field reaches the CB sampler exactly or is refused before anything is built.
+
+Exactness is checked against transformers' own processors: `model._get_logits_processor` builds what `generate()`
+applies for a config, and the reference re-applies it position by position on a teacher-forced forward. The model
+has weights far from uniform (std 0.2, sharpened head: entropy ~3 nats of 6.2), so a dropped or misapplied setting
+moves logprobs well past the tolerance; each family has a control showing the test would see it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from tests.conftest import sampling_config
+from trl_cb import ContinuousBatchingGenerator
+from trl_cb.generation_settings import FIELD_RULES, Handling, check_generation_config
+from trl_cb.tiny import bias_eos, tiny_model
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def sharp_model(tokenizer):
+    """Weights far from uniform, EOS likely enough (~10%/step) that completions end at varied lengths."""
+    model = tiny_model(tokenizer)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(1)
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+        model.lm_head.weight.mul_(2.0)
+        bias_eos(model, tokenizer.eos_token_id, 5.0)
+    return model
+
+
+def reference_logprobs(
+    model, prompt: list[int], completion: list[int], cfg: GenerationConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob of each completion token, whether it was allowed) under generate()'s processors for `cfg`."""
+    cfg = copy.deepcopy(cfg)
+    eos = cfg.eos_token_id
+    cfg._eos_token_tensor = None if eos is None else torch.tensor(eos if isinstance(eos, list) else [eos])
+    processors = model._get_logits_processor(cfg, input_ids_seq_length=len(prompt))
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # (T, V)
+    rows = [processors(ids[:, : len(prompt) + t], logits[t : t + 1].clone())[0] for t in range(len(completion))]
+    scores = torch.stack(rows)  # (T, V)
+    picked = scores.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+    return torch.log_softmax(scores, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0], picked.isfinite()
+
+
+def max_gap(model, prompts, result, cfg, G) -> tuple[float, bool]:
+    """Largest |CB logprob - reference| over all tokens, and whether every sampled token was allowed."""
+    worst, obeyed = 0.0, True
+    for i, (completion, logprobs) in enumerate(zip(result.completion_ids, result.logprobs)):
+        ref, allowed = reference_logprobs(model, prompts[i // G], completion, cfg)
+        worst = max(worst, (ref - torch.tensor(logprobs)).abs().max().item())
+        obeyed = obeyed and bool(allowed.all())
+    return worst, obeyed
+
+
+# ------------------------------------------------------------------------------------------------------ refused
+
+
+REFUSED = {
+    "beam-sampling": dict(num_beams=2),
+    "beam-greedy": dict(num_beams=2, do_sample=False),
+    "bad_words_ids": dict(bad_words_ids=[[5]]),
+    "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
+    "sequence_bias": dict(sequence_bias={(5,): -1.0}),
+    "suppress_tokens": dict(suppress_tokens=[5]),
+    "stop_strings": dict(stop_strings=["\n"]),
+    "max_time": dict(max_time=1.0),
+    "forced_eos_token_id": dict(forced_eos_token_id=2),
+    "guidance_scale": dict(guidance_scale=1.5),
+    "assistant": dict(prompt_lookup_num_tokens=3),
+    "unknown-attribute": dict(my_custom_knob=3),
+    "max_new_tokens-float": dict(max_new_tokens=2.5),
+    "max_new_tokens-bool": dict(max_new_tokens=True),
+    "min_new_tokens-float": dict(min_new_tokens=1.5),
+    "top_k-float": dict(top_k=2.5),
+    "eos-float": dict(eos_token_id=2.0),
+    "temperature-zero": dict(temperature=0.0),
+    "top_p-above-one": dict(top_p=1.5),
+    "min_p-negative": dict(min_p=-0.1),
+    "repetition_penalty-zero": dict(repetition_penalty=0.0),
+}
+
+
+@pytest.mark.parametrize("overrides", REFUSED.values(), ids=REFUSED.keys())
+def test_refused_settings_raise_at_construction(model, tokenizer, overrides):
+    with pytest.raises(ValueError, match=next(iter(overrides))):
+        ContinuousBatchingGenerator(model, sampling_config(tokenizer, **overrides))
+
+
+def test_refused_setting_in_generate_builds_nothing_and_keeps_old_settings(model, tokenizer, prompts):
+    with ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=4)) as gen:
+        with pytest.raises(ValueError, match="num_beams=2"):
+            gen.generate(prompts[:1], generation_config=sampling_config(tokenizer, num_beams=2))
+        assert gen.num_engine_builds == 0
+        assert gen.generation_config.num_beams is None
+        gen.generate(prompts[:1])
+        assert gen.num_engine_builds == 1
+
+
+def test_neutral_and_irrelevant_values_accepted(model, tokenizer):
+    cfg = sampling_config(
+        tokenizer,
+        num_beams=1,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        guidance_scale=1.0,
+        length_penalty=-0.1,  # beam search only
+        early_stopping=True,
+        cache_implementation="static",
+        disable_compile=True,
+        output_scores=True,
+        return_dict_in_generate=True,
+        max_length=5,  # max_new_tokens takes precedence, as in generate()
+    )
+    ContinuousBatchingGenerator(model, cfg).close()
+
+
+def test_every_refusal_names_field_and_reason():
+    cfg = GenerationConfig(max_new_tokens=4, do_sample=True, num_beams=3, no_repeat_ngram_size=2, foo="bar")
+    with pytest.raises(ValueError) as info:
+        check_generation_config(cfg)
+    message = str(info.value)
+    for expected in ("num_beams=3", "beam search", "no_repeat_ngram_size=2", "foo='bar'", "not a GenerationConfig"):
+        assert expected in message
+
+
+def test_sync_only_engine_settings_refused_with_history_processors(model, tokenizer):
+    cb = {"use_async_batching": True}
+    with pytest.raises(ValueError, match="use_async_batching"):
+        ContinuousBatchingGenerator(model, sampling_config(tokenizer, repetition_penalty=1.2), cb)
+    ContinuousBatchingGenerator(model, sampling_config(tokenizer), cb).close()  # fine without them
+
+
+@pytest.mark.parametrize("bad", [5.0, True], ids=["float", "bool"])
+def test_non_integer_token_ids_refused_in_validation(model, tokenizer, prompts, bad):
+    with ContinuousBatchingGenerator(model, sampling_config(tokenizer)) as gen:
+        with pytest.raises(ValueError, match="Prompt 1 holds .* token ids must be integers"):
+            gen.generate([prompts[0], prompts[1] + [bad]])
+        assert gen.num_engine_builds == 0
+
+
+# ------------------------------------------------------------------------------------------- exact (engine's own)
+
+
+EXACT = {
+    "min_p": (dict(temperature=0.8, min_p=0.2), "min_p"),
+    "top_h": (dict(top_h=0.6), "top_h"),
+    "typical_p": (dict(typical_p=0.6), "typical_p"),
+    "epsilon_cutoff": (dict(epsilon_cutoff=0.03), "epsilon_cutoff"),
+    "eta_cutoff": (dict(eta_cutoff=0.05), "eta_cutoff"),
+    "renormalize+remove_invalid": (dict(renormalize_logits=True, remove_invalid_values=True), None),
+}
+
+
+@pytest.mark.parametrize(("overrides", "field"), EXACT.values(), ids=EXACT.keys())
+def test_engine_warpers_exact(sharp_model, tokenizer, prompts, overrides, field):
+    cfg = sampling_config(tokenizer, max_new_tokens=16, **overrides)
+    G = 3
+    with ContinuousBatchingGenerator(sharp_model, cfg) as gen:
+        result = gen.generate(prompts[:3], num_generations=G)
+    gap, obeyed = max_gap(sharp_model, prompts, result, cfg, G)
+    assert obeyed, "a sampled token lies outside what the setting allows"
+    assert gap <= TOL, f"max |CB logprob - generate()'s processed logprob| = {gap}"
+    if field is not None:  # control: without the setting the reference moves, so dropping it would be caught
+        control = copy.deepcopy(cfg)
+        setattr(control, field, None)
+        control_gap, _ = max_gap(sharp_model, prompts, result, control, G)
+        assert control_gap > 100 * TOL, f"{field} does not change these logprobs: the test would not catch a drop"
+
+
+# ---------------------------------------------------------------------------------------- honoured by trl_cb
+
+
+def test_repetition_penalty_and_min_new_tokens_exact(sharp_model, tokenizer, prompts):
+    cfg = sampling_config(tokenizer, max_new_tokens=16, temperature=0.9, repetition_penalty=1.6, min_new_tokens=8)
+    G = 4
+    with ContinuousBatchingGenerator(sharp_model, cfg) as gen:
+        result = gen.generate(prompts[:4], num_generations=G)
+    eos = tokenizer.eos_token_id
+    for completion in result.completion_ids:
+        assert eos not in completion[:8], f"EOS before min_new_tokens: {completion}"
+        assert len(completion) >= 8
+    gap, obeyed = max_gap(sharp_model, prompts, result, cfg, G)
+    assert obeyed and gap <= TOL, f"max |CB logprob - generate()'s processed logprob| = {gap}"
+
+    # Controls: each setting changes the reference, so dropping either would be caught.
+    for field, neutral in (("repetition_penalty", None), ("min_new_tokens", None)):
+        control = copy.deepcopy(cfg)
+        setattr(control, field, neutral)
+        control_gap, _ = max_gap(sharp_model, prompts, result, control, G)
+        assert control_gap > 100 * TOL, field
+    # ... and without min_new_tokens this model does stop early (what the engine alone silently did).
+    with ContinuousBatchingGenerator(sharp_model, sampling_config(tokenizer, max_new_tokens=16)) as gen:
+        plain = gen.generate(prompts[:4], num_generations=G)
+    assert min(len(c) for c in plain.completion_ids) < 8
+
+
+def test_min_length_counts_each_requests_own_prompt(sharp_model, tokenizer, prompts):
+    lengths = [len(p) for p in prompts[:4]]
+    min_length = max(lengths) + 3
+    cfg = sampling_config(tokenizer, max_new_tokens=40, min_length=min_length)
+    G = 3
+    with ContinuousBatchingGenerator(sharp_model, cfg) as gen:
+        result = gen.generate(prompts[:4], num_generations=G)
+    for i, completion in enumerate(result.completion_ids):
+        assert len(prompts[i // G]) + len(completion) >= min_length
+    gap, obeyed = max_gap(sharp_model, prompts, result, cfg, G)
+    assert obeyed and gap <= TOL, gap
+    control = copy.deepcopy(cfg)
+    control.min_length = None
+    assert max_gap(sharp_model, prompts, result, control, G)[0] > 100 * TOL
+
+
+def test_greedy_with_penalty_and_min_new_tokens_matches_generate(sharp_model, tokenizer, prompts):
+    def greedy(**overrides):
+        return sampling_config(tokenizer, do_sample=False, max_new_tokens=20, **overrides)
+
+    cfg = greedy(repetition_penalty=1.5, min_new_tokens=6)
+    with ContinuousBatchingGenerator(sharp_model, cfg) as gen:
+        ours = gen.generate(prompts[:4]).completion_ids
+    with ContinuousBatchingGenerator(sharp_model, greedy()) as gen:
+        plain = gen.generate(prompts[:4]).completion_ids
+    for prompt, completion in zip(prompts, ours):
+        ids = torch.tensor([prompt])
+        ref = sharp_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+        assert completion == ref[0, len(prompt) :].tolist()
+    assert ours != plain, "control: the settings change greedy completions here"
+
+
+def test_eos_unset_falls_back_to_model_eos(sharp_model, tokenizer, prompts):
+    eos = tokenizer.eos_token_id
+    assert sharp_model.generation_config.eos_token_id == eos
+    cfg = sampling_config(tokenizer, do_sample=False, max_new_tokens=20, eos_token_id=None)
+    with ContinuousBatchingGenerator(sharp_model, cfg) as gen:
+        result = gen.generate(prompts[:4])
+    ended = [c for c in result.completion_ids if c[-1] == eos]
+    assert ended, "control: this model reaches EOS within 20 tokens"
+    for prompt, completion in zip(prompts, result.completion_ids):
+        assert eos not in completion[:-1], "generation ran past EOS"
+        ids = torch.tensor([prompt])
+        ref = sharp_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+        assert completion == ref[0, len(prompt) :].tolist()  # generate() falls back the same way
+
+
+def test_changed_min_p_rebuilds_engine(model, tokenizer, prompts):
+    with ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=4)) as gen:
+        gen.generate(prompts[:1])
+        gen.generate(prompts[:1], generation_config=sampling_config(tokenizer, max_new_tokens=4, min_p=0.1))
+        assert gen.num_engine_builds == 2, "a live engine ignores a new config: min_p must trigger a rebuild"
+
+
+def test_field_table_is_complete_and_consistent():
+    assert {f for f in GenerationConfig().to_dict() if f not in FIELD_RULES} == set()
+    for name, rule in FIELD_RULES.items():
+        assert rule.reason, name
+        if rule.handling is not Handling.REFUSED:
+            assert rule.neutral(None), name

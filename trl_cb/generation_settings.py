@@ -1,0 +1,305 @@
+"""Which `GenerationConfig` fields trl_cb's CB path honours, and the check that refuses the rest up front.
+
+Why an allow-list: transformers' CB engine builds its logits processors from the generation config, drops the ones it
+cannot run per request (repetition penalty, min-length EOS suppression, ...), crashes on others (`num_beams`,
+`bad_words_ids` reach for `_eos_token_tensor`, which only `generate()` sets) and ignores fields it never reads. Each
+of those would sample from a distribution other than the one asked for, and the recorded logprobs would be of the
+wrong policy. So every field is classified here, and a field that is not in `FIELD_RULES` (a new transformers field,
+or a custom attribute) is refused when set: a new field can never be dropped silently.
+
+Classes (`Handling`):
+- `EXACT`: transformers' CB applies it exactly as `generate()` does (same processor, same order), and the logprob
+  it records is of the processed distribution. `_upstream.create_manager` re-checks at every build that the engine
+  kept every processor `generate()` would build from the config, so an upstream change that starts dropping one
+  fails loudly.
+- `TRL_CB`: CB drops it; trl_cb applies it itself per request from the request's own tokens
+  (`request_processors.py`), in `generate()`'s processor order, before the engine's own processors.
+- `IRRELEVANT`: does not change which tokens are sampled or their probabilities on this path.
+- `REFUSED`: set to anything but its neutral value, raises `ValueError` naming the field and the reason.
+
+Invariant of `engine_generation_config`: the returned copy has integer-typed lengths and token ids, in-range
+sampling parameters, no refused or unknown field set, `num_return_sequences == 1` and an explicit `top_k` when
+sampling. The engine itself is built from `without_trl_cb_fields(copy)`; the `TRL_CB` fields reach the sampler as
+`RequestProcessorSettings`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import GenerationConfig
+
+__all__ = [
+    "FIELD_RULES",
+    "FieldRule",
+    "Handling",
+    "RequestProcessorSettings",
+    "check_generation_config",
+    "engine_generation_config",
+    "eos_token_ids",
+    "request_processor_settings",
+    "sampling_signature",
+    "without_trl_cb_fields",
+]
+
+
+class Handling(enum.Enum):
+    EXACT = "exact"
+    TRL_CB = "honoured by trl_cb"
+    IRRELEVANT = "irrelevant to sampling"
+    REFUSED = "refused"
+
+
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+def _unset_or(neutral: Any) -> Callable[[Any], bool]:
+    def check(value: Any) -> bool:
+        return value is None or value == neutral
+
+    return check
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    handling: Handling
+    reason: str
+    #: Values that mean "off"; a REFUSED field holding one is accepted (e.g. `num_beams=1`).
+    neutral: Callable[[Any], bool] = _unset
+
+
+_E, _T, _I, _R = Handling.EXACT, Handling.TRL_CB, Handling.IRRELEVANT, Handling.REFUSED
+_SPECULATIVE = "speculative / assisted decoding is not part of the CB engine"
+_REMOVED = "a decoding strategy transformers moved out of `generate()` (Hub custom generate); not a CB sampler"
+_HISTORY = "needs n-gram matching on each request's history, which neither CB nor trl_cb implements"
+
+#: Every `GenerationConfig` field (transformers 5.23), classified. Anything else that is set is refused.
+FIELD_RULES: dict[str, FieldRule] = {
+    # Length and stopping
+    "max_new_tokens": FieldRule(_E, "required: a positive integer, the per-request token budget"),
+    "max_length": FieldRule(_I, "`max_new_tokens` is required and takes precedence, as in `generate()`"),
+    "min_new_tokens": FieldRule(_T, "EOS suppressed until the request has generated this many tokens"),
+    "min_length": FieldRule(_T, "EOS suppressed until prompt + completion reach this length (per request)"),
+    "eos_token_id": FieldRule(_E, "ends a completion (kept in it); unset falls back to the model's EOS"),
+    "stop_strings": FieldRule(_R, "CB has no stop-string criterion: completions would run past the string"),
+    "max_time": FieldRule(_R, "CB has no time criterion: completions would not be cut"),
+    "early_stopping": FieldRule(_I, "beam search only (`num_beams > 1` is refused)"),
+    "forced_bos_token_id": FieldRule(_R, "CB drops the processor: the first token would not be forced"),
+    "forced_eos_token_id": FieldRule(_R, "CB drops the processor: EOS would not be forced at max length"),
+    "exponential_decay_length_penalty": FieldRule(_R, "CB drops the processor: no length-dependent EOS boost"),
+    # Strategy
+    "do_sample": FieldRule(_E, "multinomial sampling; unset or False is greedy"),
+    "num_beams": FieldRule(_R, "beam search has no per-token sampling policy to record", _unset_or(1)),
+    "num_beam_groups": FieldRule(_R, _REMOVED, _unset_or(1)),
+    "diversity_penalty": FieldRule(_R, _REMOVED, _unset_or(0.0)),
+    "length_penalty": FieldRule(_I, "beam search only (`num_beams > 1` is refused)"),
+    "penalty_alpha": FieldRule(_R, _REMOVED),
+    "dola_layers": FieldRule(_R, _REMOVED),
+    "low_memory": FieldRule(_R, _REMOVED),
+    "constraints": FieldRule(_R, _REMOVED),
+    "force_words_ids": FieldRule(_R, _REMOVED),
+    "num_return_sequences": FieldRule(_I, "samples per prompt are `generate(..., num_generations=G)`"),
+    # Warpers (sampling only) and other processors
+    "temperature": FieldRule(_E, "logits divided by it before the other warpers"),
+    "top_k": FieldRule(_E, "keep the k most likely tokens; unset means no top-k (generate() would use 50)"),
+    "top_p": FieldRule(_E, "nucleus filtering, renormalised"),
+    "min_p": FieldRule(_E, "drop tokens below min_p x the top probability (after temperature)"),
+    "top_h": FieldRule(_E, "entropy-bounded truncation"),
+    "typical_p": FieldRule(_E, "locally typical filtering"),
+    "epsilon_cutoff": FieldRule(_E, "drop tokens below a probability floor"),
+    "eta_cutoff": FieldRule(_E, "entropy-dependent probability floor"),
+    "renormalize_logits": FieldRule(_E, "log-softmax of the processed logits (distribution unchanged)"),
+    "remove_invalid_values": FieldRule(_E, "nan/inf logits replaced (finite logits unchanged)"),
+    "repetition_penalty": FieldRule(_T, "every prompt and completion token of the request penalised", _unset_or(1.0)),
+    "encoder_repetition_penalty": FieldRule(_R, "encoder-decoder only", _unset_or(1.0)),
+    "no_repeat_ngram_size": FieldRule(_R, _HISTORY, _unset_or(0)),
+    "encoder_no_repeat_ngram_size": FieldRule(_R, "encoder-decoder only", _unset_or(0)),
+    "bad_words_ids": FieldRule(_R, _HISTORY),
+    "sequence_bias": FieldRule(_R, _HISTORY),
+    "suppress_tokens": FieldRule(_R, "CB builds this processor on the CPU: it fails for a model on an accelerator"),
+    "begin_suppress_tokens": FieldRule(_R, "CB drops the processor: tokens would not be suppressed"),
+    "guidance_scale": FieldRule(_R, "classifier-free guidance needs a second forward CB does not run", _unset_or(1)),
+    "watermarking_config": FieldRule(_R, "watermarking processors are not per-request in CB"),
+    "token_healing": FieldRule(_R, "rewrites the prompt tail; CB does not", _unset_or(False)),
+    # Speculative / assisted decoding
+    "is_assistant": FieldRule(_R, _SPECULATIVE, _unset_or(False)),
+    "num_assistant_tokens": FieldRule(_R, _SPECULATIVE),
+    "num_assistant_tokens_schedule": FieldRule(_R, _SPECULATIVE),
+    "assistant_confidence_threshold": FieldRule(_R, _SPECULATIVE),
+    "prompt_lookup_num_tokens": FieldRule(_R, _SPECULATIVE),
+    "max_matching_ngram_size": FieldRule(_R, _SPECULATIVE),
+    "assistant_early_exit": FieldRule(_R, _SPECULATIVE),
+    "assistant_lookbehind": FieldRule(_R, _SPECULATIVE),
+    "target_lookbehind": FieldRule(_R, _SPECULATIVE),
+    "assistant_ensemble_weight": FieldRule(_R, _SPECULATIVE),
+    "speculation_type": FieldRule(_R, _SPECULATIVE),
+    "use_mtp": FieldRule(_R, "multi-token prediction decoding is not part of the CB engine", _unset_or(False)),
+    # Engine, cache, outputs, special tokens: no effect on the sampled distribution here
+    "continuous_batching_config": FieldRule(_R, "pass it as the generator's `continuous_batching_config`"),
+    "use_cache": FieldRule(_I, "the CB engine always uses its paged KV cache"),
+    "cache_implementation": FieldRule(_I, "the CB engine always uses its paged KV cache"),
+    "cache_config": FieldRule(_I, "the CB engine always uses its paged KV cache"),
+    "max_cache_len": FieldRule(_I, "the CB cache is sized by trl_cb (docs/index.md, Sizing)"),
+    "prefill_chunk_size": FieldRule(_I, "the CB engine chunks prefill by its own token budget"),
+    "compile_config": FieldRule(_I, "`generate()`'s compilation; CB compilation is a CB-config setting"),
+    "disable_compile": FieldRule(_I, "`generate()`'s compilation; CB compilation is a CB-config setting"),
+    "output_attentions": FieldRule(_I, "output format of `generate()`"),
+    "output_hidden_states": FieldRule(_I, "output format of `generate()`"),
+    "output_scores": FieldRule(_I, "output format of `generate()` (trl_cb always returns sampling logprobs)"),
+    "output_logits": FieldRule(_I, "output format of `generate()`"),
+    "return_dict_in_generate": FieldRule(_I, "output format of `generate()`"),
+    "pad_token_id": FieldRule(_I, "CB batches without padding"),
+    "bos_token_id": FieldRule(_I, "prompts are given as token ids; nothing is prepended"),
+    "decoder_start_token_id": FieldRule(_I, "encoder-decoder only; CB runs decoder-only models"),
+    "transformers_version": FieldRule(_I, "metadata"),
+    "_from_model_config": FieldRule(_I, "metadata"),
+}
+
+#: TRL_CB fields, zeroed in the engine's copy (trl_cb applies them; transformers would drop or misapply them).
+_TRL_CB_FIELDS = tuple(name for name, rule in FIELD_RULES.items() if rule.handling is Handling.TRL_CB)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _range_problems(cfg: GenerationConfig) -> list[str]:
+    """Type and range checks of the fields trl_cb honours (refusing what would crash or be silently truncated)."""
+    problems = []
+    max_new_tokens = cfg.max_new_tokens
+    if not _is_int(max_new_tokens) or max_new_tokens <= 0:
+        problems.append(
+            f"max_new_tokens must be a positive integer, got {max_new_tokens!r}. Without it the engine generates "
+            "until its cache is full and then fails every request."
+        )
+    for name in ("min_new_tokens", "min_length", "top_k"):
+        value = getattr(cfg, name, None)
+        if value is not None and (not _is_int(value) or value < 0):
+            problems.append(f"{name} must be an integer >= 0, got {value!r}.")
+    eos = cfg.eos_token_id
+    eos_list = eos if isinstance(eos, list | tuple) else [eos]
+    if eos is not None and not all(_is_int(t) for t in eos_list):
+        problems.append(f"eos_token_id must be an integer or a list of integers, got {eos!r}.")
+    bounds: dict[str, tuple[float, float, bool, bool]] = {  # name: (low, high, low inclusive, high inclusive)
+        "temperature": (0.0, math.inf, False, False),
+        "top_p": (0.0, 1.0, False, True),
+        "min_p": (0.0, 1.0, True, True),
+        "top_h": (0.0, 1.0, False, True),
+        "typical_p": (0.0, 1.0, False, True),
+        "epsilon_cutoff": (0.0, 1.0, True, False),
+        "eta_cutoff": (0.0, 1.0, True, False),
+        "repetition_penalty": (0.0, math.inf, False, False),
+    }
+    for name, (low, high, low_in, high_in) in bounds.items():
+        value = getattr(cfg, name, None)
+        if value is None:
+            continue
+        above = low <= value if low_in else low < value
+        if not (_is_real(value) and above and (value <= high if high_in else value < high)):
+            interval = f"{'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
+            problems.append(f"{name} must be a finite number in {interval}, got {value!r}.")
+    return problems
+
+
+def check_generation_config(generation_config: GenerationConfig) -> None:
+    """`ValueError` listing every field set that the CB path would drop, crash on, or truncate (see `FIELD_RULES`)."""
+    problems = []
+    for name, value in generation_config.to_dict().items():
+        rule = FIELD_RULES.get(name)
+        if rule is None:
+            if value is not None:
+                problems.append(
+                    f"{name}={value!r}: not a GenerationConfig field trl_cb knows, so it cannot tell whether the "
+                    "continuous batching engine honours it"
+                )
+        elif rule.handling is Handling.REFUSED and not rule.neutral(value):
+            problems.append(f"{name}={value!r}: {rule.reason}")
+    problems.extend(_range_problems(generation_config))
+    if problems:
+        raise ValueError(
+            "Generation settings the continuous batching path cannot apply exactly (samples and their logprobs "
+            "would not follow the requested distribution):\n- "
+            + "\n- ".join(problems)
+            + "\nUnset them, or generate without continuous batching. Field table: docs/index.md, 'Sampling settings'."
+        )
+
+
+@dataclass(frozen=True)
+class RequestProcessorSettings:
+    """What trl_cb applies per request itself (`request_processors.py`); all off by default."""
+
+    repetition_penalty: float | None = None
+    min_new_tokens: int = 0
+    min_length: int = 0
+
+    @property
+    def needs_history(self) -> bool:
+        return self.repetition_penalty is not None or self.min_new_tokens > 0 or self.min_length > 0
+
+
+def request_processor_settings(generation_config: GenerationConfig) -> RequestProcessorSettings:
+    """The `TRL_CB` fields of a checked config, in `generate()`'s semantics (`min_new_tokens` overrides
+    `min_length`; a penalty of 1 is off)."""
+    penalty = generation_config.repetition_penalty
+    min_new_tokens = int(generation_config.min_new_tokens or 0)
+    return RequestProcessorSettings(
+        repetition_penalty=None if penalty is None or penalty == 1.0 else float(penalty),
+        min_new_tokens=min_new_tokens,
+        min_length=0 if min_new_tokens else int(generation_config.min_length or 0),
+    )
+
+
+def engine_generation_config(generation_config: GenerationConfig) -> GenerationConfig:
+    """A checked private copy of the sampling settings: `top_k` explicit when sampling, one sequence per request."""
+    check_generation_config(generation_config)
+    cfg = GenerationConfig.from_dict(generation_config.to_dict())
+    if cfg.do_sample and cfg.top_k is None:
+        # `model.generate` silently adds top_k=50 when unset; CB adds nothing. Make "no top-k" explicit.
+        cfg.top_k = 0
+    cfg.num_return_sequences = 1
+    return cfg
+
+
+def without_trl_cb_fields(cfg: GenerationConfig) -> GenerationConfig:
+    """`cfg` with the `TRL_CB` fields unset: what the engine's own processors are built from."""
+    stripped = GenerationConfig.from_dict(cfg.to_dict())
+    for name in _TRL_CB_FIELDS:
+        setattr(stripped, name, None)
+    return stripped
+
+
+def eos_token_ids(cfg: GenerationConfig) -> list[int]:
+    """The EOS ids as a list (empty when there is none)."""
+    eos = cfg.eos_token_id
+    if eos is None:
+        return []
+    return [int(t) for t in (eos if isinstance(eos, list | tuple) else [eos]) if int(t) >= 0]
+
+
+def sampling_signature(cfg: GenerationConfig) -> tuple[Any, ...]:
+    """Every field that shapes the engine's sampling (all but IRRELEVANT ones and the per-request budget): a live
+    manager silently ignores a new config, so a change of any of these must rebuild the engine."""
+    names = sorted(
+        name
+        for name, rule in FIELD_RULES.items()
+        if rule.handling is not Handling.IRRELEVANT and name != "max_new_tokens"
+    )
+    return tuple(_hashable(getattr(cfg, name, None)) for name in names)
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    return value
