@@ -78,6 +78,10 @@ _E, _T, _I, _R = Handling.EXACT, Handling.TRL_CB, Handling.IRRELEVANT, Handling.
 _SPECULATIVE = "speculative / assisted decoding is not part of the CB engine"
 _REMOVED = "a decoding strategy transformers moved out of `generate()` (Hub custom generate); not a CB sampler"
 _HISTORY = "needs n-gram matching on each request's history, which neither CB nor trl_cb implements"
+_LENGTH = (
+    "its processor reads the sequence length from the input ids, which the engine passes as one token per row: "
+    "it would be applied at the wrong steps"
+)
 
 #: Every `GenerationConfig` field (transformers 5.23), classified. Anything else that is set is refused.
 FIELD_RULES: dict[str, FieldRule] = {
@@ -90,9 +94,9 @@ FIELD_RULES: dict[str, FieldRule] = {
     "stop_strings": FieldRule(_R, "CB has no stop-string criterion: completions would run past the string"),
     "max_time": FieldRule(_R, "CB has no time criterion: completions would not be cut"),
     "early_stopping": FieldRule(_I, "beam search only (`num_beams > 1` is refused)"),
-    "forced_bos_token_id": FieldRule(_R, "CB drops the processor: the first token would not be forced"),
-    "forced_eos_token_id": FieldRule(_R, "CB drops the processor: EOS would not be forced at max length"),
-    "exponential_decay_length_penalty": FieldRule(_R, "CB drops the processor: no length-dependent EOS boost"),
+    "forced_bos_token_id": FieldRule(_R, _LENGTH),
+    "forced_eos_token_id": FieldRule(_R, _LENGTH),
+    "exponential_decay_length_penalty": FieldRule(_R, _LENGTH),
     # Strategy
     "do_sample": FieldRule(_E, "multinomial sampling; unset or False is greedy"),
     "num_beams": FieldRule(_R, "beam search has no per-token sampling policy to record", _unset_or(1)),
@@ -122,8 +126,8 @@ FIELD_RULES: dict[str, FieldRule] = {
     "encoder_no_repeat_ngram_size": FieldRule(_R, "encoder-decoder only", _unset_or(0)),
     "bad_words_ids": FieldRule(_R, _HISTORY),
     "sequence_bias": FieldRule(_R, _HISTORY),
-    "suppress_tokens": FieldRule(_R, "CB builds this processor on the CPU: it fails for a model on an accelerator"),
-    "begin_suppress_tokens": FieldRule(_R, "CB drops the processor: tokens would not be suppressed"),
+    "suppress_tokens": FieldRule(_E, "the listed ids never sampled"),
+    "begin_suppress_tokens": FieldRule(_R, _LENGTH),
     "guidance_scale": FieldRule(_R, "classifier-free guidance needs a second forward CB does not run", _unset_or(1)),
     "watermarking_config": FieldRule(_R, "watermarking processors are not per-request in CB"),
     "token_healing": FieldRule(_R, "rewrites the prompt tail; CB does not", _unset_or(False)),

@@ -441,6 +441,14 @@ def validate_prompts(
             )
 
 
+def validate_generation_settings(
+    generation_config: GenerationConfig, continuous_batching_config: ContinuousBatchingConfig | dict[str, Any] | None
+) -> None:
+    """`ValueError` for settings the CB path would not apply exactly — what `ContinuousBatchingGenerator` refuses at
+    construction, for callers (the trainers) that want the error before any model work."""
+    _check_cb_kwargs_for_settings(_cb_kwargs(continuous_batching_config), engine_generation_config(generation_config))
+
+
 def _resolve_eos(generation_config: GenerationConfig, module: PreTrainedModel) -> None:
     """`eos_token_id=None` means the model's EOS, as in `generate()` (whose config falls back to the model's
     generation config; the engine alone would disable EOS). Ids outside the vocabulary are refused."""

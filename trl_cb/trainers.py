@@ -29,7 +29,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import nanmax, nanmin, pad
 
 from .async_rollouts import AsyncRolloutController, RolloutGroup
-from .generator import ContinuousBatchingGenerator, plain_module
+from .generator import ContinuousBatchingGenerator, plain_module, validate_generation_settings
 from .importance_sampling import importance_sampling_ratio, importance_sampling_stats
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,13 @@ class ContinuousBatchingTrainerMixin:
                 "trl_cb's continuous batching path does not support multimodal models (processing_class is a "
                 f"{type(processing_class).__name__}). Use a text-only model, or `use_vllm` / the `generate()` path."
             )
+
+    def _cb_check_generation_settings(self) -> None:
+        """Refuse, at construction, any generation setting (TRL's `temperature`/`top_p`/`top_k`/`min_p`/
+        `repetition_penalty` and `generation_kwargs`, merged into `self.generation_config` by TRL) the CB path
+        would not apply exactly — instead of an error (or a silently different sampler) at the first step."""
+        if self.args.use_transformers_continuous_batching:
+            validate_generation_settings(self.generation_config, self.args.transformers_continuous_batching_config)
 
     # ---------------------------------------------------------------------------------------------- generation
 
@@ -288,6 +295,7 @@ class GRPOTrainer(ContinuousBatchingTrainerMixin, trl.GRPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._cb_check_processing_class(kwargs.get("args"), kwargs.get("processing_class"))
         super().__init__(*args, **kwargs)
+        self._cb_check_generation_settings()
         self._cb_async_setup()
 
     def _generate_single_turn(
@@ -315,6 +323,7 @@ class RLOOTrainer(ContinuousBatchingTrainerMixin, trl.RLOOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._cb_check_processing_class(kwargs.get("args"), kwargs.get("processing_class"))
         super().__init__(*args, **kwargs)
+        self._cb_check_generation_settings()
         self._cb_async_setup()
 
     def _generate_single_turn(

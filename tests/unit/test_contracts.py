@@ -149,6 +149,103 @@ def test_batch_processor_seeds_global_rng_upstream(model, tokenizer):
         manager.batch_processor = None
 
 
+class _ForceByHistory:
+    """A `HistoryProcessor` forcing token `prompt[0] + tokens generated so far`, recording the histories it saw:
+    outputs then show whether row i of the logits really is `histories[i]`'s next-token row."""
+
+    def __init__(self) -> None:
+        self.histories: dict[str, list[int]] = {}
+        self.targets = torch.empty(0, dtype=torch.long)
+
+    def prepare(self, histories) -> None:
+        for h in histories:
+            self.histories[h.request_id] = h.tokens()
+            assert h.tokens()[: h.prompt_len] == h.tokens(0)[: h.prompt_len]
+        self.targets = torch.tensor([h.tokens()[0] + h.num_generated for h in histories], dtype=torch.long)
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        forced = torch.full_like(scores, -float("inf"))
+        n = self.targets.numel()
+        forced[torch.arange(n), self.targets] = 0.0
+        forced[n:] = scores[n:]
+        return forced
+
+
+def test_request_processors_see_each_rows_own_history(model, tokenizer):
+    """`install_request_processors` relies on: `prepare_tensor_args` gets the requests with a new token in logits-row
+    order, right before the forward, with `initial_tokens` / `generated_tokens` up to date (forked children too)."""
+    force = _ForceByHistory()
+    manager = _upstream.create_manager(
+        model,
+        sampling_config(tokenizer, max_new_tokens=5),
+        ContinuousBatchingConfig(return_logprobs=True, num_blocks=32, max_batch_tokens=64, page_size=16),
+        WorkloadHints(max_prompt_length=8, max_generated_length=5, num_requests=6),
+        [force],
+    )
+    prompts = {"a": [10, 4, 5, 6], "b": [50, 7], "c": [90, 8, 9, 10, 11, 12]}
+    try:
+        expected = {}
+        for name, prompt in prompts.items():
+            for rid in _upstream.add_forked_request(manager, prompt, name, 2, 5):
+                expected[rid] = prompt
+        outputs = {}
+        while len(outputs) < len(expected):
+            result = manager.get_result(timeout=10)
+            assert result is not None, "requests never finished"
+            if result.is_finished():
+                outputs[result.request_id] = result
+        for rid, prompt in expected.items():
+            completion = list(outputs[rid].generated_tokens)
+            assert completion == [prompt[0] + k for k in range(5)], (rid, completion)
+            assert outputs[rid].logprobs == [0.0] * 5
+            assert force.histories[rid] == prompt + completion[:-1]
+    finally:
+        manager.destroy()
+
+
+def test_request_history_after_requeue():
+    """A re-queued request folds its generated tokens into `initial_tokens` and keeps the prompt length in
+    `_true_initial_tokens`; `_upstream._request_history` must still report prompt and completion correctly."""
+    from transformers.generation.continuous_batching.requests import RequestState
+
+    state = RequestState(request_id="r", initial_tokens=[1, 2, 3], max_new_tokens=8)
+    state.generated_tokens = [4, 5]
+    requeued = state.create_equivalent_initial_request()
+    for s, generated in ((state, 2), (requeued, 2)):
+        history = _upstream._request_history(s)
+        assert (history.prompt_len, history.num_generated, history.tokens()) == (3, generated, [1, 2, 3, 4, 5])
+        assert history.key is s
+
+
+def test_engine_drops_repetition_penalty_and_we_notice(model, tokenizer):
+    """Why repetition penalty is applied by trl_cb: the engine drops generate()'s processor (it needs whole
+    sequences). `create_manager` must refuse a config whose processors the engine does not all keep."""
+    cfg = ContinuousBatchingConfig(return_logprobs=True, num_blocks=8, max_batch_tokens=64, page_size=16)
+    hints = WorkloadHints(max_prompt_length=8, max_generated_length=4, num_requests=1)
+    with pytest.raises(ValueError, match="kept 0 of the logits processors"):
+        _upstream.create_manager(
+            model, sampling_config(tokenizer, max_new_tokens=4, repetition_penalty=1.3), cfg, hints
+        )
+    # min_p is kept as-is (trl_cb relies on it being exact), as is every other row-wise warper we mark exact.
+    manager = _upstream.create_manager(model, sampling_config(tokenizer, max_new_tokens=4, min_p=0.1), cfg, hints)
+    try:
+        kept = [type(p).__name__ for p in manager.logit_processor.logits_processor]
+        assert kept == ["MinPLogitsWarper"], kept
+    finally:
+        manager.destroy()
+
+
+def test_generation_config_fields_all_classified():
+    """A transformers release adding a GenerationConfig field fails here: classify it in
+    `trl_cb/generation_settings.FIELD_RULES` (until then it is refused whenever set)."""
+    from trl_cb.generation_settings import FIELD_RULES, Handling
+
+    assert sorted(f for f in GenerationConfig().to_dict() if f not in FIELD_RULES) == []
+    assert sorted(f for f in FIELD_RULES if f not in GenerationConfig().to_dict()) == []
+    for name, rule in FIELD_RULES.items():
+        assert rule.reason and (rule.handling is Handling.REFUSED or rule.neutral(None)), name
+
+
 def test_generate_adds_top_k_but_cb_does_not():
     cfg = GenerationConfig(do_sample=True)
     assert cfg.top_k in (None, 50)  # generate() falls back to 50 when unset; we set top_k=0 explicitly for CB

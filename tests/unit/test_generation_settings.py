@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 
 from tests.conftest import sampling_config
 from trl_cb import ContinuousBatchingGenerator
-from trl_cb.generation_settings import FIELD_RULES, Handling, check_generation_config
+from trl_cb.generation_settings import check_generation_config
 from trl_cb.tiny import bias_eos, tiny_model
 
 TOL = 1e-4
@@ -72,7 +72,7 @@ REFUSED = {
     "bad_words_ids": dict(bad_words_ids=[[5]]),
     "no_repeat_ngram_size": dict(no_repeat_ngram_size=2),
     "sequence_bias": dict(sequence_bias={(5,): -1.0}),
-    "suppress_tokens": dict(suppress_tokens=[5]),
+    "begin_suppress_tokens": dict(begin_suppress_tokens=[5]),
     "stop_strings": dict(stop_strings=["\n"]),
     "max_time": dict(max_time=1.0),
     "forced_eos_token_id": dict(forced_eos_token_id=2),
@@ -158,6 +158,7 @@ EXACT = {
     "typical_p": (dict(typical_p=0.6), "typical_p"),
     "epsilon_cutoff": (dict(epsilon_cutoff=0.03), "epsilon_cutoff"),
     "eta_cutoff": (dict(eta_cutoff=0.05), "eta_cutoff"),
+    "suppress_tokens": (dict(suppress_tokens=[2]), "suppress_tokens"),  # 2 is EOS: ~10% of the mass here
     "renormalize+remove_invalid": (dict(renormalize_logits=True, remove_invalid_values=True), None),
 }
 
@@ -259,9 +260,55 @@ def test_changed_min_p_rebuilds_engine(model, tokenizer, prompts):
         assert gen.num_engine_builds == 2, "a live engine ignores a new config: min_p must trigger a rebuild"
 
 
-def test_field_table_is_complete_and_consistent():
-    assert {f for f in GenerationConfig().to_dict() if f not in FIELD_RULES} == set()
-    for name, rule in FIELD_RULES.items():
-        assert rule.reason, name
-        if rule.handling is not Handling.REFUSED:
-            assert rule.neutral(None), name
+# ------------------------------------------------------------------------------------------------------ trainers
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_trainer_sampling_fields_and_generation_kwargs_reach_the_sampler(
+    kind, tokenizer, prompts, tmp_path, monkeypatch
+):
+    """TRL's `min_p` / `repetition_penalty` fields and `generation_kwargs` flow into the generator and are obeyed."""
+    from tests.unit.test_trainers import IS_METRICS, make_trainer
+
+    trainer = make_trainer(
+        kind,
+        tokenizer,
+        tmp_path,
+        eos_logit_bias=8.0,  # EOS likely: without min_new_tokens many completions would be shorter than 6
+        max_steps=1,
+        temperature=0.9,
+        min_p=0.05,
+        repetition_penalty=1.3,
+        generation_kwargs={"min_new_tokens": 6, "top_k": 50},
+    )
+    seen = []
+    real_generate = ContinuousBatchingGenerator.generate
+
+    def spy(self, *args, **kwargs):
+        result = real_generate(self, *args, **kwargs)
+        seen.append((self.generation_config, result))
+        return result
+
+    monkeypatch.setattr(ContinuousBatchingGenerator, "generate", spy)
+    trainer.train()
+    cfg, result = seen[0]
+    assert (cfg.min_p, cfg.repetition_penalty, cfg.min_new_tokens, cfg.top_k) == (0.05, 1.3, 6, 50)
+    assert min(len(c) for c in result.completion_ids) >= 6
+    entry = next(e for e in trainer.state.log_history if "loss" in e)
+    assert entry["completions/min_length"] >= 6
+    for name in IS_METRICS:
+        assert name in entry and torch.isfinite(torch.tensor(entry[name])), name
+    # Control: the same model without min_new_tokens stops earlier than 6 tokens.
+    with ContinuousBatchingGenerator(tiny_model(tokenizer, eos_logit_bias=8.0), sampling_config(tokenizer)) as gen:
+        assert min(len(c) for c in gen.generate(prompts, num_generations=4).completion_ids) < 6
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_trainer_refuses_beam_generation_kwargs_at_construction(kind, tokenizer, tmp_path):
+    """TRL's own `test_train_with_generation_kwargs` asks for beam sampling (`num_beams=2`), which has no per-token
+    sampling policy: refused with the reason when the trainer is built (it crashed with an AttributeError before)."""
+    from tests.unit.test_trainers import make_trainer
+
+    kwargs = {"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty": -0.1}
+    with pytest.raises(ValueError, match="num_beams=2: beam search"):
+        make_trainer(kind, tokenizer, tmp_path, generation_kwargs=kwargs)
