@@ -312,3 +312,18 @@ def test_trainer_refuses_beam_generation_kwargs_at_construction(kind, tokenizer,
     kwargs = {"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty": -0.1}
     with pytest.raises(ValueError, match="num_beams=2: beam search"):
         make_trainer(kind, tokenizer, tmp_path, generation_kwargs=kwargs)
+
+
+def test_docs_field_table_matches_the_code():
+    """docs/index.md lists every field with the handling the code applies (no drift between the two)."""
+    from pathlib import Path
+
+    from trl_cb.generation_settings import FIELD_RULES, Handling
+
+    docs = (Path(__file__).parents[2] / "docs" / "index.md").read_text()
+    section = docs.split("## Sampling settings", 1)[1].split("\n## ", 1)[0]
+    for name, rule in FIELD_RULES.items():
+        if rule.handling is Handling.IRRELEVANT:
+            assert f"`{name}`" in section.split("**irrelevant to sampling**", 1)[1].split("\n- **", 1)[0], name
+        else:
+            assert f"| `{name}` | {rule.handling.value} |" in section, name
