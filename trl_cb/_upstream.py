@@ -19,6 +19,12 @@ What we rely on, and why:
 - torch FSDP2's per-group reshard setting (`fsdp2_unsharded`): saved and restored around a round.
 - `background_thread_status.request_stop(FLUSH_AND_STOP)`, `manager._wake_up_loop` and `manager._generation_thread`
   (`suspend`): the thread is stopped between rounds and restarted by `start()` on the kept batch processor.
+- The engine's attention (`switch_to_generation_attention`): after `switch_to_cb_friendly_attn` picks `sdpa` or
+  `paged|eager` (the dense-mask implementations), we put `trl_cb.attention.ATTENTION_NAME` on the model instead and
+  record the training implementation in `manager._original_attn_impl`. It must happen before the batch processor is
+  built: the engine allocates and fills its dense mask only for `sdpa`/`paged|eager` (`attn_mask_is_needed`), and
+  passes the varlen inputs (`cu_seq_lens_q`/`cu_seq_lens_k`, `cache`) to every attention call. Not done when the
+  engine uses accelerator graphs (`continuous_batching_config.cuda_graph_booleans`): our plan reads host-side lengths.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from transformers.generation import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
+from . import attention
 from .errors import EngineDiedError
 
 __all__ = [
@@ -70,6 +77,7 @@ def create_manager(
             generation_config=generation_config, continuous_batching_config=cb_config, workload_hints=hints
         )
         try:
+            switch_to_generation_attention(manager, model)  # before warmup builds the batch processor (no dense mask)
             manager.warmup()
         except BaseException:
             restore_training_attention(manager)
@@ -134,8 +142,24 @@ def resume(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
 
 
 def switch_to_generation_attention(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
-    """Put the CB-compatible attention implementation on the model (idempotent)."""
+    """Put the engine's attention implementation on the model (idempotent).
+
+    transformers' choice first (flash when available, else `sdpa` / `paged|eager`); a dense-mask choice is replaced by
+    `trl_cb.attention.ATTENTION_NAME` (per-request attention, honours softcap) unless `TRL_CB_ATTENTION=upstream` or
+    the engine records accelerator graphs. `manager._original_attn_impl` keeps the training implementation.
+    """
+    if model.config._attn_implementation == attention.ATTENTION_NAME:
+        return
     manager.switch_to_cb_friendly_attn(model, manager.continuous_batching_config.auto_switch_to_flash)
+    chosen = model.config._attn_implementation
+    if chosen not in attention.DENSE_MASK_IMPLEMENTATIONS or not attention.enabled():
+        return
+    if any(manager.continuous_batching_config.cuda_graph_booleans):
+        return
+    attention.register()
+    original = manager._original_attn_impl or chosen  # CB records it only when it changed the implementation
+    model.set_attn_implementation(attention.ATTENTION_NAME)
+    manager._original_attn_impl = original
 
 
 def restore_training_attention(manager: ContinuousBatchingManager) -> None:
