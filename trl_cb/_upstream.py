@@ -77,7 +77,7 @@ def create_manager(
             generation_config=generation_config, continuous_batching_config=cb_config, workload_hints=hints
         )
         try:
-            switch_to_generation_attention(manager, model)  # before warmup builds the batch processor (no dense mask)
+            _choose_attention(manager, model)  # before warmup builds the batch processor (no dense mask)
             manager.warmup()
         except BaseException:
             restore_training_attention(manager)
@@ -141,20 +141,34 @@ def resume(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
         manager.start()
 
 
+#: Manager attribute (ours): whether this engine runs `trl_cb.attention`, decided once, because its batch processor
+#: was built without the dense mask and every later round must use the same implementation.
+_VARLEN_FLAG = "_trl_cb_varlen_attention"
+
+
+def _choose_attention(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
+    """Decide, once per engine, whether it runs `trl_cb.attention` (see `switch_to_generation_attention`)."""
+    use = (
+        model.config._attn_implementation in attention.DENSE_MASK_IMPLEMENTATIONS
+        and attention.enabled()
+        and not any(manager.continuous_batching_config.cuda_graph_booleans)  # our plan reads host-side lengths
+    )
+    setattr(manager, _VARLEN_FLAG, use)
+    switch_to_generation_attention(manager, model)
+
+
 def switch_to_generation_attention(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
     """Put the engine's attention implementation on the model (idempotent).
 
-    transformers' choice first (flash when available, else `sdpa` / `paged|eager`); a dense-mask choice is replaced by
-    `trl_cb.attention.ATTENTION_NAME` (per-request attention, honours softcap) unless `TRL_CB_ATTENTION=upstream` or
-    the engine records accelerator graphs. `manager._original_attn_impl` keeps the training implementation.
+    transformers' choice first (flash when available, else `sdpa` / `paged|eager`); for an engine built to run
+    `trl_cb.attention.ATTENTION_NAME` (per-request attention, honours softcap; `_choose_attention`), a dense-mask
+    choice is replaced by it. `manager._original_attn_impl` keeps the training implementation.
     """
     if model.config._attn_implementation == attention.ATTENTION_NAME:
         return
     manager.switch_to_cb_friendly_attn(model, manager.continuous_batching_config.auto_switch_to_flash)
     chosen = model.config._attn_implementation
-    if chosen not in attention.DENSE_MASK_IMPLEMENTATIONS or not attention.enabled():
-        return
-    if any(manager.continuous_batching_config.cuda_graph_booleans):
+    if not getattr(manager, _VARLEN_FLAG, False) or chosen not in attention.DENSE_MASK_IMPLEMENTATIONS:
         return
     attention.register()
     original = manager._original_attn_impl or chosen  # CB records it only when it changed the implementation

@@ -58,15 +58,60 @@ def register() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
+#: Cost of one extra attention call, in padded key slots (one query row x one key): measured on CPU, one call's fixed
+#: cost (gathers, sdpa dispatch, scatter) is worth ~1k key slots of a 64-wide model. Decode rows are split into at most
+#: `_MAX_BUCKETS` length buckets when that saves more padding than the extra calls cost.
+_CALL_COST_SLOTS = 1024
+_MAX_BUCKETS = 4
+
+
+@dataclass
+class _Bucket:
+    """Single-token requests attended in one padded call."""
+
+    rows: torch.Tensor  # (R,) query token index of each request
+    keys: torch.Tensor  # (R, L) index into the packed keys; padded slots repeat a valid key
+    mask: torch.Tensor | None  # (R, 1, 1, L) True where the key is attended; None when nothing is padded
+
+
 @dataclass
 class _Plan:
     """Index tensors for one batch layout (one `cu_seq_lens_q`/`cu_seq_lens_k`/window combination)."""
 
-    decode_rows: torch.Tensor | None  # (R,) query token index of each single-token request
-    decode_keys: torch.Tensor | None  # (R, L) index into the packed keys, padded by repeating a valid key
-    decode_mask: torch.Tensor | None  # (R, 1, 1, L) True where the key is attended; None when nothing is padded
+    buckets: list[_Bucket]
     multi: list[tuple[int, int, int, int]]  # (q_start, q_end, k_start, k_end) of each multi-token request
     multi_masks: list[torch.Tensor | None]  # (Lq, Lk) bool, or None for a plain top-left causal square
+
+
+def _split(lengths: list[int]) -> list[list[int]]:
+    """Indices of `lengths` grouped into buckets of similar length (sorted; greedy halving of the costliest bucket)."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    groups = [order]
+    while len(groups) < _MAX_BUCKETS:
+        best_gain, best = 0, None
+        for g, group in enumerate(groups):
+            longest = lengths[group[-1]]
+            whole = len(group) * longest
+            for cut in range(1, len(group)):
+                # sorted: the lower part's longest is the element before the cut
+                gain = whole - cut * lengths[group[cut - 1]] - (len(group) - cut) * longest - _CALL_COST_SLOTS
+                if gain > best_gain:
+                    best_gain, best = gain, (g, cut)
+        if best is None:
+            break
+        g, cut = best
+        groups[g : g + 1] = [groups[g][:cut], groups[g][cut:]]
+    return groups
+
+
+def _bucket(rows: list[int], starts: list[int], lengths: list[int], device: torch.device) -> _Bucket:
+    longest = max(lengths)
+    start = torch.tensor(starts, dtype=torch.long, device=device)[:, None]
+    length = torch.tensor(lengths, dtype=torch.long, device=device)[:, None]
+    offsets = torch.arange(longest, device=device)[None, :]
+    keys = start + torch.minimum(offsets, length - 1)  # (R, L)
+    mask = None if min(lengths) == longest else (offsets < length)[:, None, None, :]
+    return _Bucket(torch.tensor(rows, dtype=torch.long, device=device), keys, mask)
 
 
 def _plan(cu_q: torch.Tensor, cu_k: torch.Tensor, window: int | None, device: torch.device) -> _Plan:
@@ -105,18 +150,11 @@ def _plan(cu_q: torch.Tensor, cu_k: torch.Tensor, window: int | None, device: to
             allowed &= qi - kj < window
         multi_masks.append(allowed)
 
-    decode_rows = decode_keys = decode_mask = None
-    if rows:
-        longest = max(lengths)
-        decode_rows = torch.tensor(rows, dtype=torch.long, device=device)
-        start = torch.tensor(starts, dtype=torch.long, device=device)[:, None]
-        length = torch.tensor(lengths, dtype=torch.long, device=device)[:, None]
-        offsets = torch.arange(longest, device=device)[None, :]
-        valid = offsets < length  # (R, L)
-        decode_keys = start + torch.minimum(offsets, length - 1)  # padded slots repeat a valid key (masked anyway)
-        if min(lengths) != longest:
-            decode_mask = valid[:, None, None, :]
-    plan = _Plan(decode_rows, decode_keys, decode_mask, multi, multi_masks)
+    buckets = [
+        _bucket([rows[i] for i in g], [starts[i] for i in g], [lengths[i] for i in g], device)
+        for g in (_split(lengths) if rows else [])
+    ]
+    plan = _Plan(buckets, multi, multi_masks)
     if len(cache) >= _PLAN_CACHE_SIZE:
         cache.pop(next(iter(cache)))
     cache[key] = plan
@@ -217,14 +255,14 @@ def packed_varlen_attention(
     sinks = None if sinks is None else sinks.reshape(num_kv, n_rep)
     out = query.new_empty(query.shape[0], num_heads, value_dim)
 
-    if plan.decode_rows is not None:
-        rows = plan.decode_rows.shape[0]
-        q = query.index_select(0, plan.decode_rows).reshape(rows, num_kv, n_rep, head_dim)  # (R, Hkv, n_rep, D)
-        flat = plan.decode_keys.reshape(-1)
+    for bucket in plan.buckets:
+        rows = bucket.rows.shape[0]
+        q = query.index_select(0, bucket.rows).reshape(rows, num_kv, n_rep, head_dim)  # (R, Hkv, n_rep, D)
+        flat = bucket.keys.reshape(-1)
         k = key.index_select(0, flat).reshape(rows, -1, num_kv, head_dim).transpose(1, 2)  # (R, Hkv, L, D)
         v = value.index_select(0, flat).reshape(rows, -1, num_kv, value_dim).transpose(1, 2)
-        o = _attend(q, k, v, plan.decode_mask, False, scaling, softcap, sinks, n_rep)  # (R, Hkv, n_rep, Dv)
-        out.index_copy_(0, plan.decode_rows, o.reshape(rows, num_heads, value_dim))
+        o = _attend(q, k, v, bucket.mask, False, scaling, softcap, sinks, n_rep)  # (R, Hkv, n_rep, Dv)
+        out.index_copy_(0, bucket.rows, o.reshape(rows, num_heads, value_dim))
 
     for (q0, q1, k0, k1), mask in zip(plan.multi, plan.multi_masks, strict=True):
         len_q = q1 - q0

@@ -56,10 +56,13 @@ def _reference(q, k, v, cu_q, cu_k, window, scaling, softcap, sinks):
     return out
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-call", "length-buckets"])
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "window5"])
 @pytest.mark.parametrize("variant", ["plain", "softcap", "sinks"])
 @pytest.mark.parametrize("num_kv", [4, 2], ids=["MHA", "GQA"])
-def test_packed_attention_matches_per_request_reference(window, variant, num_kv):
+def test_packed_attention_matches_per_request_reference(window, variant, num_kv, split, monkeypatch):
+    monkeypatch.setattr(attention, "_CALL_COST_SLOTS", 0 if split else 10**9)  # force (or forbid) length buckets
+    monkeypatch.setattr(attention._local, "plans", {}, raising=False)
     g = torch.Generator().manual_seed(0)
     # (queries, keys) per request: decodes with short/long pasts, a fresh prefill, a chunk with a past, one equal
     # to the window; keys >= queries always (the queries are the request's last keys).
@@ -79,6 +82,8 @@ def test_packed_attention_matches_per_request_reference(window, variant, num_kv)
     )
     want = _reference(q, k, v, cu_q, cu_k, window, 0.5, softcap, sinks)
     assert (got - want).abs().max().item() < 1e-5
+    buckets = attention._plan(torch.tensor(cu_q), torch.tensor(cu_k), window, q.device).buckets
+    assert (len(buckets) > 1) == split
     # Control: ignoring the feature under test changes the output well beyond the tolerance.
     if window is not None:
         loose = _reference(q, k, v, cu_q, cu_k, None, 0.5, softcap, sinks)
