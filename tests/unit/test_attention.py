@@ -242,19 +242,31 @@ def test_registration_adds_a_key_and_changes_no_existing_implementation():
     assert {name: AttentionInterface._global_mapping[name] for name in before} == before
 
 
-def test_forward_without_engine_is_sdpa(tokenizer):
-    """A forward outside the engine (a training forward beside an async engine) under our name is exactly sdpa,
-    including the padding mask."""
-    model = _far_from_uniform(_config("qwen2", tokenizer))
-    ids = torch.randint(3, len(tokenizer), (2, 10))
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_forward_outside_the_engine_matches_sdpa(arch, tokenizer):
+    """A forward outside the engine (a training forward beside an async engine) under our name: with a padding mask it
+    is sdpa itself; without one, causality, the sliding window and packed sequences are honoured."""
+    model = _far_from_uniform(_config(arch, tokenizer))
+    ids = torch.randint(3, len(tokenizer), (2, 30))  # longer than the window
     mask = torch.ones_like(ids)
     mask[0, :4] = 0  # left padding
+    packed = torch.cat([ids[0, :18], ids[1, :12]])[None]
+    positions = torch.cat([torch.arange(18), torch.arange(12)])[None]
     with torch.no_grad():
-        want = model(input_ids=ids, attention_mask=mask).logits
+        padded_ref = model(input_ids=ids, attention_mask=mask).logits
+        plain_ref = model(input_ids=ids).logits
+        parts_ref = torch.cat([model(input_ids=ids[:1, :18]).logits, model(input_ids=ids[1:, :12]).logits], dim=1)
         attention.register()
         model.set_attn_implementation(attention.ATTENTION_NAME)
-        got = model(input_ids=ids, attention_mask=mask).logits
-    assert torch.equal(got[mask.bool()], want[mask.bool()])
+        padded = model(input_ids=ids, attention_mask=mask).logits
+        plain = model(input_ids=ids).logits
+        parts = model(input_ids=packed, position_ids=positions).logits
+    assert torch.equal(padded[mask.bool()], padded_ref[mask.bool()])
+    assert (plain - plain_ref).abs().max().item() < 1e-4
+    assert (parts - parts_ref).abs().max().item() < 1e-4
+    with torch.no_grad():  # control: the same tokens as one sequence (packing ignored) differ
+        unpacked = model(input_ids=packed).logits
+    assert (unpacked - parts_ref).abs().max().item() > 0.1
 
 
 def test_other_models_unaffected(tokenizer):
