@@ -27,6 +27,12 @@ What we rely on, and why:
   a processor the engine drops raises instead of changing the sampled distribution silently.
 - `RequestState.initial_tokens`, `.generated_tokens` and `._true_initial_tokens` (`_request_history`): a request's
   prompt and completion so far, also after the engine re-queued it with its tokens folded into the prompt.
+- The engine's attention (`switch_to_generation_attention`): after `switch_to_cb_friendly_attn` picks `sdpa` or
+  `paged|eager` (the dense-mask implementations), we put `trl_cb.attention.ATTENTION_NAME` on the model instead and
+  record the training implementation in `manager._original_attn_impl`. It must happen before the batch processor is
+  built: the engine allocates and fills its dense mask only for `sdpa`/`paged|eager` (`attn_mask_is_needed`), and
+  passes the varlen inputs (`cu_seq_lens_q`/`cu_seq_lens_k`, `cache`) to every attention call. Not done when the
+  engine uses accelerator graphs (`continuous_batching_config.cuda_graph_booleans`): our plan reads host-side lengths.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import Con
 from transformers.generation.continuous_batching.utils import WorkloadHints
 from transformers.generation.logits_process import LogitsProcessorList
 
+from . import attention
 from .errors import EngineDiedError
 from .request_processors import HistoryProcessor, RequestHistory
 
@@ -92,6 +99,7 @@ def create_manager(
             check_processors_kept(manager, model, generation_config)
             if request_processors:
                 install_request_processors(manager, request_processors)
+            _choose_attention(manager, model)  # before warmup builds the batch processor (no dense mask)
             manager.warmup()
         except BaseException:
             restore_training_attention(manager)
@@ -155,9 +163,39 @@ def resume(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
         manager.start()
 
 
+#: Manager attribute (ours): whether this engine runs `trl_cb.attention`, decided once, because its batch processor
+#: was built without the dense mask and every later round must use the same implementation.
+_VARLEN_FLAG = "_trl_cb_varlen_attention"
+
+
+def _choose_attention(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
+    """Decide, once per engine, whether it runs `trl_cb.attention` (see `switch_to_generation_attention`)."""
+    use = (
+        model.config._attn_implementation in attention.DENSE_MASK_IMPLEMENTATIONS
+        and attention.enabled()
+        and not any(manager.continuous_batching_config.cuda_graph_booleans)  # our plan reads host-side lengths
+    )
+    setattr(manager, _VARLEN_FLAG, use)
+    switch_to_generation_attention(manager, model)
+
+
 def switch_to_generation_attention(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
-    """Put the CB-compatible attention implementation on the model (idempotent)."""
+    """Put the engine's attention implementation on the model (idempotent).
+
+    transformers' choice first (flash when available, else `sdpa` / `paged|eager`); for an engine built to run
+    `trl_cb.attention.ATTENTION_NAME` (per-request attention, honours softcap; `_choose_attention`), a dense-mask
+    choice is replaced by it. `manager._original_attn_impl` keeps the training implementation.
+    """
+    if model.config._attn_implementation == attention.ATTENTION_NAME:
+        return
     manager.switch_to_cb_friendly_attn(model, manager.continuous_batching_config.auto_switch_to_flash)
+    chosen = model.config._attn_implementation
+    if not getattr(manager, _VARLEN_FLAG, False) or chosen not in attention.DENSE_MASK_IMPLEMENTATIONS:
+        return
+    attention.register()
+    original = manager._original_attn_impl or chosen  # CB records it only when it changed the implementation
+    model.set_attn_implementation(attention.ATTENTION_NAME)
+    manager._original_attn_impl = original
 
 
 def restore_training_attention(manager: ContinuousBatchingManager) -> None:

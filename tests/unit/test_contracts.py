@@ -19,7 +19,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from tests.conftest import sampling_config
-from trl_cb import _upstream
+from trl_cb import _upstream, attention
 
 
 def params(fn) -> list[str]:
@@ -114,6 +114,27 @@ def test_internal_attributes_we_touch(model, tokenizer):
         manager.destroy()
 
 
+@pytest.mark.parametrize(("impl", "expected"), [("eager", "paged|eager"), ("sdpa", "sdpa")])
+def test_cb_keeps_dense_mask_attention_without_flash(tokenizer, impl, expected):
+    """`_upstream.switch_to_generation_attention` replaces exactly these choices of `switch_to_cb_friendly_attn`
+    (no flash on this machine) with trl_cb's attention."""
+    from trl_cb.tiny import tiny_model
+
+    model = tiny_model(tokenizer)
+    model.set_attn_implementation(impl)
+    cfg = ContinuousBatchingConfig(return_logprobs=True, num_blocks=8, max_batch_tokens=64, page_size=16)
+    manager = model.init_continuous_batching(
+        generation_config=sampling_config(tokenizer), continuous_batching_config=cfg
+    )
+    try:
+        assert model.config._attn_implementation == expected
+        assert expected in attention.DENSE_MASK_IMPLEMENTATIONS
+        assert manager.continuous_batching_config.cuda_graph_booleans == (False, False)
+    finally:
+        _upstream.restore_training_attention(manager)
+    assert model.config._attn_implementation == impl
+
+
 def test_eager_model_is_switched_and_restored(tokenizer):
     from trl_cb.tiny import tiny_model
 
@@ -121,12 +142,36 @@ def test_eager_model_is_switched_and_restored(tokenizer):
     model.set_attn_implementation("eager")
     manager = _manager(model, tokenizer, 4, 8, 64, 1)
     try:
-        assert model.config._attn_implementation == "paged|eager", "CB no longer switches eager to paged|eager"
+        assert model.config._attn_implementation == attention.ATTENTION_NAME
+        assert manager._original_attn_impl == "eager"
         _upstream.restore_training_attention(manager)
         assert model.config._attn_implementation == "eager"
         _upstream.switch_to_generation_attention(manager, model)
-        assert model.config._attn_implementation == "paged|eager"
+        assert model.config._attn_implementation == attention.ATTENTION_NAME
         _upstream.restore_training_attention(manager)
+        assert model.config._attn_implementation == "eager"
+    finally:
+        manager.destroy()
+
+
+def test_engine_passes_varlen_inputs_and_builds_no_dense_mask(model, tokenizer):
+    """What `trl_cb.attention` relies on: the engine allocates (and fills every step) its dense mask only for
+    `sdpa`/`paged|eager` (`attn_mask_is_needed`); every attention call gets the paged `cache`, `cu_seq_lens_q` and
+    per-layer-type `cu_seq_lens_k`, which `cache.update(key_states, value_states, layer_idx, kwargs)` narrows to the
+    layer's group while it writes the new keys and returns each request's keys, packed."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.generation.continuous_batching.utils import attn_mask_is_needed
+
+    assert attn_mask_is_needed(model.config) and model.config._attn_implementation == "sdpa"
+    manager = _manager(model, tokenizer, 4, 8, 64, 1)
+    try:
+        assert model.config._attn_implementation == attention.ATTENTION_NAME
+        io = manager.batch_processor.inputs_and_outputs
+        assert io.attention_mask is None, "the engine still builds a dense mask for trl_cb's attention"
+        kwargs = io.get_model_kwargs()
+        assert {"cache", "cu_seq_lens_q", "cu_seq_lens_k", "read_index", "write_index"} <= set(kwargs)
+        assert isinstance(kwargs["cu_seq_lens_k"], dict) and kwargs["attention_mask"] is None
+        assert params(PagedAttentionCache.update) == ["self", "key_states", "value_states", "layer_idx", "kwargs"]
     finally:
         manager.destroy()
 

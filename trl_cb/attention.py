@@ -1,0 +1,323 @@
+"""`trl_cb_varlen`: the engine's attention — each query against its own request's paged keys, exact.
+
+Why: without flash attention (every CPU, GPUs without flash-attn/`kernels`), transformers' CB engine runs `sdpa` or
+`paged|eager` over one dense mask spanning every key of every request in the forward: a decode step of R requests
+does R x (all keys of the batch) work instead of R x (own keys), grows with the batch, and builds that mask on the
+host every step. `paged|eager` also drops the `softcap` argument, so Gemma-2 was sampled without its attention logit
+soft-cap. This implementation reads the engine's varlen inputs (`cu_seq_lens_q` / `cu_seq_lens_k`) instead:
+
+- decode rows (one query token per request) run as ONE batched attention call over a padded [requests, keys] batch
+  (each request's keys gathered from the packed KV the cache returns; padding masked). With a sliding window only the
+  last `window` keys are gathered, so work is requests x min(own length, window);
+- multi-token rows (prefill chunks) run per request with a bottom-right-aligned causal (and window) mask.
+
+Exactness (what the tests pin): causal masking with the request's past, sliding windows (also when a completion
+crosses the window, per-layer sliding/full mixes), `softcap` (tanh capping before the mask, as Gemma-2's eager),
+`scaling`, GQA, and attention sinks (`s_aux` / `module.sinks`, GPT-OSS: one extra logit per head inside the softmax).
+
+Scope: registered under the public `AttentionInterface` / `AttentionMaskInterface` as `ATTENTION_NAME`, a new key —
+no existing implementation is changed. `trl_cb._upstream.switch_to_generation_attention` puts it on the model only
+while the engine is built and generating (flash, when CB picks it, is kept: it is varlen and honours softcap). A
+forward without a paged cache (a training forward that shares the config with an async engine) runs exactly as
+`sdpa` (same mask function, same attention function); sdpa's own errors (e.g. softcap) apply there.
+
+`TRL_CB_ATTENTION=upstream` in the environment keeps transformers' own choice (for A/B measurements).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+__all__ = ["ATTENTION_NAME", "enabled", "packed_varlen_attention", "register", "varlen_paged_attention"]
+
+#: The public name this implementation is registered under (`model.set_attn_implementation(ATTENTION_NAME)`).
+ATTENTION_NAME = "trl_cb_varlen"
+#: Dense-mask implementations transformers' CB falls back to without flash; these are the ones we replace.
+DENSE_MASK_IMPLEMENTATIONS = ("sdpa", "paged|eager")
+
+_local = threading.local()  # per engine thread: the last few batch plans (layers of one forward share them)
+_PLAN_CACHE_SIZE = 4
+
+
+def enabled() -> bool:
+    """False when `TRL_CB_ATTENTION=upstream` asks for transformers' own CB attention (A/B measurements)."""
+    return os.environ.get("TRL_CB_ATTENTION", "varlen").lower() != "upstream"
+
+
+def register() -> None:
+    """Register `ATTENTION_NAME` (idempotent). Adds a key; never replaces an existing implementation."""
+    AttentionInterface.register(ATTENTION_NAME, varlen_paged_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _mask)
+
+
+def _mask(*args: object, attention_mask: torch.Tensor | None = None, use_vmap: bool = False, **kwargs: object):
+    """`sdpa_mask`, except that no mask is built when there is no padding mask and the mask is plain causal (with
+    packing / a window): the engine's forwards never read one (it cost ~6% of an engine step), and a forward outside
+    the engine rebuilds causality, packing and the window from `position_ids` / `sliding_window` itself."""
+    config = kwargs.get("config")
+    if attention_mask is None and not use_vmap and getattr(config, "is_causal", True):
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, use_vmap=use_vmap, **kwargs)
+
+
+#: Cost of one extra attention call, in padded key slots (one query row x one key): measured on CPU, one call's fixed
+#: cost (gathers, sdpa dispatch, scatter) is worth ~1k key slots of a 64-wide model. Decode rows are split into at most
+#: `_MAX_BUCKETS` length buckets when that saves more padding than the extra calls cost.
+_CALL_COST_SLOTS = 1024
+_MAX_BUCKETS = 4
+
+
+@dataclass
+class _Bucket:
+    """Single-token requests attended in one padded call."""
+
+    rows: torch.Tensor  # (R,) query token index of each request
+    keys: torch.Tensor  # (R, L) index into the packed keys; padded slots repeat a valid key
+    mask: torch.Tensor | None  # (R, 1, 1, L) True where the key is attended; None when nothing is padded
+
+
+@dataclass
+class _Plan:
+    """Index tensors for one batch layout (one `cu_seq_lens_q`/`cu_seq_lens_k`/window combination)."""
+
+    buckets: list[_Bucket]
+    multi: list[tuple[int, int, int, int]]  # (q_start, q_end, k_start, k_end) of each multi-token request
+    multi_masks: list[torch.Tensor | None]  # (Lq, Lk) bool, or None for a plain top-left causal square
+
+
+def _split(lengths: list[int]) -> list[list[int]]:
+    """Indices of `lengths` grouped into buckets of similar length (sorted; greedy halving of the costliest bucket)."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    groups = [order]
+    while len(groups) < _MAX_BUCKETS:
+        best_gain, best = 0, None
+        for g, group in enumerate(groups):
+            longest = lengths[group[-1]]
+            whole = len(group) * longest
+            for cut in range(1, len(group)):
+                # sorted: the lower part's longest is the element before the cut
+                gain = whole - cut * lengths[group[cut - 1]] - (len(group) - cut) * longest - _CALL_COST_SLOTS
+                if gain > best_gain:
+                    best_gain, best = gain, (g, cut)
+        if best is None:
+            break
+        g, cut = best
+        groups[g : g + 1] = [groups[g][:cut], groups[g][cut:]]
+    return groups
+
+
+def _bucket(rows: list[int], starts: list[int], lengths: list[int], device: torch.device) -> _Bucket:
+    longest = max(lengths)
+    start = torch.tensor(starts, dtype=torch.long, device=device)[:, None]
+    length = torch.tensor(lengths, dtype=torch.long, device=device)[:, None]
+    offsets = torch.arange(longest, device=device)[None, :]
+    keys = start + torch.minimum(offsets, length - 1)  # (R, L)
+    mask = None if min(lengths) == longest else (offsets < length)[:, None, None, :]
+    return _Bucket(torch.tensor(rows, dtype=torch.long, device=device), keys, mask)
+
+
+def _plan(cu_q: torch.Tensor, cu_k: torch.Tensor, window: int | None, device: torch.device) -> _Plan:
+    q_bounds = cu_q.tolist()
+    k_bounds = cu_k.tolist()
+    key = (tuple(q_bounds), tuple(k_bounds), window, device)
+    cache: dict = getattr(_local, "plans", None) or {}
+    _local.plans = cache
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+
+    rows, starts, lengths = [], [], []
+    multi, multi_masks = [], []
+    for b in range(len(q_bounds) - 1):
+        q0, q1, k0, k1 = q_bounds[b], q_bounds[b + 1], k_bounds[b], k_bounds[b + 1]
+        len_q, len_k = q1 - q0, k1 - k0
+        if len_q <= 0:
+            continue  # padding sequence (static shapes only)
+        if len_q == 1:
+            # The query is the request's last key; it sees keys [len_k - window, len_k).
+            first = 0 if window is None else max(0, len_k - window)
+            rows.append(q0)
+            starts.append(k0 + first)
+            lengths.append(len_k - first)
+            continue
+        multi.append((q0, q1, k0, k1))
+        past = len_k - len_q  # keys before the first query token (bottom-right alignment)
+        if past == 0 and (window is None or window >= len_k):
+            multi_masks.append(None)
+            continue
+        qi = torch.arange(len_q, device=device)[:, None] + past  # key-index of each query's own token
+        kj = torch.arange(len_k, device=device)[None, :]
+        allowed = kj <= qi
+        if window is not None:
+            allowed &= qi - kj < window
+        multi_masks.append(allowed)
+
+    buckets = [
+        _bucket([rows[i] for i in g], [starts[i] for i in g], [lengths[i] for i in g], device)
+        for g in (_split(lengths) if rows else [])
+    ]
+    plan = _Plan(buckets, multi, multi_masks)
+    if len(cache) >= _PLAN_CACHE_SIZE:
+        cache.pop(next(iter(cache)))
+    cache[key] = plan
+    return plan
+
+
+def _attend(
+    query: torch.Tensor,  # (B, Hkv, R, D): R = n_rep x query rows, GQA-packed
+    key: torch.Tensor,  # (B, Hkv, L, D)
+    value: torch.Tensor,  # (B, Hkv, L, D)
+    mask: torch.Tensor | None,  # bool, broadcastable to (B, Hkv, R, L); True = attend
+    is_causal: bool,
+    scaling: float | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,  # (Hkv, n_rep) logits, or None
+    n_rep: int,
+) -> torch.Tensor:  # (B, Hkv, R, D)
+    if softcap is None and sinks is None:
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling
+        )
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # (B, Hkv, R, L)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        rows, cols = scores.shape[-2:]
+        mask = torch.ones(rows, cols, dtype=torch.bool, device=scores.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        b, hkv, r, _ = scores.shape
+        sink = sinks.to(scores.dtype)[None, :, :, None].expand(b, hkv, n_rep, r // n_rep)  # rows are (rep, token)
+        scores = torch.cat([scores, sink.reshape(b, hkv, r, 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs, value)
+
+
+@torch.compiler.disable  # the cache update mutates aliased views; the plan reads host-side lengths
+def varlen_paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # (1, H, T, D): every query token of the forward, packed
+    key: torch.Tensor,  # (1, Hkv, T, D): their new keys
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    cache: PagedAttentionCache | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Attention for a CB forward: returns (1, T, H, D) and no weights (see the module docstring)."""
+    window = sliding_window if isinstance(sliding_window, int) and sliding_window > 0 else None
+    sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
+    if not isinstance(cache, PagedAttentionCache):
+        # Not an engine forward (e.g. a training forward while an async engine holds the shared config).
+        causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
+        if attention_mask is None and causal and dropout == 0.0:
+            return _unpadded_forward(query, key, value, kwargs.get("position_ids"), window, scaling, softcap, sinks)
+        if sinks is not None:
+            raise ValueError(f"{ATTENTION_NAME} with a padding mask runs as sdpa, which has no attention sinks.")
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs
+        )
+    if kwargs.get("block_table") is not None:
+        raise ValueError(f"{ATTENTION_NAME} does not read block tables (flash-only decode fast path).")
+    key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+    out = packed_varlen_attention(
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        kwargs["cu_seq_lens_q"],  # type: ignore[arg-type]
+        kwargs["cu_seq_lens_k"],  # type: ignore[arg-type]  (this layer's group: `cache.update` picked it)
+        sliding_window=window,
+        scaling=scaling,
+        softcap=softcap,
+        sinks=sinks,
+    )
+    return out.unsqueeze(0), None
+
+
+def _unpadded_forward(
+    query: torch.Tensor,  # (B, H, Lq, D)
+    key: torch.Tensor,  # (B, Hkv, Lk, D), past (if any) then new
+    value: torch.Tensor,
+    position_ids: object,
+    window: int | None,
+    scaling: float | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> tuple[torch.Tensor, None]:
+    """A forward without padding mask outside the engine: causal per row; sequences packed into one row (position ids
+    restarting, no past) attend only within themselves, as `sdpa_mask` would make them."""
+    outs = []
+    len_q, len_k = query.shape[2], key.shape[2]
+    for b in range(query.shape[0]):
+        starts = [0]
+        if isinstance(position_ids, torch.Tensor) and len_q == len_k:
+            pos = position_ids[min(b, position_ids.shape[0] - 1)]
+            starts += (torch.nonzero(pos[1:] != pos[:-1] + 1)[:, 0] + 1).tolist()
+        cu_q = torch.tensor([*starts, len_q])
+        cu_k = cu_q + torch.tensor([0] * len(starts) + [len_k - len_q])
+        outs.append(
+            packed_varlen_attention(
+                query[b].transpose(0, 1), key[b].transpose(0, 1), value[b].transpose(0, 1), cu_q, cu_k,
+                window, scaling, softcap, sinks,
+            )
+        )  # fmt: skip
+    return torch.stack(outs), None
+
+
+def packed_varlen_attention(
+    query: torch.Tensor,  # (T, H, D): the forward's query tokens, request after request
+    key: torch.Tensor,  # (Tk, Hkv, D): each request's keys (past then new), request after request
+    value: torch.Tensor,  # (Tk, Hkv, Dv)
+    cu_seq_lens_q: torch.Tensor,  # (B + 1,) request b's queries are query[cu_q[b]:cu_q[b+1]]
+    cu_seq_lens_k: torch.Tensor,  # (B + 1,) its keys are key[cu_k[b]:cu_k[b+1]]; its last query is its last key
+    sliding_window: int | None = None,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # (H,) one extra logit per head inside the softmax
+) -> torch.Tensor:  # (T, H, Dv)
+    """Causal attention of each request's queries over its own keys only (bottom-right aligned, window-limited)."""
+    plan = _plan(cu_seq_lens_q, cu_seq_lens_k, sliding_window, query.device)
+    num_heads, head_dim = query.shape[1], query.shape[-1]
+    num_kv, value_dim = key.shape[1], value.shape[-1]
+    n_rep = num_heads // num_kv
+    sinks = None if sinks is None else sinks.reshape(num_kv, n_rep)
+    out = query.new_empty(query.shape[0], num_heads, value_dim)
+
+    for bucket in plan.buckets:
+        rows = bucket.rows.shape[0]
+        q = query.index_select(0, bucket.rows).reshape(rows, num_kv, n_rep, head_dim)  # (R, Hkv, n_rep, D)
+        flat = bucket.keys.reshape(-1)
+        k = key.index_select(0, flat).reshape(rows, -1, num_kv, head_dim).transpose(1, 2)  # (R, Hkv, L, D)
+        v = value.index_select(0, flat).reshape(rows, -1, num_kv, value_dim).transpose(1, 2)
+        o = _attend(q, k, v, bucket.mask, False, scaling, softcap, sinks, n_rep)  # (R, Hkv, n_rep, Dv)
+        out.index_copy_(0, bucket.rows, o.reshape(rows, num_heads, value_dim))
+
+    for (q0, q1, k0, k1), mask in zip(plan.multi, plan.multi_masks, strict=True):
+        len_q = q1 - q0
+        # (Lq, H, D) -> (1, Hkv, n_rep * Lq, D): rows ordered (rep, token), so one (Lq, Lk) mask serves every rep
+        q = query[q0:q1].reshape(len_q, num_kv, n_rep, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv, -1, head_dim)
+        k = key[k0:k1].transpose(0, 1)[None]  # (1, Hkv, Lk, D)
+        v = value[k0:k1].transpose(0, 1)[None]
+        if mask is None and n_rep > 1:
+            mask = torch.ones(len_q, k1 - k0, dtype=torch.bool, device=query.device).tril()
+        if mask is not None and n_rep > 1:
+            mask = mask.repeat(n_rep, 1)
+        o = _attend(q, k, v, mask, mask is None, scaling, softcap, sinks, n_rep)  # (1, Hkv, n_rep * Lq, Dv)
+        out[q0:q1] = o.reshape(num_kv, n_rep, len_q, value_dim).permute(2, 0, 1, 3).reshape(len_q, num_heads, -1)
+    return out
