@@ -167,6 +167,12 @@ class ContinuousBatchingGenerator:
         finally:
             module.train(was_training)  # the engine's constructor calls module.eval()
 
+    def generation_weights(self, module: PreTrainedModel) -> contextlib.AbstractContextManager[None]:
+        """Point `module`'s tensors at the generation-dtype copies (refreshed from its weights) until exit, for
+        callers that drive the engine themselves (async rollouts): enter before the engine runs, exit once it is
+        paused. A no-op without `cast_dtype` / `cast_lm_head_to_fp32`. See `trl_cb/precision.py`."""
+        return self._precision.applied(module)
+
     def close(self) -> None:
         """Stop the engine thread and free its cache. Safe to call twice; a later `generate` builds a new engine."""
         self._stop_engine()
@@ -501,7 +507,7 @@ def _is_sharded(model: torch.nn.Module, accelerator: Accelerator | None) -> bool
     if accelerator is not None:
         from accelerate.utils import DistributedType
 
-        if _zero_stage(accelerator) == 3 or accelerator.distributed_type == DistributedType.FSDP:
+        if _zero_stage(accelerator) == 3 or getattr(accelerator, "distributed_type", None) == DistributedType.FSDP:
             return True
     try:
         from torch.distributed.fsdp import FSDPModule

@@ -7,6 +7,8 @@ the engine's forwards saw), so a fix that simply stopped casting would fail here
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from datasets import Dataset
@@ -42,12 +44,12 @@ class WeightDtypeSpy:
     """Records the dtype (and address) of a linear layer's weight in every forward the engine runs."""
 
     def __init__(self, layer: torch.nn.Module) -> None:
-        self.seen: list[tuple[torch.dtype, int]] = []
+        self.seen: list[tuple[torch.dtype, int, threading.Thread]] = []
         self._layer = layer
         self._handle = layer.register_forward_pre_hook(self._record)
 
     def _record(self, module: torch.nn.Module, args: object) -> None:
-        self.seen.append((module.weight.dtype, module.weight.data_ptr()))
+        self.seen.append((module.weight.dtype, module.weight.data_ptr(), threading.current_thread()))
 
     def remove(self) -> None:
         self._handle.remove()
@@ -74,8 +76,8 @@ def test_generator_rounds_run_low_precision_on_copies(name, model, tokenizer, pr
             assert_unchanged(model, before)
         assert gen._precision.copy_bytes > 0, "copies are kept between rounds"
     spy.remove()
-    assert {d for d, _ in spy.seen} == {dtype}, "the engine's forwards must run in the generation dtype"
-    assert len({ptr for _, ptr in spy.seen}) == 1, "a kept copy has a stable address across rounds (CUDA graphs)"
+    assert {d for d, *_ in spy.seen} == {dtype}, "the engine's forwards must run in the generation dtype"
+    assert len({ptr for _, ptr, _ in spy.seen}) == 1, "a kept copy has a stable address across rounds (CUDA graphs)"
     assert model.dtype == torch.float32
 
 
@@ -152,7 +154,7 @@ def _check_training_module_untouched(trainer, monkeypatch, dtype: torch.dtype) -
         finally:
             spy.remove()
             assert_unchanged(trainer.model, before)
-            rounds.append({d for d, _ in spy.seen})
+            rounds.append({d for d, *_ in spy.seen})
 
     monkeypatch.setattr(ContinuousBatchingGenerator, "generate", checked_generate)
     start = snapshot(trainer.model)
@@ -183,16 +185,21 @@ def test_trainer_keeps_peft_weights_under_mixed_precision(how, name, tokenizer, 
     _check_training_module_untouched(trainer, monkeypatch, DTYPES[name])
 
 
-def test_async_generation_runs_in_training_dtype(tokenizer, tmp_path, monkeypatch):
-    """Async keeps one engine across optimizer steps; it samples from the training weights in their own dtype
-    (documented choice, docs/async.md), so bf16=True must leave them fp32 and unchanged at lr=0."""
+def test_async_generation_samples_low_precision_copies(tokenizer, tmp_path, monkeypatch):
+    """Async keeps one engine across optimizer steps: it samples from bf16 copies applied only while it runs (its KV
+    cache is bf16: on the training weights, accelerate's autocast made bf16 keys that an fp32 cache refused), and
+    the trainer's forwards and optimizer see the fp32 weights. lr=0: nothing changes across steps."""
     trainer = _trainer("grpo", tokenizer, tmp_path, bf16=True, async_generation=True, max_steps=2)
     spy = WeightDtypeSpy(q_proj(trainer.model))
     start = snapshot(trainer.model)
     trainer.train()
     spy.remove()
     assert_unchanged(trainer.model, start)
-    assert spy.seen and {d for d, _ in spy.seen} == {torch.float32}
+    engine = {d for d, _, thread in spy.seen if thread is not threading.main_thread()}
+    training = {d for d, _, thread in spy.seen if thread is threading.main_thread()}
+    assert engine == {torch.bfloat16} and training == {torch.float32}, (engine, training)
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(logs) == 2 and all(e["sampling/sampling_logp_difference/max"] < 0.05 for e in logs)
 
 
 # ------------------------------------------------------------------------------------- tied LM head in fp32 (Gemma-2)
