@@ -21,6 +21,10 @@ Invariants:
 - Groups are handed out in submission order (FIFO), so short completions are not favoured; a straggler delays only
   its own group while the engine keeps working on later prompts.
 - Errors inside the engine (a failed request, a dead thread) are raised in the trainer's thread on its next call.
+- Precision: with bf16/fp16 training the engine samples from low-precision copies of the weights (the generator's
+  `generation_weights`), applied only while the engine may run and refreshed from the training weights each time it
+  is released; whenever it is held, the module holds its own training tensors (dtype and values untouched), so the
+  trainer and the optimizer never see a copy. The KV cache is built in the generation dtype, as in the sync path.
 """
 
 from __future__ import annotations
@@ -140,6 +144,7 @@ class AsyncRolloutController:
         self._since = time.perf_counter()
         self._holds = 0
         self._hold_stack: contextlib.ExitStack | None = None
+        self._weights_stack: contextlib.ExitStack | None = None  # generation-dtype copies applied (engine may run)
         self._mode_before_run = module.training
 
     # ------------------------------------------------------------------------------------------------ lifecycle
@@ -155,7 +160,12 @@ class AsyncRolloutController:
         max_new = int(self.generator.generation_config.max_new_tokens)
         requests = self.capacity_groups * self.num_generations
         workload = Workload(requests, max_prompt_len, max_new, self.capacity_groups * max_prompt_len)
-        self._manager = self.generator.engine_for(self.module, workload)
+        self._apply_generation_weights()  # the engine (and its KV cache dtype) is built on the generation weights
+        try:
+            self._manager = self.generator.engine_for(self.module, workload)
+        except BaseException:
+            self._restore_training_weights()
+            raise
         self._mode_before_run = self.module.training
         self.hold()  # the trainer owns the model; the engine runs only inside `take`
         self._top_up()
@@ -163,16 +173,21 @@ class AsyncRolloutController:
     def stop(self) -> None:
         """Stop the engine (its thread is joined) and give the module back its train/eval mode. Safe to call twice."""
         self._holds = 0
-        if self._hold_stack is not None:
-            self._hold_stack.close()
-            self._hold_stack = None
         if self._manager is not None:
-            self.module.train(self._mode_before_run)
-        self._manager = None
-        self._pending.clear()
-        self._by_request.clear()
-        self._ready.clear()
-        self.generator.close()
+            self._apply_generation_weights()  # the engine flushes what is in flight when it is closed
+        try:
+            if self._hold_stack is not None:
+                self._hold_stack.close()
+                self._hold_stack = None
+            if self._manager is not None:
+                self.module.train(self._mode_before_run)
+            self._manager = None
+            self._pending.clear()
+            self._by_request.clear()
+            self._ready.clear()
+            self.generator.close()
+        finally:
+            self._restore_training_weights()
 
     # ------------------------------------------------------------------------------------------ holds, updates
 
@@ -196,6 +211,7 @@ class AsyncRolloutController:
                 # A dead engine runs nothing, so there is nothing to hold; its own error is reported by `take`.
                 if self._manager.is_running() and _upstream.engine_fatal_error(self._manager) is None:
                     raise
+            self._restore_training_weights()  # paused: the trainer (and its optimizer) sees its own tensors
             self.module.train(self._mode_before_run)
         self._holds += 1
 
@@ -211,9 +227,22 @@ class AsyncRolloutController:
         # (and any dropout) changes the forward (measured: logprobs off by up to 2 nats).
         self._mode_before_run = self.module.training
         self.module.eval()
+        self._apply_generation_weights()  # refreshed from the (possibly just updated) training weights
         if self._hold_stack is not None:
             self._hold_stack.close()
             self._hold_stack = None
+
+    def _apply_generation_weights(self) -> None:
+        """Point the module at the generator's generation-dtype copies (bf16/fp16 training; else a no-op)."""
+        if self._weights_stack is None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.generator.generation_weights(self.module))
+            self._weights_stack = stack
+
+    def _restore_training_weights(self) -> None:
+        if self._weights_stack is not None:
+            stack, self._weights_stack = self._weights_stack, None
+            stack.close()
 
     @contextlib.contextmanager
     def _running(self) -> Iterator[None]:

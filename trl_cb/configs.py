@@ -9,7 +9,9 @@ Invariants after `__post_init__`:
   `transformers.generation.ContinuousBatchingConfig` accepts, and has `max_memory_percent` in (0, 1] (0.5 if unset).
 - `use_transformers_paged=True` has been turned into `use_transformers_continuous_batching=True`, with one
   FutureWarning, and reads `False` afterwards.
-- The IS settings are a valid combination for the trainer (RLOO's loss is per sequence: `sequence_*` modes only).
+- The IS settings are a valid combination for the trainer (RLOO's loss is per sequence: `sequence_*` modes only;
+  GRPO's VESPO loss needs `token_*`). An unset `cb_importance_sampling_mode` becomes the mode the loss needs; only an
+  explicit, conflicting choice raises.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ class ContinuousBatchingArguments:
             Cache geometry left unset is sized from the workload; `max_memory_percent` defaults to 0.5 and caps it.
         cb_importance_sampling_correction (`bool`, *optional*, defaults to `True`):
             Correct the policy-gradient term for the gap between the sampler's and the trainer's logprobs.
-        cb_importance_sampling_mode (`str`, *optional*, defaults to `"sequence_mask"`):
-            `token_truncate`, `token_mask`, `sequence_truncate` or `sequence_mask` (see docs/index.md).
+        cb_importance_sampling_mode (`str`, *optional*):
+            `token_truncate`, `token_mask`, `sequence_truncate` or `sequence_mask` (see docs/index.md). Unset, the
+            mode the loss needs is chosen: `sequence_mask`, or `token_mask` for GRPO's `loss_type="vespo"` (which
+            weights tokens itself). Only an explicit choice the loss cannot use raises.
         cb_importance_sampling_clip_min (`float`, *optional*):
             Lower IS bound (truncate: clamp; mask: zero below).
         cb_importance_sampling_clip_max (`float`, *optional*, defaults to `3.0`):
@@ -75,9 +79,13 @@ class ContinuousBatchingArguments:
         default=True,
         metadata={"help": "Apply importance-sampling correction on the continuous batching path."},
     )
-    cb_importance_sampling_mode: str = field(
-        default="sequence_mask",
-        metadata={"help": f"Importance-sampling mode, one of {IS_MODES}.", "choices": list(IS_MODES)},
+    cb_importance_sampling_mode: str | None = field(
+        default=None,
+        metadata={
+            "help": f"Importance-sampling mode, one of {IS_MODES}. Unset: the one the loss needs ('sequence_mask'; "
+            "'token_mask' for GRPO's loss_type='vespo').",
+            "choices": list(IS_MODES),
+        },
     )
     cb_importance_sampling_clip_min: float | None = field(
         default=None,
@@ -121,6 +129,10 @@ class ContinuousBatchingArguments:
         metadata={"help": "Deprecated. Use `use_transformers_continuous_batching` instead."},
     )
 
+    def _default_importance_sampling_mode(self) -> str:
+        """The IS mode used when the user sets none: one weight per sequence, zeroed outside the bounds."""
+        return "sequence_mask"
+
     def _post_init_continuous_batching(self) -> None:
         """Normalise and validate the CB fields (called first thing in the configs' `__post_init__`)."""
         if self.use_transformers_paged:
@@ -148,6 +160,8 @@ class ContinuousBatchingArguments:
             cb_config["max_memory_percent"] = DEFAULT_MAX_MEMORY_PERCENT
         self.transformers_continuous_batching_config = cb_config
 
+        if self.cb_importance_sampling_mode is None:
+            self.cb_importance_sampling_mode = self._default_importance_sampling_mode()
         validate_mode(
             self.cb_importance_sampling_mode,
             self.cb_importance_sampling_clip_min,
@@ -176,6 +190,10 @@ class ContinuousBatchingArguments:
 @dataclass
 class GRPOConfig(ContinuousBatchingArguments, trl.GRPOConfig):
     """TRL's `GRPOConfig` with trl_cb's continuous batching fields (see `ContinuousBatchingArguments`)."""
+
+    def _default_importance_sampling_mode(self) -> str:
+        # VESPO folds token-level IS weights into its own sequence weight (TRL's `get_gamma_weights`): token level.
+        return "token_mask" if self.loss_type == "vespo" else super()._default_importance_sampling_mode()
 
     def __post_init__(self) -> None:
         self._post_init_continuous_batching()

@@ -15,7 +15,9 @@ Guarantees:
   construction (`generation_settings.py`); the engine is rebuilt when the sampling settings or the module change,
   and re-sized (grown, with a log line) when a workload needs more cache than it has.
 - Training is unaffected: the module's train/eval mode and attention implementation are restored after each round,
-  and the engine's thread is stopped between rounds (an idle torch thread slows CPU training; `_upstream.suspend`).
+  a bf16/fp16 round runs on copies of the weights (the module's parameters keep their dtype and exact values;
+  `precision.py`), and the engine's thread is stopped between rounds (an idle torch thread slows CPU training;
+  `_upstream.suspend`).
 - The caller's global RNG is never re-seeded; two rounds on the same prompts sample differently.
 """
 
@@ -43,6 +45,7 @@ from .generation_settings import (
     sampling_signature,
     without_trl_cb_fields,
 )
+from .precision import GenerationPrecision
 from .request_processors import build_request_processors
 from .sizing import CacheSize, Workload, default_page_size, size_cache
 
@@ -100,7 +103,10 @@ class ContinuousBatchingGenerator:
             caps the cache; `return_logprobs` is always on.
         accelerator: The training `Accelerator`, if any.
         gather_deepspeed3_params: Gather ZeRO-3 parameters for generation (TRL's `ds3_gather_for_generation`).
-        cast_dtype: Cast the unwrapped module to this dtype before generating (TRL does so for `bf16`/`fp16`).
+        cast_dtype: Generate in this dtype (TRL's `bf16`/`fp16`) on copies of the weights; the training module's
+            own parameters keep their dtype and values (`trl_cb/precision.py`).
+        cast_lm_head_to_fp32: Run the LM head in fp32 during generation (TRL's `cast_lm_head_to_fp32`; tied
+            embeddings supported).
         timeout: Seconds a round may take before it is abandoned with `TimeoutError` (`None`: no limit).
     """
 
@@ -128,6 +134,9 @@ class ContinuousBatchingGenerator:
         self.gather_deepspeed3_params = gather_deepspeed3_params
         self.cast_dtype = cast_dtype
         self.cast_lm_head_to_fp32 = cast_lm_head_to_fp32
+        # Copies of the weights are kept between rounds unless each would be a full copy of a sharded model.
+        sharded = _is_sharded(model, accelerator)
+        self._precision = GenerationPrecision(cast_dtype, cast_lm_head_to_fp32, keep_copies=not sharded)
         self.gradient_checkpointing_kwargs = gradient_checkpointing_kwargs
         self.timeout = timeout
         self.generation_config = engine_generation_config(generation_config)
@@ -176,8 +185,18 @@ class ContinuousBatchingGenerator:
         finally:
             module.train(was_training)  # the engine's constructor calls module.eval()
 
+    def generation_weights(self, module: PreTrainedModel) -> contextlib.AbstractContextManager[None]:
+        """Point `module`'s tensors at the generation-dtype copies (refreshed from its weights) until exit, for
+        callers that drive the engine themselves (async rollouts): enter before the engine runs, exit once it is
+        paused. A no-op without `cast_dtype` / `cast_lm_head_to_fp32`. See `trl_cb/precision.py`."""
+        return self._precision.applied(module)
+
     def close(self) -> None:
         """Stop the engine thread and free its cache. Safe to call twice; a later `generate` builds a new engine."""
+        self._stop_engine()
+        self._precision.release()
+
+    def _stop_engine(self) -> None:
         engine, self._engine = self._engine, None
         if engine is None:
             return
@@ -222,15 +241,13 @@ class ContinuousBatchingGenerator:
             summon = contextlib.nullcontext()
         with unwrap as unwrapped, torch.no_grad(), summon, _upstream.fsdp2_unsharded(unwrapped):
             module = _base_transformers_model(unwrapped)
-            if self.cast_dtype is not None:
-                module.to(self.cast_dtype)
-            if self.cast_lm_head_to_fp32:
-                module.lm_head.to(torch.float32)
-            was_training = module.training
-            try:
-                yield module
-            finally:
-                module.train(was_training)
+            # Generation runs on low-precision copies: the training module keeps its dtypes and exact values.
+            with self._precision.applied(module):
+                was_training = module.training
+                try:
+                    yield module
+                finally:
+                    module.train(was_training)
 
     def _generate_on(
         self, module: PreTrainedModel, prompts: list[list[int]], num_generations: int
@@ -349,7 +366,7 @@ class ContinuousBatchingGenerator:
             )
         elif engine is not None:
             logger.info("Generation settings or model changed: rebuilding the continuous batching engine.")
-        self.close()
+        self._stop_engine()  # not `close`: the round's generation copies are in use
         self._engine = self._build_engine(module, workload, signature)
         self.num_engine_builds += 1
         return self._engine
@@ -517,6 +534,20 @@ def validate_cb_kwargs(kwargs: dict[str, Any]) -> None:
 def _zero_stage(accelerator: Accelerator) -> int | None:
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     return None if plugin is None else getattr(plugin, "zero_stage", None)
+
+
+def _is_sharded(model: torch.nn.Module, accelerator: Accelerator | None) -> bool:
+    """Whether parameters are sharded between rounds (ZeRO-3, FSDP): a kept generation copy would be a full one."""
+    if accelerator is not None:
+        from accelerate.utils import DistributedType
+
+        if _zero_stage(accelerator) == 3 or getattr(accelerator, "distributed_type", None) == DistributedType.FSDP:
+            return True
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _extract_module(model: torch.nn.Module) -> torch.nn.Module:

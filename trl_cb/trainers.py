@@ -72,19 +72,26 @@ class ContinuousBatchingTrainerMixin:
             self._cb_generator = None
         if self._cb_generator is None:
             args = self.args
-            cast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
             self._cb_generator = ContinuousBatchingGenerator(
                 wrapped,
                 self.generation_config,
                 continuous_batching_config=args.transformers_continuous_batching_config,
                 accelerator=self.accelerator,
                 gather_deepspeed3_params=args.ds3_gather_for_generation,
-                cast_dtype=cast,
-                cast_lm_head_to_fp32=bool(getattr(args, "cast_lm_head_to_fp32", False)),
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
                 timeout=args.cb_generation_timeout,
+                **self._cb_precision_kwargs(),
             )
         return self._cb_generator
+
+    def _cb_precision_kwargs(self) -> dict[str, Any]:
+        """Generation dtype as TRL's CB path picks it (`bf16`/`fp16`, fp32 LM head); applied to copies of the weights,
+        never to the training module (`trl_cb/precision.py`)."""
+        args = self.args
+        return {
+            "cast_dtype": torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
+            "cast_lm_head_to_fp32": bool(getattr(args, "cast_lm_head_to_fp32", False)),
+        }
 
     def _cb_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
         """Completions and sampling logprobs for TRL's prompt list (each prompt already repeated per sample)."""
@@ -155,6 +162,7 @@ class ContinuousBatchingTrainerMixin:
                 self.generation_config,
                 continuous_batching_config=args.transformers_continuous_batching_config,
                 timeout=args.cb_generation_timeout,
+                **self._cb_precision_kwargs(),
             )
             rows_per_step = args.generation_batch_size // self.accelerator.num_processes
             probe = range(min(256, len(self.train_dataset)))

@@ -77,9 +77,28 @@ def test_rloo_rejects_token_level_is():
     assert make(GRPOConfig, cb_importance_sampling_mode="token_truncate").cb_importance_sampling_mode
 
 
-def test_grpo_vespo_needs_token_mode():
-    with pytest.raises(ValueError, match="vespo"):
-        make(GRPOConfig, use_transformers_continuous_batching=True, loss_type="vespo")
+def test_grpo_vespo_picks_token_mode_when_unset():
+    """A user who only flips the CB flag gets the mode VESPO needs; other losses keep the sequence default."""
+    cfg = make(GRPOConfig, use_transformers_continuous_batching=True, loss_type="vespo")
+    assert cfg.cb_importance_sampling_mode == "token_mask"
+    assert make(GRPOConfig, use_transformers_continuous_batching=True).cb_importance_sampling_mode == "sequence_mask"
+    explicit = make(
+        GRPOConfig,
+        use_transformers_continuous_batching=True,
+        loss_type="vespo",
+        cb_importance_sampling_mode="token_truncate",
+    )
+    assert explicit.cb_importance_sampling_mode == "token_truncate"
+
+
+def test_grpo_vespo_refuses_explicit_sequence_mode():
+    with pytest.raises(ValueError, match="vespo.*token-level IS mode"):
+        make(
+            GRPOConfig,
+            use_transformers_continuous_batching=True,
+            loss_type="vespo",
+            cb_importance_sampling_mode="sequence_mask",
+        )
 
 
 @pytest.mark.parametrize("cls", CONFIGS)
