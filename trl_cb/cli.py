@@ -3,7 +3,8 @@
 Why: TRL users start runs with `trl grpo --config recipe.yaml`. `trl-cb grpo` takes the same flags and recipes
 because it is built from TRL's own pieces — `TrlParser` and the dataclasses of `trl grpo` / `trl rloo`
 (`GRPOScriptArguments` / `RLOOScriptArguments`, `ModelConfig`, `DatasetMixtureConfig`) — with trl_cb's
-`GRPOConfig` / `RLOOConfig` in place of TRL's, so every trl_cb field is a flag and a recipe key too.
+`GRPOConfig` / `RLOOConfig` in place of TRL's, so every trl_cb field is a flag and a recipe key too. One default
+differs from the Python API: `use_transformers_continuous_batching` is on (that is why one runs `trl-cb`).
 
 How a run starts (as with `trl grpo`):
 - Arguments no dataclass declares, on the command line or as recipe keys, must be `accelerate launch` options
@@ -95,12 +96,15 @@ def make_parser(name: str, prog: str | None = None) -> Any:
 
     algo = algorithm(name)
     prog = prog or f"trl-cb {name}"
-    return TrlParser(
+    parser = TrlParser(
         (algo.script_arguments, algo.config, ModelConfig, DatasetMixtureConfig),
         prog=prog,
         usage=f"{prog} [--config RECIPE.yaml] [--option value ...] [accelerate launch options]",
         epilog=_EPILOG,
     )
+    # The point of `trl-cb` over `trl`: CB rollouts unless told otherwise (`false` gives TRL's generate() path).
+    parser.set_defaults(use_transformers_continuous_batching=True)
+    return parser
 
 
 # --- rewards, model and data -------------------------------------------------------------------------------------

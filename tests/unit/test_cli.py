@@ -39,6 +39,14 @@ def test_recipe_parses_into_trl_cb_classes(name, config_cls, trainer_cls):
 
 
 @pytest.mark.parametrize("name", ["grpo", "rloo"])
+def test_continuous_batching_is_on_unless_turned_off(name):
+    training = cli.make_parser(name).parse_args_and_config(["--bf16", "false"])[1]
+    assert training.use_transformers_continuous_batching
+    off = ["--bf16", "false", "--use_transformers_continuous_batching", "false"]
+    assert not cli.make_parser(name).parse_args_and_config(off)[1].use_transformers_continuous_batching
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
 def test_every_trl_flag_is_accepted(name):
     """Whatever `trl grpo` / `trl rloo` accepts, `trl-cb` accepts: TRL's own parser's options are a subset of ours."""
     trl_script = __import__(f"trl.scripts.{name}", fromlist=["make_parser"])
