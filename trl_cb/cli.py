@@ -18,7 +18,7 @@ How a run starts (as with `trl grpo`):
 
 Offline names, so that a first run, the tests and CI download nothing:
 - model `trl-cb/tiny`: `trl_cb.tiny`'s random tiny Qwen2 with its locally trained tokenizer, saved once under the
-  temp directory (atomically: ranks may race).
+  temp directory, by rank 0 first (transformers writes checkpoints from rank 0 only), atomically.
 - dataset `trl-cb/gsm8k-synthetic`: `trl_cb.data.synthetic_gsm8k` problems, 1024 train / 128 test rows.
 A dataset with GSM8K's columns (`question`, `answer` ending in `#### N`) and no `prompt` column is mapped to
 `prompt`/`answer` records (`trl_cb.data.gsm8k_record`), which `gsm8k_reward` scores.
@@ -230,9 +230,12 @@ def train(algo: Algorithm, script_args: Any, training_args: Any, model_args: Any
     model_init_kwargs.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = model_init_kwargs
 
-    dataset = load_datasets(script_args, dataset_args)
+    # Rank 0 first: under torch.distributed only rank 0 writes checkpoint files (the offline tiny model).
+    with training_args.main_process_first(local=False, desc="offline model and data"):
+        model = resolve_model(model_args.model_name_or_path)
+        dataset = load_datasets(script_args, dataset_args)
     trainer = algo.trainer(
-        model=resolve_model(model_args.model_name_or_path),
+        model=model,
         reward_funcs=reward_funcs,
         args=training_args,
         train_dataset=dataset[script_args.dataset_train_split],

@@ -120,9 +120,9 @@ def tiny_checkpoint(directory: str | Path, eos_logit_bias: float | None = 4.0, s
     TRL trainers load a policy — and a reference model when `beta > 0` — from a path; a saved tiny checkpoint lets
     the examples run the exact user-facing path offline.
 
-    Safe when several processes (ranks of one launch) ask at once: each writes a private sibling directory and
-    renames it into place; the first rename wins and the others discard theirs, so no reader sees a partial
-    checkpoint.
+    Safe when several processes ask at once: each writes a private sibling directory and renames it into place; the
+    first rename wins and the others discard theirs, so no reader sees a partial checkpoint. Under torch.distributed
+    transformers writes checkpoints from rank 0 only: there, call it on rank 0 first (`main_process_first`).
     """
     directory = Path(directory)
     if not (directory / "config.json").is_file():
@@ -131,6 +131,12 @@ def tiny_checkpoint(directory: str | Path, eos_logit_bias: float | None = 4.0, s
         tokenizer = tiny_tokenizer()
         tiny_model(tokenizer, eos_logit_bias=eos_logit_bias, seed=seed).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        if not (staging / "config.json").is_file():  # transformers writes from rank 0 only under torch.distributed
+            shutil.rmtree(staging, ignore_errors=True)
+            raise RuntimeError(
+                f"Could not write the tiny checkpoint to {directory} from this process (not rank 0 of a "
+                "torch.distributed run): build it on rank 0 first, or once before launching."
+            )
         try:
             staging.rename(directory)
         except OSError:  # another process renamed its copy first (or a stale non-empty directory is there)

@@ -182,6 +182,19 @@ def test_tiny_checkpoint_tolerates_a_concurrent_writer(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["tiny"] and (target / "config.json").read_text() == "{}"
 
 
+def test_tiny_checkpoint_refuses_to_publish_an_incomplete_copy(tmp_path, monkeypatch):
+    """Under torch.distributed transformers writes checkpoints from rank 0 only; another rank's empty copy must never
+    be renamed into place (other ranks would then load a directory without config.json)."""
+    import transformers
+
+    import trl_cb.tiny as tiny
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "should_save_on_this_rank", lambda self, main: False)
+    with pytest.raises(RuntimeError, match="not rank 0"):
+        tiny.tiny_checkpoint(tmp_path / "tiny")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_offline_dataset_name():
     data = cli.load_datasets(ScriptArguments(dataset_name=cli.SYNTHETIC_GSM8K), DatasetMixtureConfig())
     assert {k: v.num_rows for k, v in data.items()} == {"train": 1024, "test": 128}
