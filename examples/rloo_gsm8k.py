@@ -41,8 +41,9 @@ if not torch.cuda.is_available():  # TRL defaults to bf16, which needs a GPU unl
 
 def main(script_args: GSM8KScriptArguments, training_args: RLOOConfig) -> None:
     model = script_args.model_name_or_path
-    if model == "tiny":
-        model = tiny_checkpoint(f"{tempfile.gettempdir()}/trl_cb_tiny_qwen2")
+    if model == "tiny":  # rank 0 first: under torch.distributed only rank 0 writes checkpoint files
+        with training_args.main_process_first(local=False):
+            model = tiny_checkpoint(f"{tempfile.gettempdir()}/trl_cb_tiny_qwen2")
     dataset = Dataset.from_list(load_prompts(script_args, seed=training_args.seed))
     trainer = RLOOTrainer(model=model, reward_funcs=gsm8k_reward, args=training_args, train_dataset=dataset)
     trainer.train()

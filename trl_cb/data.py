@@ -51,6 +51,11 @@ def synthetic_gsm8k(num_examples: int, seed: int = 0) -> list[dict[str, str]]:
     return [_problem(rng) for _ in range(num_examples)]
 
 
+def gsm8k_record(question: str, answer: str) -> dict[str, str]:
+    """One GSM8K row (`question`, worked `answer` ending in `#### N`) as a `prompt`/`answer` record (`answer` = N)."""
+    return {"prompt": question + _PROMPT_SUFFIX, "answer": answer.split("####")[-1].strip().replace(",", "")}
+
+
 def load_gsm8k_jsonl(path: str | Path, limit: int | None = None) -> list[dict[str, str]]:
     """Read GSM8K JSONL (`question`, `answer` with the final number after `####`) into `prompt`/`answer` records."""
     path = Path(path)
@@ -64,8 +69,7 @@ def load_gsm8k_jsonl(path: str | Path, limit: int | None = None) -> list[dict[st
             row = json.loads(line)
             if "question" not in row or "answer" not in row:
                 raise ValueError(f"{path}:{line_no}: expected keys 'question' and 'answer', got {sorted(row)}")
-            final = row["answer"].split("####")[-1].strip().replace(",", "")
-            records.append({"prompt": row["question"] + _PROMPT_SUFFIX, "answer": final})
+            records.append(gsm8k_record(row["question"], row["answer"]))
             if limit is not None and len(records) >= limit:
                 break
     if not records:
@@ -121,13 +125,7 @@ def load_prompts(args: GSM8KScriptArguments, seed: int = 0) -> list[dict[str, st
         from datasets import load_dataset
 
         rows = load_dataset(args.dataset_name, "main", split="train").select(range(args.num_examples))
-        return [
-            {
-                "prompt": r["question"] + _PROMPT_SUFFIX,
-                "answer": r["answer"].split("####")[-1].strip().replace(",", ""),
-            }
-            for r in rows
-        ]
+        return [gsm8k_record(r["question"], r["answer"]) for r in rows]
     if args.data_file:
         return load_gsm8k_jsonl(args.data_file, limit=args.num_examples)
     return synthetic_gsm8k(args.num_examples, seed=seed)

@@ -9,6 +9,8 @@ Invariant: `tiny_model(seed=s)` returns identical weights for the same seed on e
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -117,10 +119,28 @@ def tiny_checkpoint(directory: str | Path, eos_logit_bias: float | None = 4.0, s
 
     TRL trainers load a policy — and a reference model when `beta > 0` — from a path; a saved tiny checkpoint lets
     the examples run the exact user-facing path offline.
+
+    Safe when several processes ask at once: each writes a private sibling directory and renames it into place; the
+    first rename wins and the others discard theirs, so no reader sees a partial checkpoint. Under torch.distributed
+    transformers writes checkpoints from rank 0 only: there, call it on rank 0 first (`main_process_first`).
     """
     directory = Path(directory)
     if not (directory / "config.json").is_file():
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
         tokenizer = tiny_tokenizer()
-        tiny_model(tokenizer, eos_logit_bias=eos_logit_bias, seed=seed).save_pretrained(directory)
-        tokenizer.save_pretrained(directory)
+        tiny_model(tokenizer, eos_logit_bias=eos_logit_bias, seed=seed).save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if not (staging / "config.json").is_file():  # transformers writes from rank 0 only under torch.distributed
+            shutil.rmtree(staging, ignore_errors=True)
+            raise RuntimeError(
+                f"Could not write the tiny checkpoint to {directory} from this process (not rank 0 of a "
+                "torch.distributed run): build it on rank 0 first, or once before launching."
+            )
+        try:
+            staging.rename(directory)
+        except OSError:  # another process renamed its copy first (or a stale non-empty directory is there)
+            shutil.rmtree(staging, ignore_errors=True)
+            if not (directory / "config.json").is_file():
+                raise
     return str(directory)

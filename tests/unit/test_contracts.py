@@ -399,3 +399,29 @@ def test_suspend_resume_keeps_the_engine(model, tokenizer, prompts):
                 done.add(result.request_id)
     finally:
         manager.destroy()
+
+
+def test_trl_cli_pieces_used_by_trl_cb_cli():
+    """`trl_cb/cli.py` builds `trl-cb grpo|rloo` from `trl grpo|rloo`'s own pieces (see its docstring)."""
+    from trl.cli.accelerate_config import resolve_accelerate_config_argument
+    from trl.cli.commands.training import _subtract_subsequence
+    from trl.scripts import grpo, rloo
+
+    for cls in (grpo.GRPOScriptArguments, rloo.RLOOScriptArguments):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        assert issubclass(cls, trl.ScriptArguments), cls
+        assert {"reward_funcs", "reward_model_name_or_path", "dataset_name", "dataset_config"} <= fields, fields
+        assert {"dataset_train_split", "dataset_test_split", "dataset_streaming"} <= fields, fields
+    assert {"return_remaining_strings", "separate_remaining_strings"} <= set(
+        params(trl.TrlParser.parse_args_and_config)
+    )
+    assert resolve_accelerate_config_argument(["--accelerate_config", __file__, "--num_processes", "2"]) == [
+        "--config_file", __file__, "--num_processes", "2"
+    ]  # fmt: skip
+    assert _subtract_subsequence(["a", "--x", "1", "b", "--x"], ["--x", "1"]) == ["a", "b", "--x"]
+    # The reward names and the factory's values trl_cb.cli.reward_registry repeats so that TRL recipes mean the same.
+    for script in (grpo, rloo):
+        src = inspect.getsource(script.main)
+        assert "get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)" in src
+        for name in ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward"):
+            assert f'"{name}": {name}' in src, name
