@@ -28,6 +28,7 @@ from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import nanmax, nanmin, pad
 
+from . import compat
 from .async_rollouts import AsyncRolloutController, RolloutGroup
 from .generator import ContinuousBatchingGenerator, plain_module
 from .importance_sampling import importance_sampling_ratio, importance_sampling_stats
@@ -53,6 +54,26 @@ class ContinuousBatchingTrainerMixin:
                 "trl_cb's continuous batching path does not support multimodal models (processing_class is a "
                 f"{type(processing_class).__name__}). Use a text-only model, or `use_vllm` / the `generate()` path."
             )
+
+    def _cb_check_model_config(self, model: Any, args: Any) -> None:
+        """Before TRL loads a model given by name: refuse from its config alone (no weights downloaded)."""
+        if args is None or not args.use_transformers_continuous_batching or not isinstance(model, str):
+            return
+        from transformers import AutoConfig
+
+        init_kwargs = getattr(args, "model_init_kwargs", None) or {}
+        keys = ("revision", "trust_remote_code", "token", "cache_dir")
+        try:
+            config = AutoConfig.from_pretrained(model, **{k: init_kwargs[k] for k in keys if k in init_kwargs})
+        except Exception:  # TRL's own loading reports an unreachable model
+            return
+        compat.check_config(config)
+
+    def _cb_check_model(self) -> None:
+        """After TRL built the model: refuse what the engine cannot serve exactly (trl_cb/compat.py), at
+        construction rather than as a failed request at the first step."""
+        if self.args.use_transformers_continuous_batching:
+            compat.check_model(plain_module(self.model))
 
     # ---------------------------------------------------------------------------------------------- generation
 
@@ -287,7 +308,9 @@ class GRPOTrainer(ContinuousBatchingTrainerMixin, trl.GRPOTrainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._cb_check_processing_class(kwargs.get("args"), kwargs.get("processing_class"))
+        self._cb_check_model_config(kwargs.get("model", args[0] if args else None), kwargs.get("args"))
         super().__init__(*args, **kwargs)
+        self._cb_check_model()
         self._cb_async_setup()
 
     def _generate_single_turn(
@@ -314,7 +337,9 @@ class RLOOTrainer(ContinuousBatchingTrainerMixin, trl.RLOOTrainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._cb_check_processing_class(kwargs.get("args"), kwargs.get("processing_class"))
+        self._cb_check_model_config(kwargs.get("model", args[0] if args else None), kwargs.get("args"))
         super().__init__(*args, **kwargs)
+        self._cb_check_model()
         self._cb_async_setup()
 
     def _generate_single_turn(
