@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 _PROMPTS = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "The history of the printing press begins",
     "Question: A train travels 60 km in 45 minutes. What is its average speed in km/h?\nAnswer:",
     "Once upon a time, in a village at the edge of a forest,",
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="make every prompt this many tokens long (repeating its text), e.g. past the model's sliding window",
     )
     parser.add_argument(
-        "--tolerance", type=float, default=None, help="largest accepted |logprob gap| (default 1e-4 in float32, 0.1 else)"
+        "--tolerance", type=float, default=None, help="largest accepted |logprob gap| (default 1e-4 fp32, 0.1 else)"
     )
     parser.add_argument("--attn-implementation", default=None, help="e.g. sdpa, eager (default: as the model loads)")
     parser.add_argument("--trust-remote-code", action="store_true", help="allow custom modelling code from the hub")
