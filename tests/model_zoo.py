@@ -30,9 +30,18 @@ _COMMON: dict[str, Any] = dict(
 )
 _MOE: dict[str, Any] = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 _MLA: dict[str, Any] = dict(
-    kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, head_dim=8, v_head_dim=16,
-    n_routed_experts=4, first_k_dense_replace=1, n_group=1, topk_group=1, **_MOE,
-)  # fmt: skip
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=4,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    **_MOE,
+)
 
 
 @dataclass(frozen=True)
@@ -58,7 +67,7 @@ SUPPORTED: list[Arch] = [
         "sliding window on layers 2-3",
         dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
         windowed=True,
-    ),  # fmt: skip
+    ),
     Arch("qwen3", "q/k-norm, tied embeddings", dict(tie_word_embeddings=True)),
     Arch("qwen3_moe", "MoE (4 experts, top-2), q/k-norm", dict(num_experts=4, decoder_sparse_step=1, **_MOE)),
     Arch("mistral", "sliding window on every layer", dict(sliding_window=WINDOW), windowed=True),
@@ -67,27 +76,29 @@ SUPPORTED: list[Arch] = [
         "MoE + sliding window",
         dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2),
         windowed=True,
-    ),  # fmt: skip
+    ),
     Arch("gemma", "Gemma-1: scaled embeddings, tied", dict(tie_word_embeddings=True)),
     Arch(
         "gemma2",
         "attention + final logit soft-cap, alternating windows",
-        dict(sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=10.0),
+        dict(
+            sliding_window=WINDOW, attn_logit_softcapping=2.0, final_logit_softcapping=10.0, query_pre_attn_scalar=16
+        ),
         windowed=True,
         attn_impl="eager",
-    ),  # fmt: skip
+    ),
     Arch(
         "gemma3_text",
         "alternating windows (local RoPE base), q/k-norm",
         dict(sliding_window=WINDOW, sliding_window_pattern=2, layer_types=None),
         windowed=True,
-    ),  # fmt: skip
+    ),
     Arch(
         "phi3",
         "fused qkv, partial rotary, sliding window",
         dict(sliding_window=WINDOW, partial_rotary_factor=0.5),
         windowed=True,
-    ),  # fmt: skip
+    ),
     Arch("smollm3", "NoPE every 2nd layer, tied", dict(no_rope_layer_interval=2, tie_word_embeddings=True)),
     Arch("olmo2", "q/k-norm, post-norm blocks"),
     Arch("olmo3", "alternating windows, q/k-norm", dict(sliding_window=WINDOW), windowed=True),
@@ -102,7 +113,7 @@ SUPPORTED: list[Arch] = [
         dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2),
         windowed=True,
         attn_impl="eager",
-    ),  # fmt: skip
+    ),
     Arch("phi", "Phi-2: parallel blocks, partial rotary, biases", dict(partial_rotary_factor=0.5)),
     Arch("starcoder2", "sliding window, biases", dict(sliding_window=WINDOW), windowed=True),
     Arch(
@@ -110,7 +121,19 @@ SUPPORTED: list[Arch] = [
         "alternating windows, q/k-norm",
         dict(sliding_window=WINDOW, sliding_window_pattern=2),
         windowed=True,
-    ),  # fmt: skip
+    ),
+    Arch(
+        "gemma3n_text",
+        "KV sharing across layers, AltUp, per-layer inputs, windows",
+        dict(
+            num_kv_shared_layers=2,
+            sliding_window=WINDOW,
+            vocab_size_per_layer_input=64,
+            hidden_size_per_layer_input=8,
+            laurel_rank=4,
+        ),
+        windowed=True,
+    ),
 ]
 
 #: Families the engine cannot serve, with a fragment of the reason `trl_cb.compat` must give.
@@ -122,33 +145,25 @@ REFUSED: list[tuple[Arch, str]] = [
             "gemma4_text", "per-layer head sizes", dict(vocab_size_per_layer_input=64, hidden_size_per_layer_input=8)
         ),
         "per-layer head sizes",
-    ),  # fmt: skip
+    ),
     (Arch("qwen3_next", "linear attention hybrid", dict(num_experts=4, **_MOE)), "linear_attention"),
     (Arch("qwen3_5_text", "linear attention hybrid"), "linear_attention"),
     (
         Arch("granitemoehybrid", "mamba hybrid", dict(layer_types=["mamba", "attention", "mamba", "attention"])),
         "linear_attention",
-    ),  # fmt: skip
+    ),
     (Arch("falcon_h1", "parallel attention + mamba"), "hybrid"),
     (
         Arch("lfm2", "convolution hybrid", dict(layer_types=["conv", "full_attention", "conv", "full_attention"])),
         "conv",
-    ),  # fmt: skip
+    ),
     (Arch("nemotron_h", "mamba hybrid"), "linear_attention"),
     (Arch("llama4_text", "chunked attention"), "chunked"),
-    (
-        Arch(
-            "gemma3n_text",
-            "KV sharing across layers",
-            dict(num_kv_shared_layers=2, vocab_size_per_layer_input=64, hidden_size_per_layer_input=8, laurel_rank=4),
-        ),
-        "reuse another layer",
-    ),  # fmt: skip
     (Arch("bloom", "ALiBi, attention outside the interface", attn_impl="eager"), "attention interface"),
     (
         Arch("mimo_v2_flash", "value heads narrower than key heads", dict(v_head_dim=8), attn_impl="eager"),
         "v_head_dim",
-    ),  # fmt: skip
+    ),
 ]
 
 

@@ -14,7 +14,7 @@ engine will do: one attention call per layer, keys and values exactly the width 
 cache slots, causal attention, the same sliding window per layer, no argument the engine's attention function
 drops. A model that matches passes whatever its name; one that deviates is refused with the deviation. Config
 checks (`check_config`) give the same verdict before any weights are loaded and name the known cases precisely
-(MLA, per-layer head sizes, KV sharing, non-attention layer types).
+(MLA, per-layer head sizes, non-attention layer types).
 
 Invariant: a model `check_model` accepts is run by the engine through the same attention computation as its own
 forward (up to the attention kernel). `tests/unit/test_compat_matrix.py` proves it per architecture family.
@@ -22,6 +22,7 @@ forward (up to the attention kernel). `tests/unit/test_compat_matrix.py` proves 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import threading
 import weakref
@@ -36,6 +37,7 @@ from . import _upstream
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "SINK_ATTENTION_IMPLEMENTATIONS",
     "SOFTCAP_ATTENTION_IMPLEMENTATIONS",
     "UnsupportedModelError",
     "check_config",
@@ -50,11 +52,18 @@ WAY_OUT = (
     "`python -m trl_cb.check_model MODEL` checks a model before a run."
 )
 
+#: The engine attention trl_cb runs instead of transformers' dense-mask ones when `trl_cb.attention` is present
+#: (per-request varlen attention: applies `softcap` and sinks, windows from the module's `sliding_window`).
+TRL_CB_ENGINE_ATTENTION = "trl_cb_varlen"
 #: Engine attention implementations whose attention function applies the `softcap` argument. transformers'
 #: `paged|eager` ignores it and `sdpa` cannot apply it (docs/models.md); flash kernels take it.
-SOFTCAP_ATTENTION_IMPLEMENTATIONS: set[str] = {"flash_attention_2", "flash_attention_3", "flash_attention_4"}
+SOFTCAP_ATTENTION_IMPLEMENTATIONS: set[str] = {
+    "flash_attention_2", "flash_attention_3", "flash_attention_4", TRL_CB_ENGINE_ATTENTION,
+}  # fmt: skip
 #: Engine attention implementations that honour a learned attention sink (`module.sinks` / `s_aux`).
-SINK_ATTENTION_IMPLEMENTATIONS: set[str] = {"paged|eager", "flash_attention_2", "flash_attention_3"}
+SINK_ATTENTION_IMPLEMENTATIONS: set[str] = {
+    "paged|eager", "flash_attention_2", "flash_attention_3", TRL_CB_ENGINE_ATTENTION,
+}  # fmt: skip
 
 #: What a few well-known layer types are, for the error message (any other non-attention type is named as is).
 _LAYER_TYPE_NAMES = {
@@ -134,9 +143,6 @@ def config_problems(config: PretrainedConfig) -> list[str]:
             value = _get(cfg, name, None)
             if isinstance(value, int) and value != head_dim:
                 problems.append(f"{name}={value} differs from head_dim={head_dim}, the head size the engine caches")
-    shared = _get(cfg, "num_kv_shared_layers", None)
-    if shared:
-        problems.append(f"{shared} layers reuse another layer's keys and values (num_kv_shared_layers)")
     if _get(cfg, "use_bidirectional_attention", False):
         problems.append("bidirectional attention (use_bidirectional_attention=True): the engine attends causally")
     if _get(cfg, "attention_chunk_size", None) is not None and "chunked_attention" not in layer_types:
@@ -155,9 +161,16 @@ def check_config(config: PretrainedConfig) -> None:
 
 
 def engine_attention_implementation(model: PreTrainedModel) -> str:
-    """The attention implementation the engine will run `model` with (its own switch: eager -> paged|eager)."""
+    """The attention implementation the engine will run `model` with: transformers' switch (eager -> paged|eager),
+    then trl_cb's own engine attention in place of a dense-mask one where `trl_cb.attention` provides it."""
     impl = model.config._attn_implementation
-    return "paged|eager" if impl == "eager" else impl
+    impl = "paged|eager" if impl == "eager" else impl
+    if importlib.util.find_spec(f"{__package__}.attention") is not None:
+        from . import attention  # type: ignore[attr-defined]
+
+        if impl in attention.DENSE_MASK_IMPLEMENTATIONS and attention.enabled():
+            return attention.ATTENTION_NAME
+    return impl
 
 
 def check_model(model: PreTrainedModel) -> bool:
@@ -169,7 +182,8 @@ def check_model(model: PreTrainedModel) -> bool:
     """
     problems = config_problems(model.config)
     impl = engine_attention_implementation(model)
-    if not (impl in ("paged|eager", "sdpa") or impl.startswith("flash_attention") or "flash" in impl):
+    chosen = model.config._attn_implementation  # what transformers' CB accepts, before trl_cb's replacement
+    if not (chosen in ("eager", "paged|eager", "sdpa", TRL_CB_ENGINE_ATTENTION) or "flash" in chosen):
         problems.append(
             f"attention implementation {model.config._attn_implementation!r}: the engine runs only 'eager', 'sdpa' "
             "or flash attention (load the model with attn_implementation='sdpa')"
