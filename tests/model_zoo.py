@@ -159,6 +159,7 @@ REFUSED: list[tuple[Arch, str]] = [
     ),
     (Arch("nemotron_h", "mamba hybrid"), "linear_attention"),
     (Arch("llama4_text", "chunked attention"), "chunked"),
+    (Arch("gemma3_text", "bidirectional attention", dict(use_bidirectional_attention=True)), "bidirectional"),
     (Arch("bloom", "ALiBi, attention outside the interface", attn_impl="eager"), "attention interface"),
     (
         Arch("mimo_v2_flash", "value heads narrower than key heads", dict(v_head_dim=8), attn_impl="eager"),

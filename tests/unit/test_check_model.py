@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
-import pytest
+import torch
 
 from tests.model_zoo import REFUSED, SUPPORTED, WINDOW, tiny_arch_model, tiny_config
-from trl_cb import check_model, compat
+from trl_cb import check_model
 
 
 def _save(tmp_path: Path, tokenizer, model=None, config=None) -> str:
@@ -41,23 +42,34 @@ def test_pass_on_a_served_checkpoint(tokenizer, tmp_path, capsys):
 
 
 def test_fail_reports_the_gap_and_where_it_starts(tokenizer, tmp_path, capsys, monkeypatch):
-    """Control: a model whose engine view drops the window (layer_types say full attention, the model attends
-    through an 8-token window) — let past the up-front checks on purpose — fails with a gap that starts once a
-    sequence is longer than the window."""
-    arch = next(a for a in SUPPORTED if a.model_type == "mistral")
+    """Control: an engine that computes a different model from sequence position ERROR_FROM on (a hook shifts the
+    final hidden states there, only in the engine's thread) fails, and the report points at the first token the
+    shifted states produced (position ERROR_FROM + 1)."""
+    error_from = 10
+    arch = next(a for a in SUPPORTED if a.model_type == "llama")
     model = tiny_arch_model(arch, len(tokenizer), _special_ids(tokenizer))
     path = _save(tmp_path, tokenizer, model=model)
-    model.config.layer_types = ["full_attention"] * model.config.num_hidden_layers
-    with pytest.raises(compat.UnsupportedModelError, match="sliding_window=8 but the engine would use None"):
-        compat.check_model(model)  # what check-model would say without the bypass below
+    caller = threading.current_thread()
+    positions: dict[str, torch.Tensor] = {}
+
+    def remember_positions(module, args, kwargs):
+        positions["ids"] = kwargs.get("position_ids")
+
+    def shift_late_positions(module, args, output):
+        ids = positions.get("ids")
+        if threading.current_thread() is caller or ids is None:
+            return output
+        late = (ids >= error_from)[..., None].to(output.dtype)  # (1, N, 1)
+        return output + late  # (1, N, H)
+
+    model.register_forward_pre_hook(remember_positions, with_kwargs=True)
+    model.model.norm.register_forward_hook(shift_late_positions)
     monkeypatch.setattr(check_model, "_load", lambda args, device, dtype: (model, tokenizer))
-    monkeypatch.setattr(compat, "probe_problems", lambda model: [])
     argv = [path, "--num-prompts", "2", "--max-new-tokens", "12", "--prompt-tokens", "6"]
     assert check_model.main(argv) == 1
     out = capsys.readouterr().out
     assert "FAIL: logprob gap" in out and "PASS" not in out
-    position = int(out.split("sequence position ")[1].split(")")[0])
-    assert position >= WINDOW, "the gap can only start once a sequence outgrows the window"
+    assert f"(sequence position {error_from + 1})" in out, out
 
 
 def test_refused_architecture_exits_nonzero_before_loading_weights(tokenizer, tmp_path):

@@ -20,7 +20,7 @@ from datasets import Dataset
 
 from tests.conftest import sampling_config
 from tests.model_zoo import REFUSED, SUPPORTED, WINDOW, Arch, tiny_arch_model, tiny_config
-from trl_cb import ContinuousBatchingGenerator, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from trl_cb import ContinuousBatchingGenerator, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer, compat
 from trl_cb.compat import UnsupportedModelError
 from trl_cb.data import synthetic_gsm8k
 
@@ -115,6 +115,7 @@ def test_logprobs_match_teacher_forcing(arch, tokenizer, special_ids, short_prom
             # Controls: an error of each kind would show far above the tolerance.
             wrong_prompt = _max_gap(model, short_prompts, result, temperature, shift=1)
             assert wrong_prompt >= CONTROL_GAP, f"{arch.id}: scoring after another prompt moved only {wrong_prompt}"
+            figures[f"wrong prompt T={temperature}"] = wrong_prompt
             for name, control in _controls(arch, model).items():
                 with control:
                     moved = _max_gap(model, short_prompts, result, temperature)
@@ -134,6 +135,28 @@ def test_refused_at_generator_construction(arch, reason, tokenizer, special_ids)
     assert isinstance(info.value, ValueError)
     assert reason in message, message
     assert f"model_type={arch.model_type!r}" in message and "use_transformers_continuous_batching=False" in message
+
+
+def test_probe_refuses_a_window_the_engine_would_not_apply(tokenizer, special_ids):
+    """The layers attend through an 8-token window, but `layer_types` (what the engine groups its cache by) says
+    full attention: caught by comparing what each layer hands to attention with the engine's view."""
+    model = tiny_arch_model(next(a for a in SUPPORTED if a.model_type == "mistral"), len(tokenizer), special_ids)
+    model.config.layer_types = ["full_attention"] * model.config.num_hidden_layers
+    with pytest.raises(UnsupportedModelError, match="sliding_window=8 but the engine would use None"):
+        compat.check_model(model)
+
+
+def test_probe_leaves_the_model_as_it_was(tokenizer, special_ids):
+    model = tiny_arch_model(next(a for a in SUPPORTED if a.model_type == "gpt_oss"), len(tokenizer), special_ids)
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(3)
+    assert compat.check_model(model) is True
+    after_rng = torch.rand(3)
+    torch.manual_seed(3)
+    assert torch.equal(torch.rand(3), after_rng), "the probe must not consume the caller's RNG"
+    assert model.training and model.config._attn_implementation == "eager"
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 # ------------------------------------------------------------------------------------------------- trainers
