@@ -242,8 +242,8 @@ def probe_problems(model: PreTrainedModel, num_tokens: int = 6) -> list[str]:
     missing = [i for i in range(num_layers) if i not in by_layer]
     if not calls:
         problems.append(
-            "no layer calls transformers' attention interface (the model computes attention itself, e.g. ALiBi "
-            "models); the engine's paged cache would never be read"
+            "no layer calls transformers' attention interface (the model computes attention itself, as BLOOM, "
+            "MPT, GPT-J, CodeGen, Falcon do); the engine's paged cache would never be read"
         )
     elif missing:
         problems.append(
