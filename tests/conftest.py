@@ -23,6 +23,13 @@ def model(tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
     return tiny_model(tokenizer, eos_logit_bias=4.0)
 
 
+@pytest.fixture
+def sharp_model(tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
+    """Fresh fp32 tiny model with weights of std 0.2: next-token distributions far from uniform, so that a logprob
+    comparison can fail (at the default 0.02 they are nearly uniform and almost any error passes 1e-4)."""
+    return tiny_model(tokenizer, eos_logit_bias=4.0, init_std=0.2)
+
+
 @pytest.fixture(scope="session")
 def prompts(tokenizer: PreTrainedTokenizerFast) -> list[list[int]]:
     return [tokenizer(r["prompt"])["input_ids"] for r in synthetic_gsm8k(6, seed=3)]

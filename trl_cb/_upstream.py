@@ -346,3 +346,31 @@ def install_request_processors(manager: ContinuousBatchingManager, processors: S
     processor_list.logits_processor = LogitsProcessorList([*wrapped, *processor_list.logits_processor])
     processor_list.tensors_required += len(wrapped)
     processor_list.do_processing = True
+
+
+# ---------------------------------------------------------------------------------------- model compatibility
+
+
+def engine_layer_groups(text_config: Any) -> dict[str, list[int]]:
+    """Layer indices per attention type, exactly as the engine groups them for its cache allocators.
+
+    Raises `ValueError` ("Invalid layer type: ...") for a layer type the engine has no cache allocator for. A config
+    without `layer_types` is all sliding when it sets `sliding_window`, else all full attention.
+    """
+    from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+
+    return group_layers_by_attn_type(text_config)
+
+
+def engine_attention_layer_types() -> frozenset[str]:
+    """The layer types the engine can cache (one allocator each): full and sliding-window attention."""
+    from transformers.generation.continuous_batching.cache import ATTN_TYPE_TO_ALLOCATOR
+
+    return frozenset(ATTN_TYPE_TO_ALLOCATOR)
+
+
+def engine_cache_geometry(text_config: Any) -> tuple[int, int]:
+    """(key/value heads, head size) of every key *and* value slot of the engine's cache, for every layer."""
+    from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
+
+    return find_num_key_value_heads(text_config), find_head_dim(text_config)

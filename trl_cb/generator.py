@@ -36,7 +36,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import ContinuousBatchingConfig
 
-from . import _upstream
+from . import _upstream, compat
 from .errors import EngineDiedError, GenerationError
 from .generation_settings import (
     engine_generation_config,
@@ -108,6 +108,10 @@ class ContinuousBatchingGenerator:
         cast_lm_head_to_fp32: Run the LM head in fp32 during generation (TRL's `cast_lm_head_to_fp32`; tied
             embeddings supported).
         timeout: Seconds a round may take before it is abandoned with `TimeoutError` (`None`: no limit).
+
+    Raises:
+        compat.UnsupportedModelError: (a `ValueError`) at construction, for a model the engine cannot sample from
+            exactly (MLA, per-layer head sizes, non-attention layers, dropped attention features; docs/models.md).
     """
 
     def __init__(
@@ -129,6 +133,9 @@ class ContinuousBatchingGenerator:
                 "would run ZeRO-3's per-layer all-gathers from its own thread, out of step across ranks (a hang). "
                 "Keep ds3_gather_for_generation=True (the default)."
             )
+        # Refuse now what the engine cannot serve exactly (trl_cb/compat.py); with sharded parameters the attention
+        # probe runs at the first round instead, on the gathered module, before anything is submitted.
+        self._compat_checked = compat.check_model(plain_module(model))
         self.model = model
         self.accelerator = accelerator
         self.gather_deepspeed3_params = gather_deepspeed3_params
@@ -253,6 +260,8 @@ class ContinuousBatchingGenerator:
         self, module: PreTrainedModel, prompts: list[list[int]], num_generations: int
     ) -> GenerationResult:
         t0 = time.perf_counter()
+        if not self._compat_checked:
+            self._compat_checked = compat.check_model(module)
         gen_cfg = self.generation_config
         max_new_tokens = int(gen_cfg.max_new_tokens)
         validate_prompts(prompts, module, max_new_tokens, self._cb_kwargs)

@@ -58,6 +58,7 @@ def tiny_model(
     seed: int = 0,
     eos_logit_bias: float | None = None,
     dtype: torch.dtype = torch.float32,
+    init_std: float | None = None,
 ) -> PreTrainedModel:
     """A random-init causal LM sized to `tokenizer`, on CPU, in train mode off (eval), `sdpa` attention.
 
@@ -65,6 +66,10 @@ def tiny_model(
     EOS gets roughly that logit offset against an average token. A random model never stops on its own (EOS has
     probability ~1/vocab per step); a bias makes completion lengths vary per sample, like real rollouts, which is
     what continuous batching exploits. `None` keeps the plain random init.
+
+    `init_std`: standard deviation of the random weights (transformers' `initializer_range`, 0.02 by default). At
+    0.02 next-token distributions are nearly uniform, so a logprob comparison on them proves little; tests that
+    compare logprobs use 0.2 (distributions far from uniform).
     """
     if architecture not in ("qwen2", "llama"):
         raise ValueError(f"architecture must be 'qwen2' or 'llama', got {architecture!r}")
@@ -85,6 +90,8 @@ def tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
     )
+    if init_std is not None:
+        config.initializer_range = init_std
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         # The class constructor, not `from_config`: under an active DeepSpeed ZeRO-3 config, `from_config` would

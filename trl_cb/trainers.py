@@ -28,6 +28,7 @@ from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import nanmax, nanmin, pad
 
+from . import compat
 from .async_rollouts import AsyncRolloutController, RolloutGroup
 from .generator import ContinuousBatchingGenerator, plain_module, validate_generation_settings
 from .importance_sampling import importance_sampling_ratio, importance_sampling_stats
@@ -42,6 +43,16 @@ class ContinuousBatchingTrainerMixin:
     _cb_last_logprobs: list[list[float]] | None = None
     _cb_async: AsyncRolloutController | None = None
     _cb_async_groups: list[RolloutGroup] | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """TRL's trainer `__init__`, with everything the CB path cannot serve refused before (model config,
+        processor) and after (generation settings, built model) it, and the async hooks installed."""
+        self._cb_check_processing_class(kwargs.get("args"), kwargs.get("processing_class"))
+        self._cb_check_model_config(kwargs.get("model", args[0] if args else None), kwargs.get("args"))
+        super().__init__(*args, **kwargs)
+        self._cb_check_generation_settings()
+        self._cb_check_model()
+        self._cb_async_setup()
 
     def _cb_check_processing_class(self, args: Any, processing_class: Any) -> None:
         if (
@@ -60,6 +71,26 @@ class ContinuousBatchingTrainerMixin:
         would not apply exactly — instead of an error (or a silently different sampler) at the first step."""
         if self.args.use_transformers_continuous_batching:
             validate_generation_settings(self.generation_config, self.args.transformers_continuous_batching_config)
+
+    def _cb_check_model_config(self, model: Any, args: Any) -> None:
+        """Before TRL loads a model given by name: refuse from its config alone (no weights downloaded)."""
+        if args is None or not args.use_transformers_continuous_batching or not isinstance(model, str):
+            return
+        from transformers import AutoConfig
+
+        init_kwargs = getattr(args, "model_init_kwargs", None) or {}
+        keys = ("revision", "trust_remote_code", "token", "cache_dir")
+        try:
+            config = AutoConfig.from_pretrained(model, **{k: init_kwargs[k] for k in keys if k in init_kwargs})
+        except Exception:  # TRL's own loading reports an unreachable model
+            return
+        compat.check_config(config)
+
+    def _cb_check_model(self) -> None:
+        """After TRL built the model: refuse what the engine cannot serve exactly (trl_cb/compat.py), at
+        construction rather than as a failed request at the first step."""
+        if self.args.use_transformers_continuous_batching:
+            compat.check_model(plain_module(self.model))
 
     # ---------------------------------------------------------------------------------------------- generation
 
@@ -300,12 +331,6 @@ class GRPOTrainer(ContinuousBatchingTrainerMixin, trl.GRPOTrainer):
     """TRL's `GRPOTrainer`; with `args.use_transformers_continuous_batching`, rollouts come from trl_cb's engine and
     the loss is importance-sampling corrected (see `GRPOConfig`)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._cb_check_processing_class(kwargs.get("args"), kwargs.get("processing_class"))
-        super().__init__(*args, **kwargs)
-        self._cb_check_generation_settings()
-        self._cb_async_setup()
-
     def _generate_single_turn(
         self,
         prompt_ids: list[list[int]],
@@ -327,12 +352,6 @@ class GRPOTrainer(ContinuousBatchingTrainerMixin, trl.GRPOTrainer):
 class RLOOTrainer(ContinuousBatchingTrainerMixin, trl.RLOOTrainer):
     """TRL's `RLOOTrainer`; with `args.use_transformers_continuous_batching`, rollouts come from trl_cb's engine and
     the (per-sequence) loss is importance-sampling corrected (see `RLOOConfig`)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._cb_check_processing_class(kwargs.get("args"), kwargs.get("processing_class"))
-        super().__init__(*args, **kwargs)
-        self._cb_check_generation_settings()
-        self._cb_async_setup()
 
     def _generate_single_turn(
         self, prompt_ids: list[list[int]], images: Any, multimodal_fields: dict[str, Any]

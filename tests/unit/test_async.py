@@ -102,7 +102,8 @@ def test_behaviour_logprobs_across_a_weight_update(tokenizer):
     recorded logprobs are what IS must use: they differ from any single-policy recomputation."""
     from trl_cb.tiny import tiny_model
 
-    model = tiny_model(tokenizer)  # no EOS bias: samples run to max_new_tokens, so updates land mid-flight
+    # No EOS bias: samples run to max_new_tokens, so updates land mid-flight. Std 0.2: far from uniform.
+    model = tiny_model(tokenizer, init_std=0.2)
     ctl = controller(model, tokenizer, max_new_tokens=48, prefetch_depth=2)
     try:
         ctl.take(2)  # leaves prefetched groups in flight
@@ -122,10 +123,10 @@ def test_behaviour_logprobs_across_a_weight_update(tokenizer):
             before = logprobs_of(old, g.prompt_ids, tokens[:b])
             assert (before - recorded[:b]).abs().max() <= 1e-4
             new_only = logprobs_of(model, g.prompt_ids, tokens)
-            assert (new_only[:b] - recorded[:b]).abs().max() > 1e-3, "pre-update tokens must keep old logprobs"
+            assert (new_only[:b] - recorded[:b]).abs().max() >= 0.1, "pre-update tokens must keep old logprobs"
             after = partial_rollout_logprobs(old, model, g.prompt_ids, tokens, b)
             assert (after - recorded[b:]).abs().max() <= 1e-4
-            assert (new_only[b:] - recorded[b:]).abs().max() > 1e-4, "post-update tokens saw the old KV prefix"
+            assert (new_only[b:] - recorded[b:]).abs().max() >= 0.1, "post-update tokens saw the old KV prefix"
     finally:
         ctl.stop()
 

@@ -296,6 +296,42 @@ def test_generate_adds_top_k_but_cb_does_not():
     assert cfg.top_k in (None, 50)  # generate() falls back to 50 when unset; we set top_k=0 explicitly for CB
 
 
+def test_engine_cache_layout_we_check_models_against():
+    """trl_cb/compat.py compares each model with how the engine lays out its cache: layer types it has allocators
+    for, one (KV heads, head size) for every slot, layers grouped from `layer_types` / `sliding_window`."""
+    from transformers import MistralConfig, Qwen2Config
+
+    assert _upstream.engine_attention_layer_types() == {"full_attention", "sliding_attention"}
+    qwen = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    assert _upstream.engine_cache_geometry(qwen) == (2, 16)
+    assert _upstream.engine_layer_groups(qwen) == {"full_attention": [0, 1]}
+    mistral = MistralConfig(num_hidden_layers=2, sliding_window=8)  # no layer_types: all sliding
+    assert _upstream.engine_layer_groups(mistral) == {"sliding_attention": [0, 1]}
+    qwen.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ValueError, match="Invalid layer type"):
+        _upstream.engine_layer_groups(qwen)
+
+
+def test_attention_interface_accepts_a_registered_probe(tokenizer):
+    """The compatibility probe registers its own attention function and runs one forward through it."""
+    from transformers import AttentionInterface
+
+    from trl_cb.tiny import tiny_model
+
+    calls = []
+
+    def probe(module, query, key, value, attention_mask, **kwargs):
+        calls.append((module.layer_idx, tuple(key.shape)))
+        return torch.zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
+
+    AttentionInterface.register("trl_cb_contract_probe", probe)
+    model = tiny_model(tokenizer)
+    model.set_attn_implementation("trl_cb_contract_probe")
+    with torch.no_grad():
+        model(torch.tensor([[3, 4, 5]]), use_cache=False)
+    assert [c[0] for c in calls] == [0, 1] and calls[0][1] == (1, 2, 3, 16)  # (B, KV heads, T, head size)
+
+
 # ---------------------------------------------------------------------------------------------------------- TRL
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -39,19 +41,25 @@ def teacher_forced_logprobs(
     [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 20, 0.9)],
     ids=["T1", "T0.7", "T0.7-k20-p0.9"],
 )
-def test_logprobs_match_teacher_forcing(model, tokenizer, prompts, temperature, top_k, top_p):
+def test_logprobs_match_teacher_forcing(sharp_model, tokenizer, prompts, temperature, top_k, top_p):
+    model = sharp_model  # std 0.2 weights: far from uniform, so the comparison can fail
     cfg = sampling_config(tokenizer, temperature=temperature, top_k=top_k, top_p=top_p)
     with ContinuousBatchingGenerator(model, cfg) as gen:
         result = gen.generate(prompts, num_generations=3)
-    worst = 0.0
+    worst = control = 0.0
     for i, (completion, logprobs) in enumerate(zip(result.completion_ids, result.logprobs)):
         assert len(completion) == len(logprobs) > 0
         ref = teacher_forced_logprobs(model, prompts[i // 3], completion, temperature, top_k, top_p)
         worst = max(worst, (ref - torch.tensor(logprobs)).abs().max().item())
+        # Control: the same completion after another prompt — what a misordered result would look like.
+        wrong = teacher_forced_logprobs(model, prompts[(i // 3 + 1) % len(prompts)], completion, temperature, 0, 1.0)
+        control = max(control, (wrong - torch.tensor(logprobs)).abs().max().item())
     assert worst <= 1e-4, f"max |CB logprob - teacher-forced| = {worst}"
+    assert control >= 0.1, f"a misordered result would move the logprobs by only {control}"
 
 
-def test_order_contiguous_groups_and_independent_samples(model, tokenizer, prompts):
+def test_order_contiguous_groups_and_independent_samples(sharp_model, tokenizer, prompts):
+    model = sharp_model
     G = 4
     with ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=32)) as gen:
         result = gen.generate(prompts, num_generations=G)
@@ -59,21 +67,33 @@ def test_order_contiguous_groups_and_independent_samples(model, tokenizer, promp
     for i, prompt in enumerate(prompts):
         group = result.completion_ids[i * G : (i + 1) * G]
         assert len({tuple(c) for c in group}) > 1, "the G samples of a prompt must not be identical"
-        for completion in group:  # each completion continues *its* prompt: logprobs prove the pairing
+        control = 0.0
+        for j, completion in enumerate(group):  # each completion continues *its* prompt: logprobs prove the pairing
+            recorded = torch.tensor(result.logprobs[i * G + j])
             ref = teacher_forced_logprobs(model, prompt, completion, 1.0, 0, 1.0)
-            idx = result.completion_ids.index(completion)
-            assert torch.allclose(ref, torch.tensor(result.logprobs[idx]), atol=1e-4)
+            assert torch.allclose(ref, recorded, atol=1e-4)
+            other = prompts[(i + 1) % len(prompts)]  # control: the completions paired with the wrong prompt
+            control = max(
+                control, (teacher_forced_logprobs(model, other, completion, 1.0, 0, 1.0) - recorded).abs().max()
+            )
+        assert control >= 0.1, "a misordered result would go unnoticed"
 
 
-def test_repeated_prompts_are_deduplicated_and_order_kept(model, tokenizer, prompts):
+def test_repeated_prompts_are_deduplicated_and_order_kept(sharp_model, tokenizer, prompts):
     """TRL passes each prompt G times; a run may be split (a group across ranks). Output order is input order."""
+    model = sharp_model
     repeated = [prompts[0]] * 3 + [prompts[1]] * 2 + [prompts[0]] * 1
     with ContinuousBatchingGenerator(model, sampling_config(tokenizer)) as gen:
         result = gen.generate(repeated)
     assert len(result.completion_ids) == 6
+    control = 0.0
     for prompt, completion, logprobs in zip(repeated, result.completion_ids, result.logprobs):
         ref = teacher_forced_logprobs(model, prompt, completion, 1.0, 0, 1.0)
         assert torch.allclose(ref, torch.tensor(logprobs), atol=1e-4)
+        other = prompts[1] if prompt == prompts[0] else prompts[0]  # control: the other prompt's position
+        wrong = teacher_forced_logprobs(model, other, completion, 1.0, 0, 1.0)
+        control = max(control, (wrong - torch.tensor(logprobs)).abs().max().item())
+    assert control >= 0.1, "a shifted result would go unnoticed"
 
 
 def test_eos_ends_completion_and_is_kept(model, tokenizer, prompts):
@@ -133,7 +153,8 @@ def _workload(prompts: list[list[int]]):
     return Workload(len(prompts), max(map(len, prompts)), 1, sum(map(len, prompts)))
 
 
-def test_changed_generation_config_applies(model, tokenizer, prompts):
+def test_changed_generation_config_applies(sharp_model, tokenizer, prompts):
+    model = sharp_model
     with ContinuousBatchingGenerator(model, sampling_config(tokenizer)) as gen:
         gen.generate(prompts, num_generations=4)
         # G changes (train -> eval) need no rebuild: forking is per request.
@@ -145,6 +166,8 @@ def test_changed_generation_config_applies(model, tokenizer, prompts):
         for i, (completion, logprobs) in enumerate(zip(result.completion_ids, result.logprobs)):
             ref = teacher_forced_logprobs(model, prompts[i // 2], completion, 0.3, 0, 1.0)
             assert torch.allclose(ref, torch.tensor(logprobs), atol=1e-4), "new temperature was not applied"
+            stale = teacher_forced_logprobs(model, prompts[i // 2], completion, 1.0, 0, 1.0)  # control: old T
+            assert (stale - torch.tensor(logprobs)).abs().max() >= 0.1
 
 
 def test_workload_sized_cache_and_growth(model, tokenizer, prompts):
@@ -162,9 +185,11 @@ def test_workload_sized_cache_and_growth(model, tokenizer, prompts):
         assert gen.num_engine_builds == 2
 
 
-def test_fresh_weights_after_update_long_prompt(model, tokenizer):
+def test_fresh_weights_after_update_long_prompt(sharp_model, tokenizer):
     """After an in-place update, logprobs follow the new weights, also for prompts longer than one page that
     the prefix cache could otherwise serve from blocks computed with the old weights."""
+    model = sharp_model
+    old = copy.deepcopy(model)
     long_prompt = torch.randint(3, len(tokenizer), (3 * CPU_PAGE_SIZE + 5,)).tolist()
     cfg = sampling_config(tokenizer)
     with ContinuousBatchingGenerator(model, cfg, {"allow_block_sharing": True}) as gen:
@@ -176,6 +201,8 @@ def test_fresh_weights_after_update_long_prompt(model, tokenizer):
     for completion, logprobs in zip(result.completion_ids, result.logprobs):
         ref = teacher_forced_logprobs(model, long_prompt, completion, 1.0, 0, 1.0)
         assert (ref - torch.tensor(logprobs)).abs().max().item() <= 1e-4
+        stale = teacher_forced_logprobs(old, long_prompt, completion, 1.0, 0, 1.0)  # control: the old weights
+        assert (stale - torch.tensor(logprobs)).abs().max().item() >= 0.1
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -220,7 +247,7 @@ def test_peft_generation_uses_adapter_weights(tokenizer, prompts):
     peft = pytest.importorskip("peft")
     from trl_cb.tiny import tiny_model
 
-    base = tiny_model(tokenizer, eos_logit_bias=4.0)
+    base = tiny_model(tokenizer, eos_logit_bias=4.0, init_std=0.2)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     model = peft.get_peft_model(base, config)
     with ContinuousBatchingGenerator(model, sampling_config(tokenizer)) as gen:
@@ -230,4 +257,4 @@ def test_peft_generation_uses_adapter_weights(tokenizer, prompts):
         assert torch.allclose(with_adapter, torch.tensor(logprobs), atol=1e-4)
     with model.disable_adapter():
         without = teacher_forced_logprobs(model, prompts[0], result.completion_ids[0], 1.0, 0, 1.0)
-    assert not torch.allclose(without, torch.tensor(result.logprobs[0]), atol=1e-3), "adapter had no effect"
+    assert (without - torch.tensor(result.logprobs[0])).abs().max() >= 0.1, "adapter had no effect"

@@ -31,7 +31,13 @@ def length_reward(completions: list[str], **kwargs: object) -> list[float]:
 
 
 def make_trainer(
-    kind: str, tokenizer, tmp_path, eos_logit_bias: float | None = 4.0, reward=length_reward, **overrides
+    kind: str,
+    tokenizer,
+    tmp_path,
+    eos_logit_bias: float | None = 4.0,
+    reward=length_reward,
+    init_std: float | None = None,
+    **overrides,
 ):
     config_cls, trainer_cls = PAIRS[kind]
     kwargs = dict(
@@ -53,7 +59,7 @@ def make_trainer(
     kwargs.update(overrides)
     args = config_cls(**kwargs)
     dataset = Dataset.from_list(synthetic_gsm8k(16, seed=5))
-    model = tiny_model(tokenizer, eos_logit_bias=eos_logit_bias)
+    model = tiny_model(tokenizer, eos_logit_bias=eos_logit_bias, init_std=init_std)
     return trainer_cls(model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer)
 
 
@@ -81,12 +87,32 @@ def test_trains_two_steps_logs_is_metrics_one_engine(kind, tokenizer, tmp_path, 
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_sampling_logprobs_match_trl_training_logprobs(kind, tokenizer, tmp_path):
-    """With top_k=0/top_p=1 the CB logprobs equal TRL's temperature-scaled training logprobs (fp32)."""
-    trainer = make_trainer(kind, tokenizer, tmp_path, temperature=0.7, top_k=0, top_p=1.0)
+    """With top_k=0/top_p=1 the CB logprobs equal TRL's temperature-scaled training logprobs (fp32; weights of
+    std 0.2, so distributions are far from uniform — the control below shows a wrong sampler would show)."""
+    trainer = make_trainer(kind, tokenizer, tmp_path, init_std=0.2, temperature=0.7, top_k=0, top_p=1.0)
     trainer.train()
     for entry in (e for e in trainer.state.log_history if "loss" in e):
         assert entry["sampling/sampling_logp_difference/max"] <= 1e-4
         assert entry["sampling/importance_sampling_ratio/max"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_logged_logp_difference_shows_a_sampler_that_differs(tokenizer, tmp_path, monkeypatch):
+    """Control for the test above: an engine sampling from another policy than the trained one (here at 1.3x the
+    temperature, as a dropped soft-cap or window would) shows in the logged difference far above 1e-4."""
+    from trl_cb import generator as generator_module
+
+    real = generator_module._engine_generation_config
+
+    def skewed(cfg):
+        out = real(cfg)
+        out.temperature = cfg.temperature * 1.3
+        return out
+
+    monkeypatch.setattr(generator_module, "_engine_generation_config", skewed)
+    trainer = make_trainer("grpo", tokenizer, tmp_path, init_std=0.2, temperature=0.7, top_k=0, top_p=1.0, max_steps=1)
+    trainer.train()
+    entry = next(e for e in trainer.state.log_history if "loss" in e)
+    assert entry["sampling/sampling_logp_difference/max"] >= 0.1
 
 
 def test_truncated_sampling_is_ratio_at_most_one(tokenizer, tmp_path):

@@ -1,0 +1,391 @@
+"""Which models transformers' CB engine can serve exactly — decided when the generator or trainer is built.
+
+Why: the engine serves a model only through transformers' attention interface, with one paged KV cache whose slots
+are sized from the config (`head_dim`, `num_key_value_heads`) and grouped by `layer_types` (full or sliding-window
+attention). A model outside that shape fails at the first request (MLA: a cache write of the wrong width), is
+refused deep inside the engine (linear-attention / mamba / conv layers), or — worse — is sampled from a different
+model than the one trained (a dropped attention soft-cap, an ignored attention sink, a window the engine does not
+apply). Here every such model is refused up front with one `ValueError` naming the model type, each reason and the
+way out.
+
+Design: allow by evidence. `check_model` runs one forward of a few tokens through the model with a recording
+attention function (the attention probe) and compares what every layer *actually* hands to attention with what the
+engine will do: one attention call per layer, keys and values exactly the width and head count of the engine's
+cache slots, causal attention, the same sliding window per layer, no argument the engine's attention function
+drops. A model that matches passes whatever its name; one that deviates is refused with the deviation. Config
+checks (`check_config`) give the same verdict before any weights are loaded and name the known cases precisely
+(MLA, per-layer head sizes, non-attention layer types).
+
+Invariant: a model `check_model` accepts is run by the engine through the same attention computation as its own
+forward (up to the attention kernel). `tests/unit/test_compat_matrix.py` proves it per architecture family.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
+
+from . import _upstream
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "SINK_ATTENTION_IMPLEMENTATIONS",
+    "SOFTCAP_ATTENTION_IMPLEMENTATIONS",
+    "UnsupportedModelError",
+    "check_config",
+    "check_model",
+    "config_problems",
+    "engine_attention_implementation",
+    "probe_problems",
+]
+
+WAY_OUT = (
+    "Set use_transformers_continuous_batching=False (TRL's generate() path; or use vLLM) to train this model; "
+    "`python -m trl_cb.check_model MODEL` checks a model before a run."
+)
+
+#: The engine attention trl_cb runs instead of transformers' dense-mask ones when `trl_cb.attention` is present
+#: (per-request varlen attention: applies `softcap` and sinks, windows from the module's `sliding_window`).
+TRL_CB_ENGINE_ATTENTION = "trl_cb_varlen"
+#: Engine attention implementations whose attention function applies the `softcap` argument. transformers'
+#: `paged|eager` ignores it and `sdpa` cannot apply it (docs/models.md); flash kernels take it.
+SOFTCAP_ATTENTION_IMPLEMENTATIONS: set[str] = {
+    "flash_attention_2", "flash_attention_3", "flash_attention_4", TRL_CB_ENGINE_ATTENTION,
+}  # fmt: skip
+#: Engine attention implementations that honour a learned attention sink (`module.sinks` / `s_aux`).
+SINK_ATTENTION_IMPLEMENTATIONS: set[str] = {
+    "paged|eager", "flash_attention_2", "flash_attention_3", TRL_CB_ENGINE_ATTENTION,
+}  # fmt: skip
+
+#: What a few well-known layer types are, for the error message (any other non-attention type is named as is).
+_LAYER_TYPE_NAMES = {
+    "linear_attention": "linear-attention / state-space layers",
+    "mamba": "mamba layers",
+    "conv": "convolution layers",
+    "hybrid": "parallel attention + mamba layers",
+    "chunked_attention": "chunked attention",
+    "indexed_attention": "sparse (indexed) attention",
+    "moe": "MLP-only layers",
+    "mlp": "MLP-only layers",
+}
+#: Config fields giving a key or value head size that may differ from `head_dim` (the only size the engine uses).
+_HEAD_SIZE_FIELDS = ("qk_head_dim", "v_head_dim", "global_head_dim", "swa_head_dim")
+
+_PROBE_NAME = "trl_cb_compat_probe"
+_probe_lock = threading.Lock()
+_probe_state = threading.local()
+#: Modules (and their attention implementation) the probe has already accepted: the trainer and its generator
+#: check the same module once.
+_accepted: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+class UnsupportedModelError(ValueError):
+    """The CB engine cannot sample exactly from this model. `reasons` lists every deviation found."""
+
+    def __init__(self, model_type: str, reasons: list[str]) -> None:
+        self.model_type = model_type
+        self.reasons = list(reasons)
+        listed = "".join(f"\n  - {r}" for r in self.reasons)
+        super().__init__(
+            f"transformers' continuous batching engine cannot serve model_type={model_type!r} exactly:{listed}\n"
+            f"{WAY_OUT}"
+        )
+
+
+# ------------------------------------------------------------------------------------------------ config checks
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The decoder config the engine reads (`get_text_config()`; the config itself if that is ambiguous)."""
+    try:
+        return config.get_text_config()
+    except ValueError:
+        return config
+
+
+def config_problems(config: PretrainedConfig) -> list[str]:
+    """Every reason, visible in the config alone, why the engine cannot serve the model (empty: none found)."""
+    cfg = text_config(config)
+    problems: list[str] = []
+    layer_types = _get(cfg, "layer_types", None) or []
+    unsupported = sorted(set(layer_types) - _upstream.engine_attention_layer_types())
+    if unsupported:
+        kinds = ", ".join(
+            f"{t!r} ({_LAYER_TYPE_NAMES[t]})" if t in _LAYER_TYPE_NAMES else repr(t) for t in unsupported
+        )
+        problems.append(
+            f"layer types {kinds}: the engine caches only {sorted(_upstream.engine_attention_layer_types())} layers"
+        )
+    try:
+        kv_heads, head_dim = _upstream.engine_cache_geometry(cfg)
+    except Exception as err:  # e.g. Gemma-4: head_dim is a per-layer attribute
+        problems.append(
+            "per-layer head sizes: the engine sizes every cache slot from one head size and one KV head count "
+            f"({type(err).__name__}: {_first_sentence(err)})"
+        )
+        head_dim = None
+    if _get(cfg, "kv_lora_rank", None) is not None:
+        problems.append(
+            f"multi-head latent attention (kv_lora_rank={cfg.kv_lora_rank}): keys are qk_head_dim="
+            f"{_get(cfg, 'qk_head_dim', '?')} wide and values v_head_dim={_get(cfg, 'v_head_dim', '?')}, but "
+            f"the engine sizes both cache slots from head_dim={head_dim}"
+        )
+    elif head_dim is not None:
+        for name in _HEAD_SIZE_FIELDS:
+            value = _get(cfg, name, None)
+            if isinstance(value, int) and value != head_dim:
+                problems.append(f"{name}={value} differs from head_dim={head_dim}, the head size the engine caches")
+    if _get(cfg, "use_bidirectional_attention", False):
+        problems.append("bidirectional attention (use_bidirectional_attention=True): the engine attends causally")
+    if _get(cfg, "attention_chunk_size", None) is not None and "chunked_attention" not in layer_types:
+        problems.append(f"chunked attention (attention_chunk_size={cfg.attention_chunk_size})")
+    return problems
+
+
+def check_config(config: PretrainedConfig) -> None:
+    """Raise `UnsupportedModelError` if the config alone shows the engine cannot serve the model."""
+    problems = config_problems(config)
+    if problems:
+        raise UnsupportedModelError(_model_type(config), problems)
+
+
+# ------------------------------------------------------------------------------------------------ model checks
+
+
+def engine_attention_implementation(model: PreTrainedModel) -> str:
+    """The attention implementation the engine will run `model` with: transformers' switch (eager -> paged|eager),
+    then trl_cb's own engine attention in place of a dense-mask one where `trl_cb.attention` provides it."""
+    impl = model.config._attn_implementation
+    impl = "paged|eager" if impl == "eager" else impl
+    if importlib.util.find_spec(f"{__package__}.attention") is not None:
+        from . import attention  # type: ignore[attr-defined]
+
+        if impl in attention.DENSE_MASK_IMPLEMENTATIONS and attention.enabled():
+            return attention.ATTENTION_NAME
+    return impl
+
+
+def check_model(model: PreTrainedModel) -> bool:
+    """Raise `UnsupportedModelError` unless the engine can serve `model` exactly; return whether it was probed.
+
+    The config is checked always; the attention probe runs when the parameters are materialised on this process
+    (not under ZeRO-3 / FSDP sharding or on the meta device). `False` means the caller should call again where the
+    parameters are whole (the generator does, at its first round, before submitting anything).
+    """
+    problems = config_problems(model.config)
+    impl = engine_attention_implementation(model)
+    chosen = model.config._attn_implementation  # what transformers' CB accepts, before trl_cb's replacement
+    if not (chosen in ("eager", "paged|eager", "sdpa", TRL_CB_ENGINE_ATTENTION) or "flash" in chosen):
+        problems.append(
+            f"attention implementation {model.config._attn_implementation!r}: the engine runs only 'eager', 'sdpa' "
+            "or flash attention (load the model with attn_implementation='sdpa')"
+        )
+    if problems:
+        raise UnsupportedModelError(_model_type(model.config), problems)
+    if _accepted.get(model) == impl:
+        return True
+    if not _materialised(model):
+        logger.info("Parameters are sharded or on the meta device: the attention probe runs at the first round.")
+        return False
+    problems = probe_problems(model)
+    if problems:
+        raise UnsupportedModelError(_model_type(model.config), problems)
+    _accepted[model] = impl
+    return True
+
+
+@dataclass
+class _AttentionCall:
+    """What one attention module handed to the attention function during the probe forward."""
+
+    module: str
+    layer_idx: int | None
+    key_shape: tuple[int, ...]
+    value_shape: tuple[int, ...]
+    is_causal: bool
+    has_sinks: bool
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def probe_problems(model: PreTrainedModel, num_tokens: int = 6) -> list[str]:
+    """Run the attention probe on `model` and return every deviation from what the engine does (empty: none).
+
+    One no-grad forward of `num_tokens` tokens with a recording attention function; mode, attention implementation
+    and RNG are restored afterwards.
+    """
+    cfg = text_config(model.config)
+    impl = engine_attention_implementation(model)
+    try:
+        calls = _record_attention_calls(model, num_tokens)
+    except Exception as err:
+        return [f"a forward with the attention probe failed ({type(err).__name__}: {_first_sentence(err)})"]
+    kv_heads, head_dim = _upstream.engine_cache_geometry(cfg)
+    groups = _upstream.engine_layer_groups(cfg)
+    sliding_layers = set(groups.get("sliding_attention", []))
+    engine_window = _get(cfg, "sliding_window", None)
+    problems: list[str] = []
+    num_layers = cfg.num_hidden_layers
+    by_layer: dict[int, list[_AttentionCall]] = {}
+    for call in calls:
+        if call.layer_idx is None:
+            problems.append(f"{call.module} calls attention without a layer_idx; the engine caches by layer index")
+            continue
+        by_layer.setdefault(call.layer_idx, []).append(call)
+    missing = [i for i in range(num_layers) if i not in by_layer]
+    if not calls:
+        problems.append(
+            "no layer calls transformers' attention interface (the model computes attention itself, as BLOOM, "
+            "MPT, GPT-J, CodeGen, Falcon do); the engine's paged cache would never be read"
+        )
+    elif missing:
+        problems.append(
+            f"layers {_ranges(missing)} of {num_layers} never call attention (linear-attention / state-space / "
+            "convolution layers): the engine has no cache for their state"
+        )
+    for layer, layer_calls in sorted(by_layer.items()):
+        if len(layer_calls) > 1:
+            problems.append(f"layer {layer} calls attention {len(layer_calls)} times; the engine caches one per layer")
+    deviations: dict[str, list[int]] = {}
+    for layer, layer_calls in sorted(by_layer.items()):
+        call = layer_calls[0]
+        for reason in _call_problems(call, layer, kv_heads, head_dim, impl, layer in sliding_layers, engine_window):
+            deviations.setdefault(reason, []).append(layer)
+    problems.extend(f"{reason} (layers {_ranges(layers)})" for reason, layers in deviations.items())
+    return problems
+
+
+def _call_problems(
+    call: _AttentionCall,
+    layer: int,
+    kv_heads: int,
+    head_dim: int,
+    impl: str,
+    engine_sliding: bool,
+    engine_window: int | None,
+) -> list[str]:
+    problems = []
+    key_heads, key_dim = call.key_shape[1], call.key_shape[-1]
+    value_heads, value_dim = call.value_shape[1], call.value_shape[-1]
+    if (key_heads, key_dim, value_heads, value_dim) != (kv_heads, head_dim, kv_heads, head_dim):
+        problems.append(
+            f"keys are {key_heads} heads x {key_dim} and values {value_heads} heads x {value_dim}, but the engine's "
+            f"cache slots are {kv_heads} heads x {head_dim}"
+        )
+    if not call.is_causal:
+        problems.append("bidirectional attention (is_causal=False): the engine attends causally")
+    model_window = call.kwargs.get("sliding_window")
+    want = engine_window if engine_sliding else None
+    if model_window != want:
+        problems.append(
+            f"the model attends with sliding_window={model_window} but the engine would use {want} (from "
+            "`layer_types` / `sliding_window`)"
+        )
+    if call.kwargs.get("softcap") is not None and impl not in SOFTCAP_ATTENTION_IMPLEMENTATIONS:
+        problems.append(
+            f"attention logit soft-capping (softcap={call.kwargs['softcap']}) is dropped by the engine's {impl!r} "
+            "attention"
+        )
+    if (call.has_sinks or call.kwargs.get("s_aux") is not None) and impl not in SINK_ATTENTION_IMPLEMENTATIONS:
+        problems.append(f"learned attention sinks are ignored by the engine's {impl!r} attention (use 'eager')")
+    return problems
+
+
+def _record_attention_calls(model: PreTrainedModel, num_tokens: int) -> list[_AttentionCall]:
+    cfg = text_config(model.config)
+    vocab = int(_get(cfg, "vocab_size", 0) or 2)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    input_ids = (torch.arange(num_tokens, device=device) % vocab)[None]  # (1, T)
+    original = model.config._attn_implementation
+    was_training = model.training
+    with _probe_lock:
+        AttentionInterface.register(_PROBE_NAME, _probe_attention)  # idempotent; used only by this forward
+        _probe_state.calls = []
+        try:
+            model.set_attn_implementation(_PROBE_NAME)
+            model.eval()
+            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                model(input_ids=input_ids, use_cache=False)
+            return list(_probe_state.calls)
+        finally:
+            model.set_attn_implementation(original)
+            model.train(was_training)
+            _probe_state.calls = []
+
+
+def _probe_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # (B, H, T, Dq)
+    key: torch.Tensor,  # (B, KV, T, Dk)
+    value: torch.Tensor,  # (B, KV, T, Dv)
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Record the call, then return a causal attention of the right shape so the forward can go on."""
+    _probe_state.calls.append(
+        _AttentionCall(
+            module=type(module).__name__,
+            layer_idx=getattr(module, "layer_idx", None),
+            key_shape=tuple(key.shape),
+            value_shape=tuple(value.shape),
+            is_causal=bool(getattr(module, "is_causal", True)),
+            has_sinks=getattr(module, "sinks", None) is not None,
+            kwargs={k: v for k, v in kwargs.items() if k == "s_aux" or (v is not None and not torch.is_tensor(v))},
+        )
+    )
+    groups = query.shape[1] // max(key.shape[1], 1)
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key.to(query.dtype), value.to(query.dtype), is_causal=query.shape[2] > 1
+    )  # (B, H, T, Dv)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _materialised(model: torch.nn.Module) -> bool:
+    """True when every parameter is a whole, local tensor (no ZeRO-3 partition, FSDP shard or meta tensor)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        DTensor = ()  # noqa: N806
+    for p in model.parameters():
+        if p.device.type == "meta" or hasattr(p, "ds_id") or isinstance(p, DTensor):
+            return False
+        if type(p).__name__ == "FlatParameter":
+            return False
+    return True
+
+
+def _get(config: PretrainedConfig, name: str, default: Any = None) -> Any:
+    """`getattr` that also survives per-layer attributes (Gemma-4 raises on global access to them)."""
+    try:
+        return getattr(config, name, default)
+    except Exception:
+        return default
+
+
+def _first_sentence(err: BaseException) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return text.split(". ")[0]
+
+
+def _model_type(config: PretrainedConfig) -> str:
+    return str(getattr(config, "model_type", None) or type(config).__name__)
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    spans: list[list[int]] = []
+    for i in indices:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
