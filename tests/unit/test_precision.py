@@ -68,8 +68,8 @@ def q_proj(module: torch.nn.Module) -> torch.nn.Module:
 def test_generator_rounds_run_low_precision_on_copies(name, model, tokenizer, prompts):
     dtype = DTYPES[name]
     before = snapshot(model)
-    spy = WeightDtypeSpy(q_proj(model))
     with ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=8), cast_dtype=dtype) as gen:
+        spy = WeightDtypeSpy(q_proj(model))  # after construction: its compat probe runs one fp32 forward (no engine)
         for _ in range(2):
             out = gen.generate(prompts[:3], num_generations=2)
             assert len(out.completion_ids) == 6

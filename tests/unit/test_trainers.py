@@ -101,14 +101,14 @@ def test_logged_logp_difference_shows_a_sampler_that_differs(tokenizer, tmp_path
     temperature, as a dropped soft-cap or window would) shows in the logged difference far above 1e-4."""
     from trl_cb import generator as generator_module
 
-    real = generator_module._engine_generation_config
+    real = generator_module.engine_generation_config
 
     def skewed(cfg):
         out = real(cfg)
         out.temperature = cfg.temperature * 1.3
         return out
 
-    monkeypatch.setattr(generator_module, "_engine_generation_config", skewed)
+    monkeypatch.setattr(generator_module, "engine_generation_config", skewed)
     trainer = make_trainer("grpo", tokenizer, tmp_path, init_std=0.2, temperature=0.7, top_k=0, top_p=1.0, max_steps=1)
     trainer.train()
     entry = next(e for e in trainer.state.log_history if "loss" in e)
