@@ -18,15 +18,22 @@ from dataclasses import dataclass
 
 import torch
 
+from . import attention
+
 #: Upper bound on tokens per forward; larger batches buy nothing on CPU and little on GPU.
 MAX_BATCH_TOKENS_CAP = 8192
-#: Token budget per forward on CPU when the user sets none. transformers' CPU path (sdpa) attends through a dense
-#: block-diagonal mask over every key of every request in the batch, so a step costs ~ (requests in batch)^2 x length.
-#: Measured at 256 concurrent requests x <= 256 tokens: 2.6M-param Qwen2 25.9 s -> 17.2 s per round (15.5 s at 32);
-#: the 64-wide tiny default 2.0-2.3 s -> 1.8-2.2 s. 64 is never worse in those runs.
-CPU_MAX_BATCH_TOKENS = 64
-#: Page size used on CPU when the user sets none: small pages waste less cache, and with sdpa the dense mask scales
-#: with the cache size (measured: 256-token pages are ~2x slower than 16-64 on the tiny default).
+#: Token budget per forward on CPU when the user sets none, with trl_cb's attention (`trl_cb.attention`: each query
+#: attends to its own request's keys, so a step costs ~ tokens x own length and larger batches amortise the per-step
+#: CPU work). Measured (docs/benchmarks.md, "Attention path"; CPU seconds per round, one thread, interleaved):
+#: benchmark default N=64: 64 -> 0.77, 128 -> 0.77, 256 -> 0.73, 512 -> 0.74 s; N=32: 0.52 / 0.45 / 0.45 / 0.49 s;
+#: 256-wide 4-layer model, 256 requests: 7.96 (64) -> 6.87 (256, 512) s; GRPO-step rounds: 0.131 -> 0.120 s.
+CPU_MAX_BATCH_TOKENS = 256
+#: The same with transformers' dense-mask attention (`TRL_CB_ATTENTION=upstream`), whose step costs
+#: ~ (requests in batch)^2 x length: 2.6M-param Qwen2 at 256 requests 25.9 s (256) -> 17.2 s (64) per round.
+CPU_DENSE_MASK_MAX_BATCH_TOKENS = 64
+#: Page size used on CPU when the user sets none: small pages waste less cache (one partial page per request). With
+#: trl_cb's attention the page size no longer changes the speed (N=64 CPU s/round, max_batch_tokens 256: pages of 16 /
+#: 32 / 64 / 128 tokens: 0.76 / 0.73 / 0.71 / 0.73); 32 keeps prompt pages shareable between a prompt's samples.
 CPU_PAGE_SIZE = 32
 
 
@@ -77,6 +84,9 @@ def size_cache(workload: Workload, page_size: int, device: torch.device | None =
     # One forward should hold one decode token per running request and, ideally, the whole prefill (larger prefill is
     # chunked by the engine). A power of two keeps the shape stable while prompt lengths jitter between steps.
     wanted = max(workload.num_requests, workload.prefill_tokens, 64)
-    cap = CPU_MAX_BATCH_TOKENS if device is not None and device.type == "cpu" else MAX_BATCH_TOKENS_CAP
+    if device is not None and device.type == "cpu":
+        cap = CPU_MAX_BATCH_TOKENS if attention.enabled() else CPU_DENSE_MASK_MAX_BATCH_TOKENS
+    else:
+        cap = MAX_BATCH_TOKENS_CAP
     max_batch_tokens = min(cap, 1 << (wanted - 1).bit_length())
     return CacheSize(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from trl_cb.sizing import CPU_MAX_BATCH_TOKENS, MAX_BATCH_TOKENS_CAP, CacheSize, Workload, size_cache
+from trl_cb.sizing import (
+    CPU_DENSE_MASK_MAX_BATCH_TOKENS,
+    CPU_MAX_BATCH_TOKENS,
+    MAX_BATCH_TOKENS_CAP,
+    CacheSize,
+    Workload,
+    size_cache,
+)
 
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
 
@@ -16,10 +23,12 @@ def test_every_request_fits_at_full_length():
     assert size.max_batch_tokens == 1024  # next power of two >= max(32 requests, 800 prefill tokens)
 
 
-def test_cpu_caps_tokens_per_forward():
-    w = Workload(num_requests=256, max_prompt_len=40, max_new_tokens=256, prefill_tokens=160)
+def test_cpu_caps_tokens_per_forward(monkeypatch):
+    w = Workload(num_requests=1024, max_prompt_len=40, max_new_tokens=256, prefill_tokens=160)
     assert size_cache(w, 32, CPU).max_batch_tokens == CPU_MAX_BATCH_TOKENS
-    assert size_cache(w, 32, GPU).max_batch_tokens == 256
+    assert size_cache(w, 32, GPU).max_batch_tokens == 1024
+    monkeypatch.setenv("TRL_CB_ATTENTION", "upstream")  # dense-mask attention: smaller forwards
+    assert size_cache(w, 32, CPU).max_batch_tokens == CPU_DENSE_MASK_MAX_BATCH_TOKENS
     huge = Workload(num_requests=20_000, max_prompt_len=10, max_new_tokens=10, prefill_tokens=10)
     assert size_cache(huge, 256, GPU).max_batch_tokens == MAX_BATCH_TOKENS_CAP
 
