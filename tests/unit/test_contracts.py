@@ -30,7 +30,7 @@ def _manager(
     model, tokenizer, max_new_tokens: int = 4, num_blocks: int = 8, max_batch_tokens: int = 64, requests: int = 1
 ):
     """A started manager on the tiny model, sized by hand (page size 16)."""
-    return _upstream.create_manager(
+    manager = _upstream.create_manager(
         model,
         sampling_config(tokenizer, max_new_tokens=max_new_tokens),
         ContinuousBatchingConfig(
@@ -38,6 +38,9 @@ def _manager(
         ),
         WorkloadHints(max_prompt_length=40, max_generated_length=max_new_tokens, num_requests=requests),
     )
+    assert not manager.is_running(), "create_manager must not start the thread (resume does)"
+    _upstream.resume(manager, model)
+    return manager
 
 
 # ------------------------------------------------------------------------------------------------- transformers
