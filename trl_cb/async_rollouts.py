@@ -175,7 +175,7 @@ class AsyncRolloutController:
         requests = self.capacity_groups * self.num_generations
         workload = Workload(requests, max_prompt_len, max_new, self.capacity_groups * max_prompt_len)
         self._max_prompt_len = max_prompt_len
-        with self._lock, lifecycle.deferred_interrupts():
+        with lifecycle.acquired(self._lock), lifecycle.deferred_interrupts():
             self._manager = self.generator.engine_for(self.module, workload)
             self._mode_before_run = self.module.training
             self.hold()  # the trainer owns the model; the engine runs only inside `take`
@@ -184,7 +184,7 @@ class AsyncRolloutController:
     def stop(self) -> None:
         """Hard-stop the engine (in-flight groups are abandoned, not generated; the thread has exited on return) and
         give the module back its train/eval mode. Safe to call twice; interrupt-safe like `generator.close`."""
-        with lifecycle.deferred_interrupts(), self._lock:
+        with lifecycle.deferred_interrupts(), lifecycle.acquired(self._lock):
             self._stop()
 
     def _stop(self) -> None:
@@ -304,7 +304,7 @@ class AsyncRolloutController:
         deadline = None if self.timeout is None else start + self.timeout
         taken: list[RolloutGroup] = []
         dropped = 0
-        with self._lock, lifecycle.deferred_interrupts() as interrupts:
+        with lifecycle.acquired(self._lock, self.timeout), lifecycle.deferred_interrupts() as interrupts:
             with self._running():
                 dropped = self._fill(taken, num_groups, deadline, interrupts)
         self._dropped_total += dropped

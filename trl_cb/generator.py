@@ -155,7 +155,7 @@ class ContinuousBatchingGenerator:
         if num_generations <= 0:
             raise ValueError(f"num_generations must be >= 1, got {num_generations}.")
         lock = lifecycle.module_lock(plain_module(self.model))
-        with lifecycle.acquired(lock, self.timeout, "the model"), self._lock:
+        with lifecycle.acquired(lock, self.timeout), lifecycle.acquired(self._lock, self.timeout, "this generator"):
             if generation_config is not None:
                 self.generation_config = _engine_generation_config(generation_config)
             if len(prompt_ids) == 0:
@@ -169,7 +169,7 @@ class ContinuousBatchingGenerator:
         requests are in flight, and a shared block computed with old weights must never serve a new prompt.
 
         The caller holds `lifecycle.module_lock(module)` whenever the engine may run, and stops it with `close`."""
-        with self._lock:
+        with lifecycle.acquired(self._lock, what="this generator"):
             self._cb_kwargs["allow_block_sharing"] = False
             was_training = module.training
             try:

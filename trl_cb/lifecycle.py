@@ -28,6 +28,7 @@ import gc
 import logging
 import signal
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -37,6 +38,8 @@ logger = logging.getLogger(__name__)
 _locks_guard = threading.Lock()
 _module_locks: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
 
+#: How often a thread waiting for a round lock checks for Ctrl-C and its deadline.
+_LOCK_POLL_SECONDS = 0.05
 #: SIGINTs (while one is already pending) after which the handler stops deferring and raises at once.
 _ESCAPE_AFTER = 2
 
@@ -56,14 +59,27 @@ def module_lock(module: Any) -> threading.RLock:
 
 
 @contextlib.contextmanager
-def acquired(lock: threading.RLock, timeout: float | None, what: str) -> Iterator[None]:
-    """Hold `lock`, waiting at most `timeout` seconds (`None`: no limit) before a `TimeoutError` naming `what`."""
-    if not lock.acquire(timeout=-1 if timeout is None else timeout):
-        raise TimeoutError(f"Waited {timeout} s for {what}: another generation round on this model is running.")
+def acquired(lock: threading.RLock, timeout: float | None = None, what: str = "the model") -> Iterator[None]:
+    """Hold `lock`, waiting at most `timeout` seconds (`None`: no limit) before a `TimeoutError` naming `what`.
+
+    Ctrl-C interrupts the wait, but can never land between acquiring the lock and owning its release (a lock
+    leaked that way would block every other thread's round forever)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    held = False
     try:
+        with deferred_interrupts() as shield:
+            while not held:
+                held = lock.acquire(timeout=_LOCK_POLL_SECONDS)
+                if not held:
+                    shield.check()
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"Waited {timeout} s for {what}: another generation round on this model is running."
+                        )
         yield
     finally:
-        lock.release()
+        if held:
+            lock.release()
 
 
 class InterruptShield:
