@@ -154,7 +154,7 @@ class ContinuousBatchingGenerator:
         """
         if num_generations <= 0:
             raise ValueError(f"num_generations must be >= 1, got {num_generations}.")
-        lock = lifecycle.module_lock(plain_module(self.model))
+        lock = lifecycle.module_lock(self._lock_key())
         with lifecycle.acquired(lock, self.timeout), lifecycle.acquired(self._lock, self.timeout, "this generator"):
             if generation_config is not None:
                 self.generation_config = _engine_generation_config(generation_config)
@@ -162,6 +162,13 @@ class ContinuousBatchingGenerator:
                 return GenerationResult(completion_ids=[], logprobs=[], num_generations=num_generations)
             with self._generation_module() as module:
                 return self._generate_on(module, [list(p) for p in prompt_ids], num_generations)
+
+    def _lock_key(self) -> torch.nn.Module:
+        """The module the round lock is keyed by: the plain transformers model, as the async controller keys it."""
+        try:
+            return plain_module(self.model)
+        except Exception:  # noqa: BLE001 - a wrapper `extract_model_from_parallel` does not know: lock the wrapper
+            return self.model
 
     def engine_for(self, module: PreTrainedModel, workload: Workload) -> _upstream.ContinuousBatchingManager:
         """The running engine for `module`, sized for `workload`, for callers that keep requests in flight across
