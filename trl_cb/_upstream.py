@@ -33,12 +33,22 @@ What we rely on, and why:
   built: the engine allocates and fills its dense mask only for `sdpa`/`paged|eager` (`attn_mask_is_needed`), and
   passes the varlen inputs (`cu_seq_lens_q`/`cu_seq_lens_k`, `cache`) to every attention call. Not done when the
   engine uses accelerator graphs (`continuous_batching_config.cuda_graph_booleans`): our plan reads host-side lengths.
+- `request_stop(HARD_STOP)` (`stop_now`): the loop checks it before every batch, exits after at most the forward in
+  progress, and fails what is left. `manager.destroy()` / `stop()` flush instead (every outstanding request is
+  generated to the end first: 28-43 s on a long round), so aborts never use them.
+- `background_thread_status.local_status == STOPPED` is set by the thread's own `finally` (`mark_as_stopped`): we
+  wait for it instead of `Thread.join`, which a `KeyboardInterrupt` can break on CPython 3.11 (the thread is marked
+  stopped while it still runs).
+- `ContinuousBatchingManager.__init__` switches the model's attention implementation *before* it can raise (e.g. a
+  page_size below 4): `create_manager` restores it (and train/eval mode) from what it saw before.
+- `threading._register_atexit` (CPython): runs our engine shutdown before the interpreter joins non-daemon threads.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -52,6 +62,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from . import attention
 from .errors import EngineDiedError
+from .lifecycle import deferred_interrupts
 from .request_processors import HistoryProcessor, RequestHistory
 
 __all__ = [
@@ -64,9 +75,14 @@ __all__ = [
     "install_request_processors",
     "fsdp2_unsharded",
     "inflight_generated_lengths",
+    "release",
     "reset_prefix_cache",
+    "register_before_thread_join",
+    "request_hard_stop",
     "resume",
+    "stop_now",
     "suspend",
+    "wait_for_thread_exit",
     "restore_training_attention",
     "switch_to_generation_attention",
 ]
@@ -81,30 +97,41 @@ def create_manager(
     hints: WorkloadHints,
     request_processors: Sequence[HistoryProcessor] = (),
 ) -> ContinuousBatchingManager:
-    """Build, warm up (on this thread, RNG preserved) and start a fresh manager. Never reuses a cached one.
+    """Build and warm up (on this thread, RNG preserved) a fresh manager; its thread is *not* started (`resume`
+    starts it). Never reuses a cached one.
 
     The engine's processors are checked against `generate()`'s for `generation_config` (`check_processors_kept`),
-    and `request_processors` run before them at every step (`install_request_processors`); both happen before the
-    batch processor and its cache exist.
+    `request_processors` run before them at every step (`install_request_processors`) and trl_cb's attention is
+    chosen (`_choose_attention`), all before the batch processor and its cache exist. On any failure the model keeps
+    its attention implementation and train/eval mode: the manager's constructor switches the former and calls
+    `eval()` before it can raise.
     """
     if getattr(model, "_cached_continuous_batching_manager", None) is not None:
         # A cached manager would be returned as-is and silently ignore our configs (notes: "persistent pitfalls").
         model.destroy_cached_continuous_batching_manager()
     devices = [model.device] if model.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        manager = model.init_continuous_batching(
-            generation_config=generation_config, continuous_batching_config=cb_config, workload_hints=hints
-        )
-        try:
+    attn_before, training_before = model.config._attn_implementation, model.training
+    if attn_before == attention.ATTENTION_NAME:
+        # Another engine on this model (async rollouts) keeps trl_cb's attention on the shared config, and upstream's
+        # constructor accepts only its own names: build from `sdpa` (what ATTENTION_NAME runs outside an engine).
+        model.set_attn_implementation("sdpa")
+    try:
+        with torch.random.fork_rng(devices=devices):
+            manager = model.init_continuous_batching(
+                generation_config=generation_config, continuous_batching_config=cb_config, workload_hints=hints
+            )
             check_processors_kept(manager, model, generation_config)
             if request_processors:
                 install_request_processors(manager, request_processors)
             _choose_attention(manager, model)  # before warmup builds the batch processor (no dense mask)
+            if attn_before == attention.ATTENTION_NAME:
+                manager._original_attn_impl = attn_before  # after this engine's rounds, the other engine's again
             manager.warmup()
-        except BaseException:
-            restore_training_attention(manager)
-            raise
-    manager.start()
+    except BaseException:
+        if model.config._attn_implementation != attn_before:
+            model.set_attn_implementation(attn_before)
+        model.train(training_before)
+        raise
     return manager
 
 
@@ -147,13 +174,75 @@ def suspend(manager: ContinuousBatchingManager) -> None:
     """
     # Not `manager.stop()`: it also runs `gc.collect()` and caches the manager on the model, which cost ~0.28 s per
     # round here. The loop exits on FLUSH_AND_STOP once nothing is pending; the batch processor stays on the manager.
+    # Interrupt-safe: the handle is dropped only once the thread has exited (`wait_for_thread_exit`).
+    with deferred_interrupts():
+        status = manager.background_thread_status
+        status.request_stop(status.FLUSH_AND_STOP, manager.distributed_helper.global_rank)
+        manager._wake_up_loop.set()  # end the idle loop's 100 ms poll now rather than at its timeout
+        if not wait_for_thread_exit(manager, timeout=None):  # pragma: no cover - unbounded wait
+            raise EngineDiedError("The continuous batching engine thread did not stop.")
+
+
+def request_hard_stop(manager: ContinuousBatchingManager) -> None:
+    """Ask the loop to stop before its next batch (after at most the forward in progress), failing what is left.
+    Returns at once; pair with `wait_for_thread_exit`."""
     status = manager.background_thread_status
-    status.request_stop(status.FLUSH_AND_STOP, manager.distributed_helper.global_rank)
-    manager._wake_up_loop.set()  # end the idle loop's 100 ms poll now rather than at its timeout
+    status.request_stop(status.HARD_STOP, manager.distributed_helper.global_rank)
+    manager._wake_up_loop.set()
+
+
+def wait_for_thread_exit(manager: ContinuousBatchingManager, timeout: float | None) -> bool:
+    """Wait until the engine thread has exited; then drop its handle. False (handle kept) if `timeout` passed first.
+
+    Not `Thread.join`: on CPython 3.11 a `KeyboardInterrupt` inside `join` marks the thread stopped while it still
+    runs. We poll the loop's own end marker (`mark_as_stopped`, the last thing its `finally` does) and join only
+    after it, when the thread has nothing left to run but a log line.
+    """
     thread = manager._generation_thread
-    if thread is not None:
-        thread.join()
+    if thread is None:
+        return True
+    if thread.ident is None:  # created but never started
         manager._generation_thread = None
+        return True
+    status = manager.background_thread_status
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while thread.is_alive() and status.local_status != status.STOPPED:
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    thread.join(timeout=5.0)
+    if thread.is_alive():  # pragma: no cover - only a log call was left to run
+        return False
+    manager._generation_thread = None
+    return True
+
+
+def stop_now(manager: ContinuousBatchingManager, timeout: float | None = 60.0) -> bool:
+    """Hard-stop the engine thread (outstanding requests are abandoned, not generated) and wait for it to exit."""
+    request_hard_stop(manager)
+    return wait_for_thread_exit(manager, timeout)
+
+
+def release(manager: ContinuousBatchingManager) -> None:
+    """Free a stopped engine's batch processor (cache) and distributed resources. Call after `stop_now`."""
+    manager.batch_processor = None
+    manager.distributed_helper.destroy_cpu_comm_group()
+
+
+def register_before_thread_join(callback: Callable[[], None]) -> bool:
+    """Run `callback` at interpreter exit *before* non-daemon threads are joined (a held engine thread would block
+    that join forever). CPython's `threading._register_atexit`; falls back to `atexit` (after the join)."""
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(callback)
+            return True
+    except RuntimeError:  # already shutting down
+        return False
+    import atexit
+
+    atexit.register(callback)
+    return True
 
 
 def resume(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:

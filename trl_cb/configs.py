@@ -54,8 +54,10 @@ class ContinuousBatchingArguments:
             Seconds one generation round may take before it fails with `TimeoutError` (`None`: no limit).
         async_generation (`bool`, *optional*, defaults to `False`):
             Keep the engine generating across steps; see docs/async.md.
-        max_staleness (`int`, *optional*, defaults to `2`):
-            Async: largest accepted staleness of a group, in optimizer steps.
+        max_staleness (`int`, *optional*):
+            Async: largest accepted staleness of a group, in optimizer steps. Unset: `(prefetch_depth + 1) * k`, with
+            k = `steps_per_generation * num_iterations / gradient_accumulation_steps` optimizer steps between rollout
+            takes, which drops no group by construction.
         prefetch_depth (`int`, *optional*, defaults to `1`):
             Async: steps of prompts submitted ahead of the current step.
         async_keep_stale (`bool`, *optional*, defaults to `False`):
@@ -107,11 +109,12 @@ class ContinuousBatchingArguments:
             "with behaviour logprobs). Single process or DDP; see docs/async.md."
         },
     )
-    max_staleness: int = field(
-        default=2,
+    max_staleness: int | None = field(
+        default=None,
         metadata={
-            "help": "Async: largest accepted age of a group's oldest token, in optimizer steps. With "
-            "prefetch_depth=1 a group can start one step early and finish one step late: 2 drops nothing by design."
+            "help": "Async: largest accepted age of a group's oldest token, in optimizer steps. Unset: "
+            "(prefetch_depth + 1) * k, with k = steps_per_generation * num_iterations / gradient_accumulation_steps "
+            "optimizer steps between rollout takes; a group waits at most that long, so nothing is dropped."
         },
     )
     prefetch_depth: int = field(
@@ -177,7 +180,7 @@ class ContinuousBatchingArguments:
                     "async_generation trains on samples drawn by older weights; it needs "
                     "cb_importance_sampling_correction=True."
                 )
-            if self.max_staleness < 0 or self.prefetch_depth < 0:
+            if (self.max_staleness is not None and self.max_staleness < 0) or self.prefetch_depth < 0:
                 raise ValueError(
                     f"max_staleness and prefetch_depth must be >= 0, got {self.max_staleness}, {self.prefetch_depth}."
                 )

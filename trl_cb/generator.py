@@ -19,6 +19,13 @@ Guarantees:
   `precision.py`), and the engine's thread is stopped between rounds (an idle torch thread slows CPU training;
   `_upstream.suspend`).
 - The caller's global RNG is never re-seeded; two rounds on the same prompts sample differently.
+- One round at a time per module (`lifecycle.module_lock`, shared with async rollouts): a concurrent caller, from
+  another thread or another generator on the same model, waits (at most `timeout`), never corrupts this round.
+- Prompt abort: Ctrl-C and `timeout` hard-stop the engine (outstanding requests are abandoned, not generated) and
+  reach the caller within about one forward pass. SIGINT is deferred while the engine thread may run and raised
+  once it has exited and the model is restored, so a second Ctrl-C during cleanup cannot orphan the thread; the
+  engine handle is dropped only after its thread is gone, and `close` is idempotent.
+- A failed engine build leaves the model's attention implementation and train/eval mode as they were.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import contextlib
 import dataclasses
 import logging
 import numbers
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +44,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import ContinuousBatchingConfig
 
-from . import _upstream, compat
+from . import _upstream, compat, lifecycle
 from .errors import EngineDiedError, GenerationError
 from .generation_settings import (
     engine_generation_config,
@@ -83,6 +91,8 @@ class _Engine:
     signature: tuple[Any, ...]
     workload: Workload
     size: CacheSize
+    #: A round owns the engine (thread running, requests possibly in flight); cleared once it is suspended clean.
+    busy: bool = False
 
 
 class ContinuousBatchingGenerator:
@@ -151,8 +161,14 @@ class ContinuousBatchingGenerator:
         _check_cb_kwargs_for_settings(self._cb_kwargs, self.generation_config)
         self._engine: _Engine | None = None
         self._round = 0
+        #: Held for a whole round and by `close`: a close from another thread waits for the round to end.
+        self._lock = threading.RLock()
+        #: Engines stopped by an aborted round, freed later (`_free_retired`): freeing runs upstream's
+        #: `gc.collect()` (~0.75 s measured), which must not delay the exception on its way to the caller.
+        self._retired: list[_upstream.ContinuousBatchingManager] = []
         #: Engines built so far (a persistent engine keeps this at 1 across training steps).
         self.num_engine_builds = 0
+        lifecycle.close_at_exit(self)
 
     # ------------------------------------------------------------------------------------------------ public API
 
@@ -169,28 +185,42 @@ class ContinuousBatchingGenerator:
         """
         if num_generations <= 0:
             raise ValueError(f"num_generations must be >= 1, got {num_generations}.")
-        if generation_config is not None:
-            new_config = engine_generation_config(generation_config)
-            _check_cb_kwargs_for_settings(self._cb_kwargs, new_config)
-            self.generation_config = new_config
-        if len(prompt_ids) == 0:
-            return GenerationResult(completion_ids=[], logprobs=[], num_generations=num_generations)
-        prompts = [p.tolist() if hasattr(p, "tolist") else list(p) for p in prompt_ids]  # tensors / arrays too
-        with self._generation_module() as module:
-            return self._generate_on(module, prompts, num_generations)
+        lock = lifecycle.module_lock(self._lock_key())
+        with lifecycle.acquired(lock, self.timeout), lifecycle.acquired(self._lock, self.timeout, "this generator"):
+            if generation_config is not None:
+                new_config = engine_generation_config(generation_config)
+                _check_cb_kwargs_for_settings(self._cb_kwargs, new_config)
+                self.generation_config = new_config
+            if len(prompt_ids) == 0:
+                return GenerationResult(completion_ids=[], logprobs=[], num_generations=num_generations)
+            prompts = [p.tolist() if hasattr(p, "tolist") else list(p) for p in prompt_ids]  # tensors / arrays too
+            with self._generation_module() as module:
+                return self._generate_on(module, prompts, num_generations)
+
+    def _lock_key(self) -> torch.nn.Module:
+        """The module the round lock is keyed by: the plain transformers model, as the async controller keys it."""
+        try:
+            return plain_module(self.model)
+        except Exception:  # noqa: BLE001 - a wrapper `extract_model_from_parallel` does not know: lock the wrapper
+            return self.model
 
     def engine_for(self, module: PreTrainedModel, workload: Workload) -> _upstream.ContinuousBatchingManager:
         """The running engine for `module`, sized for `workload`, for callers that keep requests in flight across
         weight updates (async rollouts). Prefix block sharing is turned off: its cache cannot be cleared while
-        requests are in flight, and a shared block computed with old weights must never serve a new prompt."""
-        self._cb_kwargs["allow_block_sharing"] = False
-        was_training = module.training
-        try:
-            manager = self._ensure_engine(module, workload).manager
-            _upstream.resume(manager, module)  # the caller drives pauses from here on
-            return manager
-        finally:
-            module.train(was_training)  # the engine's constructor calls module.eval()
+        requests are in flight, and a shared block computed with old weights must never serve a new prompt.
+
+        The caller holds `lifecycle.module_lock(module)` whenever the engine may run, and stops it with `close`."""
+        with lifecycle.acquired(self._lock, what="this generator"):
+            self._cb_kwargs["allow_block_sharing"] = False
+            was_training = module.training
+            try:
+                engine = self._ensure_engine(module, workload)
+                with lifecycle.deferred_interrupts():
+                    engine.busy = True  # requests stay in flight across calls: never reused by a `generate` round
+                    _upstream.resume(engine.manager, module)  # the caller drives pauses from here on
+                return engine.manager
+            finally:
+                module.train(was_training)  # the engine's constructor calls module.eval()
 
     def generation_weights(self, module: PreTrainedModel) -> contextlib.AbstractContextManager[None]:
         """Point `module`'s tensors at the generation-dtype copies (refreshed from its weights) until exit, for
@@ -199,19 +229,42 @@ class ContinuousBatchingGenerator:
         return self._precision.applied(module)
 
     def close(self) -> None:
-        """Stop the engine thread and free its cache. Safe to call twice; a later `generate` builds a new engine."""
-        self._stop_engine()
-        self._precision.release()
+        """Hard-stop the engine thread (outstanding requests are abandoned), free its cache and the generation copies
+        of the weights (`precision.py`).
+
+        Idempotent and interrupt-safe: SIGINT is deferred until the thread has exited; the engine is forgotten only
+        once its thread is gone and the model's attention implementation is restored (restoring it earlier would
+        crash an eager model's engine mid-forward). A later `generate` builds a new engine."""
+        with lifecycle.deferred_interrupts(), self._lock:
+            self._stop_engine()
+            self._free_retired()
+            self._precision.release()
 
     def _stop_engine(self) -> None:
-        engine, self._engine = self._engine, None
+        """Hard-stop the engine's thread, give the model its attention back, and retire the engine (not yet freed).
+        The engine is forgotten only once its thread has exited."""
+        engine = self._engine
         if engine is None:
             return
-        try:
-            _upstream.restore_training_attention(engine.manager)
-            engine.manager.destroy()
-        except Exception:  # pragma: no cover - best effort at teardown
-            logger.exception("Error while stopping the continuous batching engine.")
+        manager = engine.manager
+        if not _upstream.stop_now(manager):
+            raise EngineDiedError("The continuous batching engine thread did not stop within 60 s; it is kept.")
+        _upstream.restore_training_attention(manager)
+        self._engine = None
+        self._retired.append(manager)
+
+    def _free_retired(self) -> None:
+        while self._retired:
+            _upstream.release(self._retired.pop())
+
+    def _close_at_exit(self) -> None:
+        """Interpreter exit: close unless another thread's round holds the engine (it ends when its thread does)."""
+        if (self._engine is not None or self._retired) and self._lock.acquire(timeout=10):
+            try:
+                self._stop_engine()
+                self._free_retired()
+            finally:
+                self._lock.release()
 
     def __enter__(self) -> ContinuousBatchingGenerator:
         return self
@@ -220,8 +273,10 @@ class ContinuousBatchingGenerator:
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        try:
             self.close()
+        except Exception:  # noqa: BLE001 - nothing to report to at garbage collection
+            pass
 
     @property
     def cache_size(self) -> CacheSize | None:
@@ -279,27 +334,30 @@ class ContinuousBatchingGenerator:
             max_new_tokens=max_new_tokens,
             prefill_tokens=sum(len(p) for p, _ in groups),
         )
-        engine = self._ensure_engine(module, workload)
+        engine = self._ensure_engine(module, workload)  # no engine thread runs when this returns
         t_engine = time.perf_counter()
 
         self._round += 1
         manager = engine.manager
         module.eval()
-        _upstream.switch_to_generation_attention(manager, module)
-        try:
-            # Weights may have changed since the last round: drop cached KV blocks and the prefix ledger.
-            _upstream.reset_prefix_cache(manager)
-            _upstream.resume(manager, module)
-            slots = self._submit(manager, groups, max_new_tokens)
-            outputs = self._collect(manager, slots)
-        except BaseException:
-            # A failed or interrupted round may leave requests in the engine: never reuse it.
-            self.close()
-            raise
-        finally:
-            if self._engine is not None:
+        # From here until the thread is suspended again, SIGINT is recorded and raised by `_collect` (or on exit):
+        # an interrupt can then never land between starting the thread and keeping its handle, or inside cleanup.
+        with lifecycle.deferred_interrupts() as interrupts:
+            try:
+                engine.busy = True
+                _upstream.switch_to_generation_attention(manager, module)
+                # Weights may have changed since the last round: drop cached KV blocks and the prefix ledger.
+                _upstream.reset_prefix_cache(manager)
+                _upstream.resume(manager, module)
+                slots = self._submit(manager, groups, max_new_tokens)
+                outputs = self._collect(manager, slots, interrupts)
                 _upstream.suspend(manager)  # no engine thread between rounds (see `_upstream.suspend`)
                 _upstream.restore_training_attention(manager)
+                engine.busy = False
+            except BaseException:
+                # A failed or interrupted round may leave requests in the engine: hard-stop it, never reuse it.
+                self._stop_engine()
+                raise
 
         completion_ids: list[list[int]] = []
         logprobs: list[list[float]] = []
@@ -333,11 +391,19 @@ class ContinuousBatchingGenerator:
             slots.append(_upstream.add_forked_request(manager, prompt, request_id, samples, max_new_tokens))
         return slots
 
-    def _collect(self, manager: _upstream.ContinuousBatchingManager, slots: list[list[str]]) -> dict[str, Any]:
+    def _collect(
+        self,
+        manager: _upstream.ContinuousBatchingManager,
+        slots: list[list[str]],
+        interrupts: lifecycle.InterruptShield,
+    ) -> dict[str, Any]:
         expected = {rid for request_ids in slots for rid in request_ids}
         outputs: dict[str, Any] = {}
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while len(outputs) < len(expected):
+            interrupts.check()  # a Ctrl-C recorded since the last result: abort now (the caller hard-stops)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"Continuous batching round did not finish within {self.timeout} s.")
             result = manager.get_result(timeout=_POLL_SECONDS)
             if result is None:
                 error = _upstream.engine_fatal_error(manager)
@@ -346,8 +412,6 @@ class ContinuousBatchingGenerator:
                         f"The continuous batching engine stopped with {len(expected) - len(outputs)} of "
                         f"{len(expected)} requests outstanding" + (f": {error!r}" if error is not None else ".")
                     ) from error
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"Continuous batching round did not finish within {self.timeout} s.")
                 continue
             if result.request_id not in expected:
                 logger.warning("Dropping a stale result for request %s from an earlier round.", result.request_id)
@@ -364,6 +428,11 @@ class ContinuousBatchingGenerator:
         sharing = self._cb_kwargs.get("allow_block_sharing", True)
         signature = (id(module), module.dtype, sharing, sampling_signature(self.generation_config))
         engine = self._engine
+        if engine is not None and engine.busy:
+            # An earlier round was cut short (or async rollouts own it): requests may still be in flight.
+            logger.info("The continuous batching engine was left mid-round: stopping it and building a new one.")
+            self._stop_engine()  # not `close`: the round's generation copies are in use
+            engine = None
         if engine is not None and engine.signature == signature:
             if engine.size.holds(self._cache_size(module, workload)):
                 return engine
@@ -393,6 +462,7 @@ class ContinuousBatchingGenerator:
         )
 
     def _build_engine(self, module: PreTrainedModel, workload: Workload, signature: tuple[Any, ...]) -> _Engine:
+        self._free_retired()  # before allocating a new cache
         kwargs = dict(self._cb_kwargs)
         gen_cfg = self.generation_config
         request_processors = build_request_processors(request_processor_settings(gen_cfg), eos_token_ids(gen_cfg))
@@ -410,7 +480,8 @@ class ContinuousBatchingGenerator:
             max_generated_length=workload.max_new_tokens,
             num_requests=workload.num_requests,
         )
-        module.eval()
+        # No `module.eval()` here: the manager's constructor does it, and `create_manager` puts the mode (and the
+        # attention implementation) back if construction fails.
         t0 = time.perf_counter()
         try:
             manager = _upstream.create_manager(

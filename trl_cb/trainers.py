@@ -16,24 +16,31 @@ pins them: `_generate_single_turn`, `_generate_and_score_completions`' output ke
 
 from __future__ import annotations
 
+import json
 import logging
-import random
-from collections.abc import Iterator
+import os
+import time
 from typing import Any
 
 import torch
 import trl
 from transformers import ProcessorMixin, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import nanmax, nanmin, pad
 
-from . import compat
-from .async_rollouts import AsyncRolloutController, RolloutGroup
-from .generator import ContinuousBatchingGenerator, plain_module, validate_generation_settings
+from . import compat, lifecycle
+from .async_rollouts import AsyncRolloutController, PromptStream, RolloutGroup, default_max_staleness
+from .generator import ContinuousBatchingGenerator, plain_module, validate_generation_settings, validate_prompts
 from .importance_sampling import importance_sampling_ratio, importance_sampling_stats
 
 logger = logging.getLogger(__name__)
+
+#: Per-process async state saved in each checkpoint directory (the prompt stream's resume position).
+ASYNC_STATE_FILE = "trl_cb_async_state-rank{rank}.json"
+#: Prompts tokenized per batch when the dataset is scanned for its longest prompt.
+_SCAN_BATCH = 256
 
 
 class ContinuousBatchingTrainerMixin:
@@ -43,6 +50,9 @@ class ContinuousBatchingTrainerMixin:
     _cb_last_logprobs: list[list[float]] | None = None
     _cb_async: AsyncRolloutController | None = None
     _cb_async_groups: list[RolloutGroup] | None = None
+    #: Stream position the next async controller starts from (advanced when a controller stops; set on resume).
+    _cb_async_start: int = 0
+    _cb_async_longest: int | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """TRL's trainer `__init__`, with everything the CB path cannot serve refused before (model config,
@@ -135,12 +145,17 @@ class ContinuousBatchingTrainerMixin:
         return result.completion_ids, result.logprobs
 
     def _cb_close(self) -> None:
-        controller, self._cb_async = self._cb_async, None
-        if controller is not None:
-            controller.stop()
-        generator, self._cb_generator = self._cb_generator, None
-        if generator is not None:
-            generator.close()
+        """Stop async rollouts and the generator (hard stop: nothing in flight is generated); interrupt-safe."""
+        with lifecycle.deferred_interrupts():
+            controller = self._cb_async
+            if controller is not None:
+                controller.stop()
+                self._cb_async_start = self._cb_async_position()
+                self._cb_async = None
+            generator = self._cb_generator
+            if generator is not None:
+                generator.close()
+                self._cb_generator = None
 
     # ------------------------------------------------------------------------------------------ async rollouts
 
@@ -170,19 +185,79 @@ class ContinuousBatchingTrainerMixin:
                 if trainer._cb_async is not None:
                     trainer._cb_async.end_weight_update()
 
-        self.add_callback(_PauseEngineForOptimizerStep())
+        class _SaveAsyncState(TrainerCallback):
+            """Write the prompt stream's position into each checkpoint (`Trainer` calls `on_save` right after
+            `_save_checkpoint` has written `checkpoint-<global_step>`)."""
 
-    def _cb_prompt_stream(self) -> Iterator[tuple[Any, list[int]]]:
-        """Endless shuffled stream of (dataset row, prompt ids), distinct per process, reproducible from the seed."""
+            def on_save(self, args: Any, state: Any, control: Any, **k: Any) -> None:
+                folder = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+                trainer._cb_save_async_state(os.path.join(args.output_dir, folder))
+
+        self.add_callback(_PauseEngineForOptimizerStep())
+        self.add_callback(_SaveAsyncState())
+
+    def _cb_async_position(self) -> int:
+        """Stream position of the first prompt no finished step has consumed (see `PromptStream`)."""
+        controller = self._cb_async
+        return self._cb_async_start + (controller.consumed_groups if controller is not None else 0)
+
+    def _cb_save_async_state(self, checkpoint_dir: str) -> None:
+        if not os.path.isdir(checkpoint_dir):
+            logger.warning("No checkpoint directory %s: async rollout state not saved.", checkpoint_dir)
+            return
+        state = {"stream_position": self._cb_async_position(), "seed": self._cb_stream_seed()}
+        path = os.path.join(checkpoint_dir, ASYNC_STATE_FILE.format(rank=self.accelerator.process_index))
+        with open(path, "w") as f:
+            json.dump(state, f)
+
+    def _cb_load_async_state(self, checkpoint_dir: str) -> None:
+        path = os.path.join(checkpoint_dir, ASYNC_STATE_FILE.format(rank=self.accelerator.process_index))
+        if not os.path.isfile(path):
+            logger.warning(
+                "Resuming async rollouts from %s without saved stream state: the prompt stream restarts.",
+                checkpoint_dir,
+            )
+            self._cb_async_start = 0
+            return
+        with open(path) as f:
+            state = json.load(f)
+        if state.get("seed") != self._cb_stream_seed():
+            logger.warning("The checkpoint's prompt stream used another seed: its position is applied as is.")
+        self._cb_async_start = int(state["stream_position"])
+        logger.info("Async rollouts resume the prompt stream at item %d.", self._cb_async_start)
+
+    def _cb_stream_seed(self) -> int:
+        return self.args.seed * 1000 + self.accelerator.process_index
+
+    def _cb_prompt_stream(self, start: int) -> PromptStream:
+        """Endless shuffled stream of (dataset row, prompt ids), distinct per process, reproducible from the seed,
+        starting at item `start` (a resumed run continues where the checkpoint left off)."""
         dataset = self.train_dataset
-        rng = random.Random(self.args.seed * 1000 + self.accelerator.process_index)
-        while True:
-            order = list(range(len(dataset)))
-            rng.shuffle(order)
-            for index in order:
-                row = dataset[index]
-                prompt_ids = self._tokenize_prompts([row["prompt"]])[0][0]
-                yield row, prompt_ids
+
+        def fetch(index: int) -> tuple[Any, list[int]]:
+            row = dataset[index]
+            return row, self._tokenize_prompts([row["prompt"]])[0][0]
+
+        return PromptStream(len(dataset), self._cb_stream_seed(), fetch, start=start)
+
+    def _cb_scan_prompts(self, module: torch.nn.Module, max_new_tokens: int, cb_kwargs: dict[str, Any]) -> int:
+        """Tokenize and validate every prompt of `train_dataset` (the synchronous checks, naming the row) and return
+        the longest prompt's length: the async engine is sized for it, so no row can fail to be scheduled later."""
+        dataset = self.train_dataset
+        t0 = time.perf_counter()
+        longest = 0
+        for begin in range(0, len(dataset), _SCAN_BATCH):
+            rows = [dataset[i]["prompt"] for i in range(begin, min(begin + _SCAN_BATCH, len(dataset)))]
+            ids = [list(p) for p in self._tokenize_prompts(rows)[0]]
+            try:
+                validate_prompts(ids, module, max_new_tokens, cb_kwargs)
+            except ValueError as err:
+                raise ValueError(f"train_dataset rows {begin}..{begin + len(ids) - 1}: {err}") from None
+            longest = max(longest, max(len(p) for p in ids))
+        logger.info(
+            "Scanned %d prompts in %.2fs: the longest has %d tokens.", len(dataset), time.perf_counter() - t0, longest
+        )
+        return longest
 
     def _cb_async_controller(self) -> AsyncRolloutController:
         """The async controller, built (and its engine filled) the first time a training step needs it."""
@@ -196,21 +271,33 @@ class ContinuousBatchingTrainerMixin:
                 **self._cb_precision_kwargs(),
             )
             rows_per_step = args.generation_batch_size // self.accelerator.num_processes
-            probe = range(min(256, len(self.train_dataset)))
-            longest = max(len(self._tokenize_prompts([self.train_dataset[i]["prompt"]])[0][0]) for i in probe)
-            self._cb_async = AsyncRolloutController(
+            module = plain_module(self.model_wrapped)
+            if self._cb_async_longest is None:
+                max_new = int(generator.generation_config.max_new_tokens)
+                self._cb_async_longest = self._cb_scan_prompts(module, max_new, generator._cb_kwargs)
+            controller = AsyncRolloutController(
                 generator,
-                plain_module(self.model_wrapped),
-                self._cb_prompt_stream(),
+                module,
+                self._cb_prompt_stream(self._cb_async_start),
                 num_generations=self.num_generations,
                 groups_per_step=rows_per_step // self.num_generations,
                 prefetch_depth=args.prefetch_depth,
-                max_staleness=args.max_staleness,
+                max_staleness=self._cb_max_staleness(),
                 keep_stale=args.async_keep_stale,
                 timeout=args.cb_generation_timeout,
             )
-            self._cb_async.start(max_prompt_len=longest + 16)
+            controller.start(max_prompt_len=self._cb_async_longest)
+            self._cb_async = controller
         return self._cb_async
+
+    def _cb_max_staleness(self) -> int:
+        """`args.max_staleness`, or (unset) the bound that drops nothing for this schedule: rollouts are taken once
+        every `steps_per_generation * num_iterations / gradient_accumulation_steps` optimizer steps."""
+        args = self.args
+        if args.max_staleness is not None:
+            return args.max_staleness
+        steps_per_take = args.steps_per_generation * self.num_iterations / args.gradient_accumulation_steps
+        return default_max_staleness(args.prefetch_depth, steps_per_take)
 
     def _cb_async_take(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Replace the sampler's rows by those of finished groups; stash the groups for `_generate_single_turn`."""
@@ -253,17 +340,24 @@ class ContinuousBatchingTrainerMixin:
             self._cb_importance_sampling(output, per_token_loss=per_token_loss)
         return output
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        """TRL's `train`, with the CB engine stopped at the end, on errors and on Ctrl-C (no thread left behind)."""
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """TRL's `train`, with the CB engine stopped at the end, on errors and on Ctrl-C (no thread left behind), and
+        async rollouts resuming their prompt stream from the checkpoint's saved position."""
+        if getattr(self.args, "async_generation", False) and resume_from_checkpoint:
+            checkpoint = resume_from_checkpoint
+            if isinstance(checkpoint, bool):  # as `Trainer.train` resolves it
+                checkpoint = get_last_checkpoint(self.args.output_dir)
+            if checkpoint is not None:
+                self._cb_load_async_state(checkpoint)
         try:
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             self._cb_close()
 
     def __del__(self) -> None:
         try:
             self._cb_close()
-        except Exception:  # pragma: no cover - interpreter teardown
+        except Exception:  # noqa: BLE001 - interpreter teardown
             pass
 
     # ------------------------------------------------------------------------------------- importance sampling

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import threading
 import time
 
 import pytest
@@ -17,10 +18,12 @@ from trl_cb.async_rollouts import AsyncMetrics, AsyncRolloutController
 from trl_cb.data import synthetic_gsm8k
 
 
-def controller(model, tokenizer, max_new_tokens=24, **kwargs) -> AsyncRolloutController:
+def controller(model, tokenizer, max_new_tokens=24, cb_config=None, **kwargs) -> AsyncRolloutController:
     rows = synthetic_gsm8k(40, seed=4)
     stream = ((r, tokenizer(r["prompt"])["input_ids"]) for r in itertools.cycle(rows))
-    gen = ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=max_new_tokens))
+    gen = ContinuousBatchingGenerator(
+        model, sampling_config(tokenizer, max_new_tokens=max_new_tokens), continuous_batching_config=cb_config
+    )
     options = dict(num_generations=2, groups_per_step=2, prefetch_depth=1, max_staleness=1)
     options.update(kwargs)
     ctl = AsyncRolloutController(gen, model, stream, **options)
@@ -104,7 +107,9 @@ def test_behaviour_logprobs_across_a_weight_update(tokenizer):
 
     # No EOS bias: samples run to max_new_tokens, so updates land mid-flight. Std 0.2: far from uniform.
     model = tiny_model(tokenizer, init_std=0.2)
-    ctl = controller(model, tokenizer, max_new_tokens=48, prefetch_depth=2)
+    # At most 4 requests per batch: the groups run in waves, so a take leaves later waves mid-flight (with every
+    # request scheduled at once they would all run in lockstep and finish together, before the update).
+    ctl = controller(model, tokenizer, max_new_tokens=48, cb_config={"max_requests_per_batch": 4}, prefetch_depth=2)
     try:
         ctl.take(2)  # leaves prefetched groups in flight
         old = copy.deepcopy(model)
@@ -197,3 +202,182 @@ def test_trainer_async_learns_with_updates(tokenizer, tmp_path):
     logs = [e for e in trainer.state.log_history if "loss" in e]
     assert all(math.isfinite(e["loss"]) for e in logs)
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+# ------------------------------------------------------------------------------- reliability (issue 9, item 1, 3, 6)
+
+
+def heavy_controller(tokenizer, **kwargs) -> tuple[AsyncRolloutController, torch.nn.Module]:
+    """A controller whose in-flight groups take many seconds to generate (the old `stop` generated them all)."""
+    from tests.unit.test_reliability import far_from_uniform
+    from trl_cb.tiny import tiny_model
+
+    model = far_from_uniform(tiny_model(tokenizer, hidden_size=128, num_layers=4), tokenizer)
+    options = dict(num_generations=4, groups_per_step=2, prefetch_depth=1, max_staleness=1)
+    options.update(kwargs)
+    rows = synthetic_gsm8k(40, seed=4)
+    stream = ((r, tokenizer(r["prompt"])["input_ids"]) for r in itertools.cycle(rows))
+    gen = ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=160))
+    ctl = AsyncRolloutController(gen, model, stream, **options)
+    ctl.start(max_prompt_len=64)
+    return ctl, model
+
+
+def test_stop_with_rollouts_in_flight_returns_within_2s(tokenizer):
+    from tests.unit.test_reliability import engine_threads
+
+    ctl, model = heavy_controller(tokenizer, groups_per_step=4)
+    ctl.timeout = 0.5
+    with pytest.raises(TimeoutError, match="No rollouts within 0.5 s"):
+        ctl.take(4)  # the engine ran 0.5 s: every group is mid-generation, then held
+    start = time.monotonic()
+    ctl.stop()
+    took = time.monotonic() - start
+    assert took < 2.0, f"stop() took {took:.2f}s with rollouts in flight"
+    assert not engine_threads() and not model.training
+    ctl.stop()
+
+
+def test_ctrl_c_in_take_reaches_the_caller_within_2s(tokenizer):
+    from tests.unit.test_reliability import engine_threads, interrupted
+
+    ctl, model = heavy_controller(tokenizer)
+    try:
+        latency, _ = interrupted(lambda: ctl.take(2), [0.4])
+        assert latency is not None and latency < 2.0, latency
+        assert ctl._holds == 1, "the engine must be held again after the interrupt"
+    finally:
+        start = time.monotonic()
+        ctl.stop()
+        assert time.monotonic() - start < 2.0
+    assert not engine_threads()
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [([], "is empty"), ([5, 6, 100_000], "outside the model's vocabulary"), ([5] * 80, "max_prompt_len=64")],
+    ids=["empty", "vocab", "too-long"],
+)
+def test_prompts_are_validated_before_submission(model, tokenizer, bad, message):
+    """Old code submitted them: an empty prompt crashed the engine with an unrelated error, a too-long one failed
+    later with 'No requests can be scheduled'."""
+    good = tokenizer("what is 2 plus 2?")["input_ids"]
+    stream = iter([({"i": i}, good) for i in range(2)] + [({"i": 2}, bad)] + [({"i": i}, good) for i in range(3, 99)])
+    gen = ContinuousBatchingGenerator(model, sampling_config(tokenizer))
+    ctl = AsyncRolloutController(gen, model, stream, num_generations=2, groups_per_step=2, max_staleness=1)
+    try:
+        with pytest.raises(ValueError, match=rf"Async prompt stream item 2.*{message}|{message}.*item 2"):
+            ctl.start(max_prompt_len=64)
+            for _ in range(3):
+                ctl.take(2)
+    finally:
+        ctl.stop()
+
+
+def test_async_round_and_sync_round_on_one_model_take_turns(tokenizer):
+    """The controller holds the model's round lock while its engine may run: a synchronous generator on the same
+    model from another thread waits (old code: both engines ran forwards at once, logprobs off by ~0.4)."""
+    from tests.unit.test_reliability import far_from_uniform, max_logprob_error
+    from trl_cb.tiny import tiny_model
+
+    model = far_from_uniform(tiny_model(tokenizer), tokenizer)
+    ctl = controller(model, tokenizer, max_new_tokens=40)
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in synthetic_gsm8k(8, seed=9)]
+    sync = ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=40))
+    sync_results, errors = [], []
+
+    def sync_rounds() -> None:
+        try:
+            for _ in range(3):
+                sync_results.append(sync.generate(prompts, num_generations=2))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+
+    thread = threading.Thread(target=sync_rounds)
+    try:
+        thread.start()
+        groups = [g for _ in range(3) for g in ctl.take(2)[0]]
+        thread.join(timeout=120)
+        assert not thread.is_alive() and errors == []
+        for result in sync_results:
+            assert max_logprob_error(model, prompts, result, 2) <= 1e-4
+        for g in groups:  # no weight update: behaviour logprobs are the model's own
+            for completion, recorded in zip(g.completion_ids, g.logprobs):
+                assert (logprobs_of(model, g.prompt_ids, completion) - torch.tensor(recorded)).abs().max() <= 1e-4
+    finally:
+        ctl.stop()
+        sync.close()
+
+
+# ------------------------------------------------------------------------------ trainer: sizing, resume, defaults
+
+
+def recording_reward(seen: list[list[str]]):
+    def reward(prompts: list[str], completions: list[str], **kwargs: object) -> list[float]:
+        seen.append(list(dict.fromkeys(prompts)))  # one entry per step: the step's distinct prompts, in order
+        return [len(c) / 50.0 for c in completions]
+
+    return reward
+
+
+def test_trainer_sizes_the_engine_from_the_longest_prompt_and_validates_every_row(tokenizer, tmp_path):
+    """Old code sized the engine from the first 256 rows + 16 tokens and validated nothing: a long prompt further
+    down failed inside the engine ('No requests can be scheduled'), an empty one crashed it."""
+    from datasets import Dataset
+
+    rows = synthetic_gsm8k(300, seed=5)
+    rows[290]["prompt"] = " ".join(["seven plus eight"] * 120)
+    long_len = len(tokenizer(rows[290]["prompt"])["input_ids"])
+    trainer = make_trainer("grpo", tokenizer, tmp_path, async_generation=True)
+    trainer.train_dataset = Dataset.from_list(rows)
+    try:
+        ctl = trainer._cb_async_controller()
+        assert ctl.generator._engine.workload.max_prompt_len >= long_len
+    finally:
+        trainer._cb_close()
+    rows[120]["prompt"] = ""
+    trainer.train_dataset = Dataset.from_list(rows)
+    trainer._cb_async_longest = None
+    with pytest.raises(ValueError, match=r"train_dataset rows 0\.\.255: Prompt 120 is empty"):
+        trainer._cb_async_controller()
+    trainer._cb_close()
+
+
+def test_trainer_resume_continues_the_prompt_stream(tokenizer, tmp_path):
+    """Steps 4-6 after resuming from checkpoint-3 see exactly the prompts an uninterrupted run saw at steps 4-6
+    (old code: the stream restarted, steps 4-6 replayed the prompts of steps 1-3)."""
+    straight: list[list[str]] = []
+    trainer = make_trainer(
+        "grpo", tokenizer, tmp_path, async_generation=True, max_steps=6, save_strategy="steps", save_steps=3,
+        reward=recording_reward(straight), max_completion_length=8,
+    )  # fmt: skip
+    trainer.train()
+    assert len(straight) == 6 and (tmp_path / "checkpoint-3").is_dir()
+    resumed: list[list[str]] = []
+    trainer = make_trainer(
+        "grpo", tokenizer, tmp_path, async_generation=True, max_steps=6, save_strategy="no",
+        reward=recording_reward(resumed), max_completion_length=8,
+    )  # fmt: skip
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    assert resumed == straight[3:], "resumed run must continue the stream where the checkpoint left it"
+    trained_before = {p for step in straight[:3] for p in step}
+    assert not trained_before & {p for step in resumed for p in step}, "prompts of steps 1-3 replayed"
+
+
+def test_default_staleness_drops_nothing_when_taking_every_k_steps(tokenizer, tmp_path):
+    """GA=1, steps_per_generation=2, num_iterations=2: a take every k=4 optimizer steps. The old default bound (2)
+    dropped the groups the engine had started during the previous take; the default now follows the schedule."""
+
+    def run(**overrides) -> tuple[int, float]:
+        trainer = make_trainer(
+            "grpo", tokenizer, tmp_path, async_generation=True, max_steps=12, steps_per_generation=2,
+            num_iterations=2, max_completion_length=8, **overrides,
+        )  # fmt: skip
+        trainer.train()
+        logs = [e for e in trainer.state.log_history if "async/dropped_total" in e]
+        return int(logs[-1]["async/dropped_total"]), max(e["async/staleness_max"] for e in logs)
+
+    dropped, staleness = run()
+    assert dropped == 0 and staleness > 2, (dropped, staleness)
+    old_dropped, _ = run(max_staleness=2)
+    assert old_dropped > 0, "control: with the old bound the same schedule drops groups"

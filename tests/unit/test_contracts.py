@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import threading
+import time
 
 import pytest
 import torch
@@ -30,7 +32,7 @@ def _manager(
     model, tokenizer, max_new_tokens: int = 4, num_blocks: int = 8, max_batch_tokens: int = 64, requests: int = 1
 ):
     """A started manager on the tiny model, sized by hand (page size 16)."""
-    return _upstream.create_manager(
+    manager = _upstream.create_manager(
         model,
         sampling_config(tokenizer, max_new_tokens=max_new_tokens),
         ContinuousBatchingConfig(
@@ -38,6 +40,9 @@ def _manager(
         ),
         WorkloadHints(max_prompt_length=40, max_generated_length=max_new_tokens, num_requests=requests),
     )
+    assert not manager.is_running(), "create_manager must not start the thread (resume does)"
+    _upstream.resume(manager, model)
+    return manager
 
 
 # ------------------------------------------------------------------------------------------------- transformers
@@ -227,6 +232,7 @@ def test_request_processors_see_each_rows_own_history(model, tokenizer):
         WorkloadHints(max_prompt_length=8, max_generated_length=5, num_requests=6),
         [force],
     )
+    _upstream.resume(manager, model)  # create_manager does not start the thread
     prompts = {"a": [10, 4, 5, 6], "b": [50, 7], "c": [90, 8, 9, 10, 11, 12]}
     try:
         expected = {}
@@ -461,3 +467,87 @@ def test_trl_cli_pieces_used_by_trl_cb_cli():
         assert "get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256)" in src
         for name in ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward"):
             assert f'"{name}": {name}' in src, name
+
+
+# ------------------------------------------------------------------------------ abort / lifecycle (issue 9)
+
+
+def test_hard_stop_abandons_outstanding_requests_and_marks_the_loop_stopped(model, tokenizer, prompts):
+    """`_upstream.stop_now` relies on `request_stop(HARD_STOP)` ending the loop before its next batch (not after
+    generating what is outstanding, as `destroy()` does) and on `local_status == STOPPED` once the thread is done."""
+    from transformers.generation.continuous_batching.continuous_api import BackgroundThreadStatus
+
+    assert BackgroundThreadStatus.HARD_STOP > BackgroundThreadStatus.FLUSH_AND_STOP
+    src = inspect.getsource(ContinuousBatchingManager._run_generation_loop)
+    assert "finally:" in src and "mark_as_stopped()" in src.split("finally:")[-1], "loop no longer marks STOPPED"
+    manager = _manager(model, tokenizer, 2000, 256, 64, 8)
+    try:
+        assert isinstance(manager._generation_thread, threading.Thread) and hasattr(manager, "_wake_up_loop")
+        for i, prompt in enumerate(prompts):
+            manager.add_request(prompt, request_id=f"long{i}", max_new_tokens=2000)
+        time.sleep(0.3)
+        start = time.monotonic()
+        assert _upstream.stop_now(manager, timeout=10)
+        assert time.monotonic() - start < 2.0, "hard stop no longer stops promptly"
+        assert manager._generation_thread is None
+        status = manager.background_thread_status
+        assert status.local_status == status.STOPPED
+        results = []
+        while (result := manager.get_result(timeout=0.1)) is not None:
+            results.append(result)
+        assert any(r.error is not None for r in results), "abandoned requests must come back failed"
+        assert all(len(r.generated_tokens) < 2000 for r in results), "a hard stop must not generate the rest"
+    finally:
+        _upstream.restore_training_attention(manager)
+        _upstream.release(manager)
+
+
+def test_manager_constructor_switches_attention_before_it_can_raise(tokenizer):
+    """Why `create_manager` restores attention and mode on failure: upstream switches eager -> paged|eager, then
+    raises (here: page_size below its minimum of 4)."""
+    from trl_cb.tiny import tiny_model
+
+    model = tiny_model(tokenizer)
+    model.set_attn_implementation("eager")
+    cfg = ContinuousBatchingConfig(return_logprobs=True, num_blocks=8, max_batch_tokens=64, page_size=1)
+    with pytest.raises(ValueError, match="page_size"):
+        model.init_continuous_batching(generation_config=sampling_config(tokenizer), continuous_batching_config=cfg)
+    assert model.config._attn_implementation == "paged|eager", "upstream no longer switches before raising"
+    model.set_attn_implementation("eager")
+    model.train()
+    with pytest.raises(ValueError, match="page_size"):
+        _upstream.create_manager(model, sampling_config(tokenizer), cfg, WorkloadHints(max_prompt_length=8))
+    assert model.config._attn_implementation == "eager" and model.training
+
+
+def test_cpython_thread_atexit_hook():
+    """`_upstream.register_before_thread_join` needs the hook that runs before non-daemon threads are joined."""
+    assert callable(getattr(threading, "_register_atexit", None)), "threading._register_atexit is gone"
+
+
+def test_trainer_checkpoint_hooks_we_use():
+    """Async resume: `on_save` fires right after `_save_checkpoint` wrote `<output_dir>/checkpoint-<global_step>`;
+    `train(resume_from_checkpoint=True)` resolves the path with `get_last_checkpoint(output_dir)`."""
+    from transformers import Trainer
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+    assert PREFIX_CHECKPOINT_DIR == "checkpoint" and callable(get_last_checkpoint)
+    src = inspect.getsource(Trainer._maybe_log_save_evaluate)
+    assert src.index("self._save_checkpoint(model, trial)") < src.index("self.callback_handler.on_save(")
+    save = inspect.getsource(Trainer._save_checkpoint)
+    assert 'checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"' in save
+    assert params(Trainer.train)[1] == "resume_from_checkpoint"
+    assert "get_last_checkpoint(args.output_dir)" in inspect.getsource(Trainer.train)
+
+
+def test_trl_generation_schedule_and_prompt_tokenizer():
+    """Async: prompts are tokenized with TRL's `_tokenize_prompts`; rollouts are taken once every
+    `steps_per_generation * num_iterations` micro-steps (the default staleness bound is derived from it)."""
+    for cls in (trl.GRPOTrainer, trl.RLOOTrainer):
+        assert callable(getattr(cls, "_tokenize_prompts", None))
+        src = inspect.getsource(cls._prepare_inputs)
+        assert "generate_every = self.args.steps_per_generation * self.num_iterations" in src
+    for cls in (trl.GRPOConfig, trl.RLOOConfig):
+        assert {"steps_per_generation", "num_iterations", "gradient_accumulation_steps"} <= {
+            f.name for f in dataclasses.fields(cls)
+        }
