@@ -25,10 +25,16 @@ from transformers import (
 from .data import corpus_for_tokenizer
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")
+# A minimal plain-text chat template, so chat-formatted prompts (the default data, see trl_cb.data) work offline.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 def tiny_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained in memory on synthetic GSM8K text (deterministic, ~50 ms)."""
+    """A byte-level BPE tokenizer trained in memory on synthetic GSM8K text (deterministic, ~50 ms), with a
+    plain-text chat template (`CHAT_TEMPLATE`)."""
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -45,6 +51,7 @@ def tiny_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
         bos_token="<|bos|>",
         eos_token="<|eos|>",
         padding_side="left",
+        chat_template=CHAT_TEMPLATE,
     )
 
 
@@ -119,7 +126,8 @@ def tiny_checkpoint(directory: str | Path, eos_logit_bias: float | None = 4.0, s
     the examples run the exact user-facing path offline.
     """
     directory = Path(directory)
-    if not (directory / "config.json").is_file():
+    if not (directory / "config.json").is_file() or not (directory / "chat_template.jinja").is_file():
+        # (a checkpoint saved before the tiny tokenizer had a chat template is rebuilt)
         tokenizer = tiny_tokenizer()
         tiny_model(tokenizer, eos_logit_bias=eos_logit_bias, seed=seed).save_pretrained(directory)
         tokenizer.save_pretrained(directory)
