@@ -48,12 +48,17 @@ REWARDS = ("char", "gsm8k")
 # ------------------------------------------------------------------------------------------------------ worker
 
 
-def char_share_reward(char: str) -> Any:
-    """A TRL reward function: the share of `char` among a completion's characters (0 for an empty completion)."""
+def char_share_reward(char: str, min_chars: int) -> Any:
+    """A TRL reward function: the share of `char` among a completion's characters, counting at least `min_chars`.
+
+    Why the floor: with a plain share, a very short completion is a lottery ticket ("a" scores 1.0, "" scores 0), so
+    one large update can teach the policy to stop at once; an all-empty group has zero reward variance, hence no
+    gradient, and the run never recovers. Dividing by at least `min_chars` makes stopping early never pay.
+    """
 
     def reward(completions: list[Any], **kwargs: Any) -> list[float]:
         texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-        return [t.count(char) / len(t) if t else 0.0 for t in texts]
+        return [t.count(char) / max(len(t), min_chars) for t in texts]
 
     reward.__name__ = f"share_of_{char!r}"
     return reward
@@ -105,7 +110,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     )  # fmt: skip
     model, tokenizer = _model_and_tokenizer(spec)
     dataset = Dataset.from_list(gsm8k_test(spec["num_prompts"], seed=spec["data_seed"]))
-    reward = gsm8k_reward if spec["reward"] == "gsm8k" else char_share_reward(spec["char"])
+    reward = gsm8k_reward if spec["reward"] == "gsm8k" else char_share_reward(spec["char"], spec["min_chars"])
 
     class Curve(TrainerCallback):
         """Wall-clock and process CPU time (all threads) at every optimizer step, from the start of `train()`.
@@ -214,6 +219,7 @@ def summarize_backend(runs: list[dict[str, Any]], threshold: float, window: int)
     steps = min(len(r["reward"]) for r in runs)
     reward = _band([r["reward"][:steps] for r in runs])
     wall = _band([r["wall_clock_s"][:steps] for r in runs])
+    cpu = _band([r["cpu_time_s"][:steps] for r in runs])
     samples = runs[0]["samples"][:steps]
     crossing = first_crossing(reward["mean"], threshold, window)
     per_seed = [first_crossing(r["reward"][:steps], threshold, window) for r in runs]
@@ -226,6 +232,7 @@ def summarize_backend(runs: list[dict[str, Any]], threshold: float, window: int)
         "steps": steps,
         "reward": reward,
         "wall_clock_s": wall,
+        "cpu_time_s": cpu,
         "samples": samples,
         "final_reward": {  # mean of each seed's last `window` steps
             "mean": statistics.fmean(statistics.fmean(r["reward"][steps - window : steps]) for r in runs),
@@ -234,10 +241,12 @@ def summarize_backend(runs: list[dict[str, Any]], threshold: float, window: int)
         },
         "steps_to_threshold": None if crossing is None else crossing + 1,
         "time_to_threshold_s": None if crossing is None else wall["mean"][crossing],
+        "cpu_time_to_threshold_s": None if crossing is None else cpu["mean"][crossing],
         "samples_to_threshold": None if crossing is None else samples[crossing],
         "time_to_threshold_per_seed_s": [None if i is None else r["wall_clock_s"][i] for r, i in zip(runs, per_seed)],
         "seeds_reaching_threshold": sum(i is not None for i in per_seed),
         "step_time_s": statistics.fmean(step_times),
+        "cpu_time_per_step_s": statistics.fmean(r["cpu_time_s"][steps - 1] / steps for r in runs),
         "rollout_wait_s": statistics.fmean(waits) if waits else None,
         "total_wall_clock_s": statistics.fmean(r["wall_clock_s"][steps - 1] for r in runs),
         "mean_completion_length": statistics.fmean(x for r in runs for x in (r["completion_length"] or [0.0])),
@@ -270,10 +279,10 @@ def targets(summary: list[dict[str, Any]], band_share: float) -> list[dict[str, 
         by = {s["backend"]: s for s in summary if s["trainer"] == kind}
         gen, sync, asy = by.get("generate"), by.get("trl_cb"), by.get("trl_cb_async")
 
-        def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
-            if a is None or b is None or a["time_to_threshold_s"] is None or b["time_to_threshold_s"] is None:
+        def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str = "time_to_threshold_s") -> Any:
+            if a is None or b is None or a[key] is None or not b[key]:
                 return None
-            return a["time_to_threshold_s"] / b["time_to_threshold_s"]
+            return a[key] / b[key]
 
         checks: list[tuple[str, float | None, str, float]] = []
         if gen and sync:
@@ -287,6 +296,11 @@ def targets(summary: list[dict[str, Any]], band_share: float) -> list[dict[str, 
             checks.append(("trl_cb async time-to-threshold / generate()", ratio(asy, gen), "<=", 0.6))
         if gen and sync:
             checks.append(("trl_cb sync time-to-threshold / generate() (no target)", ratio(sync, gen), "", 0.0))
+        cpu = "cpu_time_to_threshold_s"
+        if sync and asy:
+            checks.append(("same in process CPU seconds: async / sync", ratio(asy, sync, cpu), "", 0.0))
+        if gen and asy:
+            checks.append(("same in process CPU seconds: async / generate()", ratio(asy, gen, cpu), "", 0.0))
         for name, value, op, bound in checks:
             met = None if value is None or not op else (value >= bound if op == ">=" else value <= bound)
             out.append({"trainer": kind, "target": name, "value": value, "bound": f"{op} {bound}" if op else None,
@@ -306,16 +320,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts-per-step", type=int, default=2)
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--max-completion-length", type=int, default=24)
-    p.add_argument("--learning-rate", type=float, default=1e-2, help="constant schedule")
+    p.add_argument("--learning-rate", type=float, default=5e-3, help="constant schedule")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--reward", default="char", choices=REWARDS, help="char: share of --char; gsm8k: accuracy")
     p.add_argument("--char", default="a", help="the character whose share is the reward (--reward char)")
+    p.add_argument("--min-chars", type=int, default=20, help="--reward char: divide by at least this many chars")
     p.add_argument("--threshold", type=float, default=0.4, help="reward for the time-to-threshold table")
     p.add_argument("--window", type=int, default=3, help="trailing mean (steps) used to find the crossing")
     p.add_argument("--model", default="tiny", help="tiny (offline random Qwen2) | hub id | local path")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto (default)")
     p.add_argument("--dtype", default=None, help="real models: float32 | bfloat16 (default: bf16 on GPU)")
-    p.add_argument("--eos-logit-bias", type=float, default=4.0, help="tiny model: EOS logit boost (length tail)")
+    p.add_argument("--eos-logit-bias", type=float, default=None, help="tiny model: EOS logit boost (default none)")
     p.add_argument("--num-prompts", type=int, default=512, help="GSM8K test problems in the training set")
     p.add_argument("--max-staleness", type=int, default=2, help="trl_cb_async: max_staleness")
     p.add_argument("--prefetch-depth", type=int, default=1, help="trl_cb_async: prefetch_depth")
@@ -364,6 +379,7 @@ def _print_tables(summary: list[dict[str, Any]], checks: list[dict[str, Any]], t
             "band": f"{s['final_reward']['min']:.2f}-{s['final_reward']['max']:.2f}",
             "ttt": s["time_to_threshold_s"], "ratio": ratio, "stt": s["samples_to_threshold"],
             "reached": f"{s['seeds_reaching_threshold']}/{len(s['seeds'])}", "step": s["step_time_s"],
+            "cpu": s["cpu_time_to_threshold_s"], "cpu_step": s["cpu_time_per_step_s"],
             "wait": s["rollout_wait_s"], "len": s["mean_completion_length"],
             "dropped": sum(a["dropped_groups_total"]) if a else None, "stale": a.get("staleness_mean"),
             "occ": a.get("engine_occupancy"),
@@ -371,8 +387,8 @@ def _print_tables(summary: list[dict[str, Any]], checks: list[dict[str, Any]], t
     print(format_table(rows, [
         ("trainer", "trainer"), ("backend", "backend"), ("final", "final reward"), ("band", "seed band"),
         ("ttt", f"s to {threshold}"), ("ratio", "x generate"), ("stt", "samples to"), ("reached", "seeds reached"),
-        ("step", "s/step"), ("wait", "rollout wait s/step"), ("len", "mean len"), ("dropped", "dropped groups"),
-        ("stale", "mean staleness"), ("occ", "engine occupancy"),
+        ("cpu", "CPU s to"), ("step", "s/step"), ("cpu_step", "CPU s/step"), ("wait", "rollout wait s/step"),
+        ("len", "mean len"), ("dropped", "dropped groups"), ("stale", "mean staleness"), ("occ", "engine occupancy"),
     ]))  # fmt: skip
     print()
     print(format_table(
@@ -412,7 +428,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "max_completion_length": args.max_completion_length, "learning_rate": args.learning_rate,
             "temperature": args.temperature, "device": args.device, "dtype": args.dtype, "model": args.model,
             "eos_logit_bias": args.eos_logit_bias, "model_seed": 0, "num_prompts": args.num_prompts,
-            "data_seed": 0, "reward": args.reward, "char": args.char, "max_staleness": args.max_staleness,
+            "data_seed": 0, "reward": args.reward, "char": args.char, "min_chars": args.min_chars,
+            "max_staleness": args.max_staleness,
             "prefetch_depth": args.prefetch_depth, "output_dir": f"/tmp/trl_cb_learning_{kind}_{backend}_{seed}",
         }  # fmt: skip
         runs.append(run_worker(Path(__file__), spec, timeout=3600))
