@@ -7,12 +7,20 @@ for plain `generate()`, trl_cb and trl_cb async, several seeds each.
     python benchmarks/plot_learning.py benchmarks/results/learning-YYYYmmdd-HHMMSS.json   # redraw the PNG
     # a real model, GSM8K accuracy as the reward (needs the hub and, to be practical, a GPU):
     python benchmarks/learning.py --model Qwen/Qwen2.5-0.5B-Instruct --reward gsm8k --device cuda \\
-        --max-completion-length 256 --num-generations 8 --prompts-per-step 16 --learning-rate 1e-6 --threshold 0.5
+        --data-file gsm8k/train.jsonl --max-completion-length 256 --num-generations 8 --prompts-per-step 16 \\
+        --learning-rate 1e-6 --steps 200 --threshold 0.5
 
 Task (default): prompts are GSM8K test problems (shipped with trl_cb, chat-formatted); the reward is the share of one
-character (`--char`, default "a") in the completion's text. A tiny random model starts near 0.02 and can learn to
-raise it within a few dozen steps on two CPU cores, so the benchmark finishes offline, while the curve still depends
-on everything that matters for RL correctness: sampling, logprobs, IS correction, partial rollouts, staleness.
+character (`--char`, default "a") in the completion's text, dividing by at least `--min-chars` characters so that
+stopping early never pays. The tiny random model (no EOS bias: completions run to the 24-token cap) starts near 0.04
+and reaches 0.5-0.7 in 40 steps of 2 prompts x 8 samples at a constant learning rate of 5e-3 on every backend, so the
+benchmark finishes offline, while the curve still depends on everything that matters for RL correctness: sampling,
+logprobs, IS correction, partial rollouts, staleness. (With the throughput benchmarks' EOS bias of 4.0, or at
+lr 1e-2, one large update can teach the random model to stop at once; all-empty groups carry no gradient and such a
+run never recovers, whatever the backend.)
+
+On a shared machine, run with `OMP_NUM_THREADS=1`: two torch threads per process spin against other load and
+stretch wall-clock unevenly. The JSON also records process CPU seconds per step, which a loaded machine disturbs less.
 
 Backends, each (trainer, backend, seed) in its own subprocess with the same seed, data and hyper-parameters:
 - `generate`:     TRL's trainer, `use_transformers_continuous_batching=False` (left-padded `model.generate`).
@@ -88,7 +96,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import PrinterCallback, TrainerCallback
 
     import trl_cb
-    from trl_cb.data import gsm8k_reward, gsm8k_test
+    from trl_cb.data import GSM8K_TEST_SIZE, gsm8k_reward, gsm8k_test, load_gsm8k_jsonl
 
     kind, backend = spec["trainer"], spec["backend"]
     package = trl_cb if backend.startswith("trl_cb") else trl
@@ -109,7 +117,12 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         logging_steps=1, disable_tqdm=True, seed=spec["seed"], data_seed=spec["seed"], **extra,
     )  # fmt: skip
     model, tokenizer = _model_and_tokenizer(spec)
-    dataset = Dataset.from_list(gsm8k_test(spec["num_prompts"], seed=spec["data_seed"]))
+    chat = tokenizer.chat_template is not None  # chat-formatted prompts unless the model has no template
+    if spec["data_file"]:
+        records = load_gsm8k_jsonl(spec["data_file"], limit=spec["num_prompts"], conversational=chat)
+    else:
+        records = gsm8k_test(min(spec["num_prompts"], GSM8K_TEST_SIZE), seed=spec["data_seed"], conversational=chat)
+    dataset = Dataset.from_list(records)
     reward = gsm8k_reward if spec["reward"] == "gsm8k" else char_share_reward(spec["char"], spec["min_chars"])
 
     class Curve(TrainerCallback):
@@ -331,7 +344,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="cpu | cuda | auto (default)")
     p.add_argument("--dtype", default=None, help="real models: float32 | bfloat16 (default: bf16 on GPU)")
     p.add_argument("--eos-logit-bias", type=float, default=None, help="tiny model: EOS logit boost (default none)")
-    p.add_argument("--num-prompts", type=int, default=512, help="GSM8K test problems in the training set")
+    p.add_argument("--num-prompts", type=int, default=512, help="GSM8K problems in the training set")
+    p.add_argument("--data-file", default=None, help="GSM8K JSONL to train on (e.g. the train split); default: the "
+                   "GSM8K test split shipped with trl_cb")  # fmt: skip
     p.add_argument("--max-staleness", type=int, default=2, help="trl_cb_async: max_staleness")
     p.add_argument("--prefetch-depth", type=int, default=1, help="trl_cb_async: prefetch_depth")
     p.add_argument("--band-share", type=float, default=0.8, help="share of steps that must lie inside a seed band")
@@ -351,6 +366,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("steps", "prompts_per_step", "num_generations", "max_completion_length", "window", "num_prompts"):
         if getattr(args, flag) <= 0:
             p.error(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if args.data_file is not None and not Path(args.data_file).is_file():
+        p.error(f"--data-file not found: {args.data_file}")
     if args.window > args.steps:
         p.error(f"--window ({args.window}) must be <= --steps ({args.steps})")
     if len(args.char) != 1:
@@ -428,8 +445,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "max_completion_length": args.max_completion_length, "learning_rate": args.learning_rate,
             "temperature": args.temperature, "device": args.device, "dtype": args.dtype, "model": args.model,
             "eos_logit_bias": args.eos_logit_bias, "model_seed": 0, "num_prompts": args.num_prompts,
-            "data_seed": 0, "reward": args.reward, "char": args.char, "min_chars": args.min_chars,
-            "max_staleness": args.max_staleness,
+            "data_seed": 0, "data_file": args.data_file, "reward": args.reward, "char": args.char,
+            "min_chars": args.min_chars, "max_staleness": args.max_staleness,
             "prefetch_depth": args.prefetch_depth, "output_dir": f"/tmp/trl_cb_learning_{kind}_{backend}_{seed}",
         }  # fmt: skip
         runs.append(run_worker(Path(__file__), spec, timeout=3600))
