@@ -351,7 +351,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefetch-depth", type=int, default=1, help="trl_cb_async: prefetch_depth")
     p.add_argument("--band-share", type=float, default=0.8, help="share of steps that must lie inside a seed band")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for the JSON and PNG")
-    p.add_argument("--quick", action="store_true", help="a few steps of a tiny workload: schema smoke test")
+    p.add_argument("--quick", action="store_true", help="3 steps of a tiny workload, seeds 0 1: schema smoke test")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker is not None:
