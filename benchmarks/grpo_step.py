@@ -15,6 +15,8 @@ benchmarks/common.py):
 Besides step times it reports samples/s (completions per step / median step time) and, for the trl_cb backends, the
 trainer's wait for rollouts per step (sync: the generation call; async: the wait for finished groups).
 
+Prompts: the GSM8K test split shipped with trl_cb (`trl_cb.data.gsm8k_test`), chat-formatted.
+
 Each run trains `--warmup + --steps` steps; step times come from a `TrainerCallback` (step begin to step end, which
 includes generation, scoring and the optimizer step). Table on stdout, JSON under `--out`, JSON as the last line.
 """
@@ -47,7 +49,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import TrainerCallback
 
     import trl_cb
-    from trl_cb.data import synthetic_gsm8k
+    from trl_cb.data import GSM8K_TEST_SIZE, gsm8k_test
     from trl_cb.tiny import tiny_model, tiny_tokenizer
 
     kind, backend = spec["trainer"], spec["backend"]
@@ -65,7 +67,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     )  # fmt: skip
     tokenizer = tiny_tokenizer()
     model = tiny_model(tokenizer, eos_logit_bias=spec["eos_logit_bias"])
-    dataset = Dataset.from_list(synthetic_gsm8k(spec["prompts"] * steps, seed=spec["seed"]))
+    dataset = Dataset.from_list(gsm8k_test(min(spec["prompts"] * steps, GSM8K_TEST_SIZE), seed=spec["seed"]))
 
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
@@ -78,8 +80,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         def on_step_end(self, *a: Any, **k: Any) -> None:
             self.times.append(time.perf_counter() - self._start)
 
-    def length_reward(completions: list[str], **kwargs: Any) -> list[float]:
-        return [len(c) / 100 for c in completions]
+    def length_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+        return [len(c if isinstance(c, str) else c[-1]["content"]) / 100 for c in completions]
 
     timer = StepTimer()
     trainer = trainer_cls(

@@ -5,6 +5,9 @@
     python benchmarks/gsm8k.py --model llama-1b-random --device cuda --max-new-tokens 2048 --num-generations 8 32 64
     python benchmarks/gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --data-file gsm8k/test.jsonl --device cuda
 
+Prompts: the GSM8K test split shipped with trl_cb (`trl_cb.data.gsm8k_test`, a seeded sample), chat-formatted when
+the tokenizer has a chat template; `--data-file` / `--dataset` replace it.
+
 Backends (same prompts, same sampling settings, `top_k` set explicitly because `generate()` adds top_k=50 if unset):
 - `generate`: left-padded `model.generate`, as TRL's default path calls it (one padded batch of P x N rows).
 - `trl_native`: `model.generate_batch` as TRL's built-in CB path calls it: a fresh manager every round,
@@ -84,10 +87,13 @@ def _load_model(spec: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def _prompts(spec: dict[str, Any], tokenizer: Any, count: int) -> list[list[int]]:
-    from trl_cb.data import GSM8KScriptArguments, load_prompts
+    from trl_cb.data import GSM8KScriptArguments, load_prompts, tokenize_prompt
 
-    args = GSM8KScriptArguments(data_file=spec["data_file"], dataset_name=spec["dataset"], num_examples=count)
-    return [tokenizer(r["prompt"])["input_ids"] for r in load_prompts(args, seed=spec["seed"])]
+    args = GSM8KScriptArguments(
+        data_file=spec["data_file"], dataset_name=spec["dataset"], num_examples=count,
+        conversational=tokenizer.chat_template is not None,
+    )  # fmt: skip
+    return [tokenize_prompt(tokenizer, r["prompt"]) for r in load_prompts(args, seed=spec["seed"])]
 
 
 def _until_eos(row: list[int], eos: int) -> list[int]:
@@ -177,7 +183,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help=f"{' | '.join(PRESETS)} | hub id | local path (default: tiny)")
-    p.add_argument("--data-file", default=None, help="GSM8K JSONL (question/answer); default: generated problems")
+    p.add_argument("--data-file", default=None, help="GSM8K JSONL (question/answer); default: GSM8K test (vendored)")
     p.add_argument("--dataset", default=None, help="hub dataset id, e.g. openai/gsm8k (needs network)")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto (default)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: float32 on CPU, bfloat16 on GPU)")

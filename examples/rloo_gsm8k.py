@@ -1,6 +1,6 @@
 """RLOO on GSM8K with trl_cb's continuous-batching rollouts.
 
-Offline, tiny random model and generated problems (seconds on a CPU):
+Offline, tiny random model and the GSM8K test split shipped with trl_cb, chat-formatted (seconds on a CPU):
     python examples/rloo_gsm8k.py --output_dir /tmp/rloo --max_steps 4
 
 A real model and the real data (needs the hub / the file):

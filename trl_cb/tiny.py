@@ -27,10 +27,16 @@ from transformers import (
 from .data import corpus_for_tokenizer
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")
+# A minimal plain-text chat template, so chat-formatted prompts (the default data, see trl_cb.data) work offline.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 def tiny_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained in memory on synthetic GSM8K text (deterministic, ~50 ms)."""
+    """A byte-level BPE tokenizer trained in memory on synthetic GSM8K text (deterministic, ~50 ms), with a
+    plain-text chat template (`CHAT_TEMPLATE`)."""
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -47,6 +53,7 @@ def tiny_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
         bos_token="<|bos|>",
         eos_token="<|eos|>",
         padding_side="left",
+        chat_template=CHAT_TEMPLATE,
     )
 
 
@@ -132,7 +139,8 @@ def tiny_checkpoint(directory: str | Path, eos_logit_bias: float | None = 4.0, s
     transformers writes checkpoints from rank 0 only: there, call it on rank 0 first (`main_process_first`).
     """
     directory = Path(directory)
-    if not (directory / "config.json").is_file():
+    complete = ("config.json", "chat_template.jinja")  # a checkpoint saved before the chat template is rebuilt
+    if not all((directory / name).is_file() for name in complete):
         directory.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
         tokenizer = tiny_tokenizer()
@@ -144,10 +152,12 @@ def tiny_checkpoint(directory: str | Path, eos_logit_bias: float | None = 4.0, s
                 f"Could not write the tiny checkpoint to {directory} from this process (not rank 0 of a "
                 "torch.distributed run): build it on rank 0 first, or once before launching."
             )
+        if (directory / "config.json").is_file() and not (directory / "chat_template.jinja").is_file():
+            shutil.rmtree(directory, ignore_errors=True)  # an outdated checkpoint: replaced below
         try:
             staging.rename(directory)
         except OSError:  # another process renamed its copy first (or a stale non-empty directory is there)
             shutil.rmtree(staging, ignore_errors=True)
-            if not (directory / "config.json").is_file():
+            if not all((directory / name).is_file() for name in complete):
                 raise
     return str(directory)

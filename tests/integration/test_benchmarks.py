@@ -81,4 +81,80 @@ def test_data_file_path_is_used(tmp_path):
     f = tmp_path / "g.jsonl"
     f.write_text('{"question": "What is 2+3?", "answer": "2+3=5\\n#### 5"}\n')
     records = load_prompts(GSM8KScriptArguments(data_file=str(f), num_examples=5))
-    assert records == [{"prompt": records[0]["prompt"], "answer": "5"}] and "2+3" in records[0]["prompt"]
+    assert len(records) == 1 and records[0]["answer"] == "5"
+    assert records[0]["prompt"][0]["role"] == "user" and "2+3" in records[0]["prompt"][0]["content"]
+    plain = load_prompts(GSM8KScriptArguments(data_file=str(f), num_examples=5, conversational=False))
+    assert plain == [{"prompt": plain[0]["prompt"], "answer": "5"}] and "2+3" in plain[0]["prompt"]
+
+
+def test_default_prompts_are_the_vendored_gsm8k_test_split():
+    from trl_cb.data import GSM8KScriptArguments, gsm8k_test, load_prompts
+
+    records = load_prompts(GSM8KScriptArguments(num_examples=5), seed=3)
+    assert records == gsm8k_test(5, seed=3)
+    questions = {r["prompt"][0]["content"] for r in gsm8k_test()}
+    assert all(r["prompt"][0]["content"] in questions for r in records)
+
+
+@pytest.mark.slow
+def test_learning_quick_records_curves_png_and_async_counts(tmp_path):
+    steps = 3  # --quick: 3 steps, seeds 0 and 1
+    proc = run(str(ROOT / "benchmarks" / "learning.py"), "--quick", "--trainers", "grpo", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert payload["benchmark"] == "learning" and payload["config"]["steps"] == steps
+    runs = payload["runs"]
+    assert {(r["backend"], r["seed"]) for r in runs} == {(b, s) for b in ("generate", "trl_cb", "trl_cb_async")
+                                                          for s in (0, 1)}  # fmt: skip
+    for r in runs:  # one point per optimizer step, wall-clock increasing, samples counted
+        assert len(r["reward"]) == len(r["wall_clock_s"]) == len(r["samples"]) == steps
+        assert all(0.0 <= x <= 1.0 for x in r["reward"])
+        assert all(b > a for a, b in zip(r["wall_clock_s"], r["wall_clock_s"][1:]))
+        assert r["samples"] == [4, 8, 12] and len(r["rollout_wait_s"]) == steps
+        assert (r["async"] is not None) == (r["backend"] == "trl_cb_async")
+        assert (r["is_ratio_mean"] is not None) == r["backend"].startswith("trl_cb")
+    for r in (r for r in runs if r["async"]):
+        for name in ("dropped_total", "dropped_groups", "staleness_max", "staleness_mean", "engine_occupancy"):
+            assert len(r["async"][name]) == steps, name
+        assert r["async"]["policy_version"][-1] == steps - 1  # version at take time: one update per earlier step
+    summary = {s["backend"]: s for s in payload["summary"]}
+    assert set(summary) == {"generate", "trl_cb", "trl_cb_async"}
+    for s in summary.values():
+        assert set(s["reward"]) == {"mean", "min", "max"} and len(s["reward"]["mean"]) == steps
+        assert "time_to_threshold_s" in s and "samples_to_threshold" in s
+    async_summary = summary["trl_cb_async"]["async"]
+    assert {"dropped_groups_total", "steps_with_stale_groups", "staleness_max"} <= set(async_summary)
+    assert summary["generate"]["async"] is None
+    assert {t["target"] for t in payload["targets"]} and "x generate" in proc.stdout
+    json_files, png_files = list(tmp_path.glob("learning-*.json")), list(tmp_path.glob("learning-*.png"))
+    assert len(json_files) == 1 and len(png_files) == 1 and png_files[0].stat().st_size > 10_000
+
+    redraw = tmp_path / "again.png"
+    proc = run(str(ROOT / "benchmarks" / "plot_learning.py"), str(json_files[0]), "--out", str(redraw))
+    assert proc.returncode == 0 and redraw.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--backends", "vllm"], "unknown --backends"),
+        (["--steps", "0"], "--steps must be > 0"),
+        (["--char", "ab"], "one character"),
+        (["--seeds", "1", "1"], "distinct"),
+    ],
+)
+def test_learning_bad_flags_fail_clearly(flags, message):
+    proc = run(str(ROOT / "benchmarks" / "learning.py"), *flags, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_learning_threshold_crossing_and_band_logic():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from learning import _in_band, first_crossing
+
+    assert first_crossing([0.1, 0.5, 0.1, 0.5, 0.5], 0.4, window=1) == 1
+    assert first_crossing([0.1, 0.5, 0.1, 0.5, 0.5], 0.4, window=2) == 4  # trailing mean smooths a lucky step
+    assert first_crossing([0.1, 0.2], 0.4, window=1) is None
+    band = {"min": [0.0, 0.1, 0.2], "max": [0.1, 0.3, 0.4]}
+    assert _in_band([0.05, 0.2, 0.3], band, 0.0) == 1.0
+    assert _in_band([0.05, 0.5, 0.1], band, 0.0) == pytest.approx(1 / 3)

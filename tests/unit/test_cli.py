@@ -175,6 +175,7 @@ def test_tiny_checkpoint_tolerates_a_concurrent_writer(tmp_path, monkeypatch):
         tok = real_tokenizer(*args, **kwargs)
         target.mkdir()
         (target / "config.json").write_text("{}")  # the other rank's complete checkpoint
+        (target / "chat_template.jinja").write_text("")
         return tok
 
     monkeypatch.setattr(tiny, "tiny_tokenizer", other_rank_finishes_first)
