@@ -19,6 +19,8 @@ How a run starts (as with `trl grpo`):
 Offline names, so that a first run, the tests and CI download nothing:
 - model `trl-cb/tiny`: `trl_cb.tiny`'s random tiny Qwen2 with its locally trained tokenizer, saved once under the
   temp directory, by rank 0 first (transformers writes checkpoints from rank 0 only), atomically.
+- dataset `trl-cb/gsm8k`: the GSM8K test split shipped with trl_cb (`trl_cb.data.gsm8k_test`, chat-formatted):
+  1191 train / 128 test rows of it (a seeded split, so real prompt lengths offline).
 - dataset `trl-cb/gsm8k-synthetic`: `trl_cb.data.synthetic_gsm8k` problems, 1024 train / 128 test rows.
 A dataset with GSM8K's columns (`question`, `answer` ending in `#### N`) and no `prompt` column is mapped to
 `prompt`/`answer` records (`trl_cb.data.gsm8k_record`), which `gsm8k_reward` scores.
@@ -52,6 +54,8 @@ MODULE = "trl_cb.cli"  # what `accelerate launch --module` runs; `__name__` is "
 logger = logging.getLogger(MODULE)
 
 TINY_MODEL = "trl-cb/tiny"
+VENDORED_GSM8K = "trl-cb/gsm8k"
+VENDORED_GSM8K_TEST_ROWS = 128
 SYNTHETIC_GSM8K = "trl-cb/gsm8k-synthetic"
 SYNTHETIC_GSM8K_ROWS = {"train": (1024, 0), "test": (128, 1)}  # split: (rows, seed)
 # Set in the environment of the process this module re-runs under `accelerate launch` (accelerate copies it).
@@ -182,6 +186,13 @@ def load_datasets(script_args: Any, dataset_args: Any) -> Any:
         if script_args.dataset_name:
             logger.warning("Both `datasets` and `dataset_name` are set: loading `datasets`, ignoring `dataset_name`.")
         dataset = get_dataset(dataset_args)
+    elif script_args.dataset_name == VENDORED_GSM8K:
+        from .data import gsm8k_test
+
+        rows = gsm8k_test(seed=0)
+        held_out = VENDORED_GSM8K_TEST_ROWS
+        train, test = rows[held_out:], rows[:held_out]
+        dataset = DatasetDict({"train": Dataset.from_list(train), "test": Dataset.from_list(test)})
     elif script_args.dataset_name == SYNTHETIC_GSM8K:
         splits = SYNTHETIC_GSM8K_ROWS
         dataset = DatasetDict({s: Dataset.from_list(synthetic_gsm8k(n, seed)) for s, (n, seed) in splits.items()})
@@ -191,7 +202,8 @@ def load_datasets(script_args: Any, dataset_args: Any) -> Any:
         )
     else:
         raise ValueError(
-            f"Either `datasets` or `dataset_name` must be provided ({SYNTHETIC_GSM8K!r}: offline problems)."
+            "Either `datasets` or `dataset_name` must be provided "
+            f"({VENDORED_GSM8K!r} or {SYNTHETIC_GSM8K!r} offline)."
         )
     return type(dataset)({split: _as_prompt_records(ds) for split, ds in dataset.items()})  # (Iterable)DatasetDict
 

@@ -10,6 +10,7 @@ import os
 import sys
 import types
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from trl import DatasetMixtureConfig, ScriptArguments
@@ -34,7 +35,7 @@ def test_recipe_parses_into_trl_cb_classes(name, config_cls, trainer_cls):
     assert type(training) is config_cls and training.use_transformers_continuous_batching
     assert training.max_steps == 3 and training.cb_importance_sampling_clip_max == 2.0  # command line beats recipe
     assert training.transformers_continuous_batching_config == {"max_memory_percent": 0.5}  # our __post_init__ ran
-    assert (model.model_name_or_path, script.dataset_name) == (cli.TINY_MODEL, cli.SYNTHETIC_GSM8K)
+    assert (model.model_name_or_path, script.dataset_name) == (cli.TINY_MODEL, cli.VENDORED_GSM8K)
     assert script.reward_funcs == ["gsm8k_reward"] and data.datasets == []
 
 
@@ -244,3 +245,12 @@ def test_console_script_is_declared():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     module, _, attr = scripts["trl-cb"].partition(":")
     assert (module, attr) == ("trl_cb.cli", "main") and cli.MODULE == module
+
+
+def test_shipped_gsm8k_dataset_name_is_offline_and_chat_formatted():
+    """`trl-cb/gsm8k`: the vendored GSM8K split, no hub; train and test are disjoint."""
+    script = SimpleNamespace(dataset_name=cli.VENDORED_GSM8K, dataset_config=None, dataset_streaming=False)
+    data = cli.load_datasets(script, SimpleNamespace(datasets=[]))
+    assert (len(data["train"]), len(data["test"])) == (1191, 128)
+    assert data["train"][0]["prompt"][0]["role"] == "user"
+    assert not {r["prompt"][0]["content"] for r in data["test"]} & {r["prompt"][0]["content"] for r in data["train"]}
