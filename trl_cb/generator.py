@@ -164,10 +164,13 @@ class ContinuousBatchingGenerator:
         if engine is None:
             return
         try:
-            _upstream.restore_training_attention(engine.manager)
+            # `destroy` first: it generates every outstanding request to the end (async rollouts leave some), and
+            # those forwards need the engine's attention implementation, not the training one.
             engine.manager.destroy()
         except Exception:  # pragma: no cover - best effort at teardown
             logger.exception("Error while stopping the continuous batching engine.")
+        finally:
+            _upstream.restore_training_attention(engine.manager)
 
     def __enter__(self) -> ContinuousBatchingGenerator:
         return self

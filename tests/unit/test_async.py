@@ -17,10 +17,10 @@ from trl_cb.async_rollouts import AsyncMetrics, AsyncRolloutController
 from trl_cb.data import synthetic_gsm8k
 
 
-def controller(model, tokenizer, max_new_tokens=24, **kwargs) -> AsyncRolloutController:
+def controller(model, tokenizer, max_new_tokens=24, cb=None, **kwargs) -> AsyncRolloutController:
     rows = synthetic_gsm8k(40, seed=4)
     stream = ((r, tokenizer(r["prompt"])["input_ids"]) for r in itertools.cycle(rows))
-    gen = ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=max_new_tokens))
+    gen = ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=max_new_tokens), cb)
     options = dict(num_generations=2, groups_per_step=2, prefetch_depth=1, max_staleness=1)
     options.update(kwargs)
     ctl = AsyncRolloutController(gen, model, stream, **options)
@@ -103,7 +103,9 @@ def test_behaviour_logprobs_across_a_weight_update(tokenizer):
     from trl_cb.tiny import tiny_model
 
     model = tiny_model(tokenizer)  # no EOS bias: samples run to max_new_tokens, so updates land mid-flight
-    ctl = controller(model, tokenizer, max_new_tokens=48, prefetch_depth=2)
+    # 64 tokens per forward: prompts are prefilled a few at a time, so groups finish at staggered steps and the
+    # prefetched ones are still in flight when the first two are taken (with one big prefill all finish together).
+    ctl = controller(model, tokenizer, max_new_tokens=48, cb={"max_batch_tokens": 64}, prefetch_depth=2)
     try:
         ctl.take(2)  # leaves prefetched groups in flight
         old = copy.deepcopy(model)
@@ -196,3 +198,18 @@ def test_trainer_async_learns_with_updates(tokenizer, tmp_path):
     logs = [e for e in trainer.state.log_history if "loss" in e]
     assert all(math.isfinite(e["loss"]) for e in logs)
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+def test_stop_with_requests_in_flight_finishes_them_cleanly(tokenizer):
+    """`stop` flushes in-flight requests (`destroy` generates them to the end): those forwards must still run with the
+    engine's attention, i.e. the training implementation is restored only after the engine has stopped."""
+    from trl_cb import _upstream
+    from trl_cb.tiny import tiny_model
+
+    model = tiny_model(tokenizer)
+    ctl = controller(model, tokenizer, max_new_tokens=48, cb={"max_batch_tokens": 64}, prefetch_depth=2)
+    manager = ctl._manager
+    ctl.take(2)  # leaves prefetched groups in flight
+    ctl.stop()
+    assert _upstream.engine_fatal_error(manager) is None
+    assert model.config._attn_implementation == "sdpa"
