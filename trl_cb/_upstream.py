@@ -25,6 +25,8 @@ What we rely on, and why:
   built: the engine allocates and fills its dense mask only for `sdpa`/`paged|eager` (`attn_mask_is_needed`), and
   passes the varlen inputs (`cu_seq_lens_q`/`cu_seq_lens_k`, `cache`) to every attention call. Not done when the
   engine uses accelerator graphs (`continuous_batching_config.cuda_graph_booleans`): our plan reads host-side lengths.
+  `trl_cb/attention.py` itself uses only what transformers hands every attention function on an engine forward
+  (`cache`, `cu_seq_lens_q/k`, `cache.update(...)`), pinned in the same contract tests.
 """
 
 from __future__ import annotations
