@@ -42,6 +42,8 @@ What we rely on, and why:
 - `ContinuousBatchingManager.__init__` switches the model's attention implementation *before* it can raise (e.g. a
   page_size below 4): `create_manager` restores it (and train/eval mode) from what it saw before.
 - `threading._register_atexit` (CPython): runs our engine shutdown before the interpreter joins non-daemon threads.
+  `trl_cb/attention.py` itself uses only what transformers hands every attention function on an engine forward
+  (`cache`, `cu_seq_lens_q/k`, `cache.update(...)`), pinned in the same contract tests.
 """
 
 from __future__ import annotations

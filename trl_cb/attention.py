@@ -18,8 +18,13 @@ crosses the window, per-layer sliding/full mixes), `softcap` (tanh capping befor
 Scope: registered under the public `AttentionInterface` / `AttentionMaskInterface` as `ATTENTION_NAME`, a new key —
 no existing implementation is changed. `trl_cb._upstream.switch_to_generation_attention` puts it on the model only
 while the engine is built and generating (flash, when CB picks it, is kept: it is varlen and honours softcap). A
-forward without a paged cache (a training forward that shares the config with an async engine) runs exactly as
-`sdpa` (same mask function, same attention function); sdpa's own errors (e.g. softcap) apply there.
+forward without a paged cache (a training forward that shares the config with an async engine) with a padding mask
+runs exactly as `sdpa` (same mask function, same attention function; sdpa's own errors, e.g. softcap, apply there);
+without one, no mask is built and causality, the window and packed sequences (`position_ids`) are rebuilt here.
+
+Upstream surface used (pinned in tests/unit/test_contracts.py): the engine's attention kwargs (`cache`,
+`cu_seq_lens_q`, per-layer-type `cu_seq_lens_k`) and `PagedAttentionCache.update(key_states, value_states,
+layer_idx, kwargs)`, the call every transformers paged integration makes.
 
 `TRL_CB_ATTENTION=upstream` in the environment keeps transformers' own choice (for A/B measurements).
 """
@@ -32,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
-from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

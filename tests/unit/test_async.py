@@ -381,3 +381,18 @@ def test_default_staleness_drops_nothing_when_taking_every_k_steps(tokenizer, tm
     assert dropped == 0 and staleness > 2, (dropped, staleness)
     old_dropped, _ = run(max_staleness=2)
     assert old_dropped > 0, "control: with the old bound the same schedule drops groups"
+
+
+def test_stop_with_requests_in_flight_leaves_no_engine_error(tokenizer):
+    """`stop` hard-stops with requests in flight: the batch still running must use the engine's attention, i.e. the
+    training implementation is restored only after the engine has stopped."""
+    from trl_cb import _upstream
+    from trl_cb.tiny import tiny_model
+
+    model = tiny_model(tokenizer)
+    ctl = controller(model, tokenizer, max_new_tokens=48, cb_config={"max_requests_per_batch": 4}, prefetch_depth=2)
+    manager = ctl._manager
+    ctl.take(2)  # leaves prefetched groups in flight
+    ctl.stop()
+    assert _upstream.engine_fatal_error(manager) is None
+    assert model.config._attn_implementation == "sdpa"
