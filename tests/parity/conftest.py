@@ -17,7 +17,7 @@ CHAT_TEMPLATE = (
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny Qwen2 whose completions end at varied lengths (advantages and truncation both vary)."""
-    return tiny_checkpoint(tmp_path_factory.mktemp("parity_ckpt"), eos_logit_bias=6.0)
+    return tiny_checkpoint(tmp_path_factory.mktemp("parity_ckpt"), eos_logit_bias=8.0)
 
 
 @pytest.fixture(scope="session")
