@@ -14,7 +14,8 @@ Guarantees:
 - Settings apply: the engine is rebuilt when the sampling settings or the module change, and re-sized (grown, with
   a log line) when a workload needs more cache than it has.
 - Training is unaffected: the module's train/eval mode and attention implementation are restored after each round,
-  and the engine's thread is stopped between rounds (an idle torch thread slows CPU training; `_upstream.suspend`).
+  and the engine's thread is stopped between rounds; OpenMP threads sleep rather than spin while the generator
+  lives, so CPU training stays fast on a loaded machine with or without an engine thread (`openmp.py`).
 - The caller's global RNG is never re-seeded; two rounds on the same prompts sample differently.
 """
 
@@ -34,6 +35,7 @@ from transformers.generation import ContinuousBatchingConfig
 
 from . import _upstream
 from .errors import EngineDiedError, GenerationError
+from .openmp import hold_polite_waits_while_alive
 from .sizing import CacheSize, Workload, default_page_size, size_cache
 
 if TYPE_CHECKING:
@@ -117,6 +119,7 @@ class ContinuousBatchingGenerator:
         self.gradient_checkpointing_kwargs = gradient_checkpointing_kwargs
         self.timeout = timeout
         self.generation_config = _engine_generation_config(generation_config)
+        hold_polite_waits_while_alive(self)  # OpenMP threads sleep, not spin, while we live (openmp.py)
         self._cb_kwargs = _cb_kwargs(continuous_batching_config)
         self._engine: _Engine | None = None
         self._round = 0
