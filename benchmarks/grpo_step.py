@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     CPU_PRESETS,
+    EOS_BIAS,
     RESULTS_DIR,
     background_load,
     cpu_preset,
@@ -147,7 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-completion-length", type=int, default=48)
     p.add_argument("--steps", type=int, default=6, help="timed steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--eos-logit-bias", type=float, default=4.0)
+    p.add_argument("--eos-logit-bias", type=float, default=None, help="EOS logit boost (default: per preset)")
     p.add_argument("--max-staleness", type=int, default=2, help="trl_cb_async: max_staleness")
     p.add_argument("--prefetch-depth", type=int, default=1, help="trl_cb_async: prefetch_depth")
     p.add_argument("--seed", type=int, default=0)
@@ -157,6 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.worker is not None:
         return args
+    if args.eos_logit_bias is None:
+        args.eos_logit_bias = EOS_BIAS[args.model]
     if args.quick:
         args.prompts, args.num_generations, args.max_completion_length, args.steps = 2, 2, 8, 2
     for name, allowed, given in (("--trainers", TRAINERS, args.trainers), ("--backends", BACKENDS, args.backends)):

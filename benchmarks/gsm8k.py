@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     CPU_PRESETS,
+    EOS_BIAS,
     RESULTS_DIR,
     cpu_preset,
     environment,
@@ -43,7 +44,6 @@ from common import (  # noqa: E402
 
 BACKENDS = ("generate", "trl_native", "trl_cb")
 PRESETS = (*CPU_PRESETS, "llama-1b-random")
-DEFAULT_EOS_BIAS = 4.0  # tiny model: completion lengths p50 ~30, p90 ~90, max ~256 tokens (long-tailed)
 
 
 # ------------------------------------------------------------------------------------------------------ worker
@@ -186,7 +186,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per point (after one warm-up round)")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"subset of {BACKENDS}")
-    p.add_argument("--eos-logit-bias", type=float, default=DEFAULT_EOS_BIAS, help="random presets: EOS logit boost")
+    p.add_argument(
+        "--eos-logit-bias", type=float, default=None, help="random presets: EOS logit boost (default: per preset)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for the JSON and PNG")
     p.add_argument("--quick", action="store_true", help="tiny sweep in seconds (smoke test; not for numbers)")
@@ -194,6 +196,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.worker is not None:
         return args
+    if args.eos_logit_bias is None:
+        args.eos_logit_bias = EOS_BIAS.get(args.model, 4.0)
     if args.quick:
         args.num_generations, args.prompts_per_round, args.max_new_tokens, args.repeats = [2, 4], 2, 16, 1
     unknown = sorted(set(args.backends) - set(BACKENDS))
