@@ -14,11 +14,53 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+#: Random-init CPU presets (offline): `tiny` (64 wide, 2 layers) and `small` (256 wide, 8 layers; trl_cb/tiny.py).
+CPU_PRESETS = ("tiny", "small")
+#: EOS logit bias per random preset (`--eos-logit-bias` default): long-tailed completion lengths on GSM8K-style
+#: prompts (tiny at 4.0: p50 ~30, p90 ~90 tokens). `small`'s deeper stack needs more for a similar tail.
+EOS_BIAS = {"tiny": 4.0, "small": 6.0, "llama-1b-random": 4.0}
+
+
+def cpu_preset(name: str, eos_logit_bias: float | None, dtype: Any = None) -> tuple[Any, Any]:
+    """(model, tokenizer) for a `CPU_PRESETS` name: random init, EOS-biased, local tokenizer (no download)."""
+    import torch
+
+    from trl_cb.tiny import small_model, tiny_model, tiny_tokenizer
+
+    if name not in CPU_PRESETS:
+        raise ValueError(f"unknown CPU preset {name!r}; choose from {CPU_PRESETS}")
+    tokenizer = tiny_tokenizer()
+    build = tiny_model if name == "tiny" else small_model
+    return build(tokenizer, eos_logit_bias=eos_logit_bias, dtype=dtype or torch.float32), tokenizer
+
+
+@contextmanager
+def background_load(num_processes: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Keep `num_processes` busy-looping Python processes running for the duration of the block.
+
+    Why: on a shared machine other jobs compete for the cores, and CPU thread pools that spin while waiting behave
+    very differently then (docs/benchmarks.md, "Threads and load"). This reproduces that condition on demand. Only
+    the processes started here are stopped on exit, each by its own handle.
+    """
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+        for _ in range(num_processes)
+    ]
+    try:
+        if procs:
+            time.sleep(0.2)  # let them get scheduled before measuring
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:

@@ -3,6 +3,8 @@
     pip install -e . && python benchmarks/grpo_step.py    # tiny Qwen2, CPU: 8 prompts x 4 completions x 48 tokens
     python benchmarks/grpo_step.py --trainers grpo --steps 10 --max-completion-length 128
     python benchmarks/grpo_step.py --quick                        # seconds, smoke test
+    python benchmarks/grpo_step.py --model small                  # 8 layers x 256 wide: compute-heavier
+    python benchmarks/grpo_step.py --trainers grpo --backends trl_cb --background-load 0 2   # quiet vs loaded
 
 Backends, same workload and settings in one run, each (trainer, backend) in its own subprocess (isolation, see
 benchmarks/common.py):
@@ -16,6 +18,10 @@ Besides step times it reports samples/s (completions per step / median step time
 trainer's wait for rollouts per step (sync: the generation call; async: the wait for finished groups).
 
 Prompts: the GSM8K test split shipped with trl_cb (`trl_cb.data.gsm8k_test`), chat-formatted.
+
+`--background-load 0 2` runs every (trainer, backend) once per value, with that many busy-looping processes running
+alongside (started before the run, stopped after it; benchmarks/common.py `background_load`), and reports each
+loaded median against the same backend's median at the smallest load ("x quiet").
 
 Each run trains `--warmup + --steps` steps; step times come from a `TrainerCallback` (step begin to step end, which
 includes generation, scoring and the optimizer step). Table on stdout, JSON under `--out`, JSON as the last line.
@@ -33,7 +39,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, environment, format_table, run_worker, summarize, write_json  # noqa: E402
+from common import (  # noqa: E402
+    CPU_PRESETS,
+    EOS_BIAS,
+    RESULTS_DIR,
+    background_load,
+    cpu_preset,
+    environment,
+    format_table,
+    run_worker,
+    summarize,
+    write_json,
+)
 
 BACKENDS = ("generate", "trl_native", "trl_cb", "trl_cb_async")
 TRAINERS = ("grpo", "rloo")
@@ -50,7 +67,6 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     import trl_cb
     from trl_cb.data import GSM8K_TEST_SIZE, gsm8k_test
-    from trl_cb.tiny import tiny_model, tiny_tokenizer
 
     kind, backend = spec["trainer"], spec["backend"]
     package = trl_cb if backend.startswith("trl_cb") else trl
@@ -65,8 +81,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         use_transformers_continuous_batching=backend != "generate",
         **(_async_fields(spec) if backend == "trl_cb_async" else {}),
     )  # fmt: skip
-    tokenizer = tiny_tokenizer()
-    model = tiny_model(tokenizer, eos_logit_bias=spec["eos_logit_bias"])
+    model, tokenizer = cpu_preset(spec["model"], spec["eos_logit_bias"])
     dataset = Dataset.from_list(gsm8k_test(min(spec["prompts"] * steps, GSM8K_TEST_SIZE), seed=spec["seed"]))
 
     class StepTimer(TrainerCallback):
@@ -108,6 +123,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "trainer": kind,
         "backend": backend,
+        "background_load": spec["background_load"],
         "step_times": timer.times[spec["warmup"] :],
         "mean_lengths": lengths,
         "waits": waits[spec["warmup"] :],
@@ -121,12 +137,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trainers", nargs="+", default=list(TRAINERS), help=f"subset of {TRAINERS}")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"subset of {BACKENDS}")
+    p.add_argument("--model", default="tiny", choices=CPU_PRESETS, help="random-init CPU preset (default: tiny)")
+    p.add_argument(
+        "--background-load",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="busy-looping processes running alongside each run; several values run each backend once per value",
+    )
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--num-generations", type=int, default=4)
     p.add_argument("--max-completion-length", type=int, default=48)
     p.add_argument("--steps", type=int, default=6, help="timed steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--eos-logit-bias", type=float, default=4.0)
+    p.add_argument("--eos-logit-bias", type=float, default=None, help="EOS logit boost (default: per preset)")
     p.add_argument("--max-staleness", type=int, default=2, help="trl_cb_async: max_staleness")
     p.add_argument("--prefetch-depth", type=int, default=1, help="trl_cb_async: prefetch_depth")
     p.add_argument("--seed", type=int, default=0)
@@ -136,6 +160,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.worker is not None:
         return args
+    if args.eos_logit_bias is None:
+        args.eos_logit_bias = EOS_BIAS[args.model]
     if args.quick:
         args.prompts, args.num_generations, args.max_completion_length, args.steps = 2, 2, 8, 2
     for name, allowed, given in (("--trainers", TRAINERS, args.trainers), ("--backends", BACKENDS, args.backends)):
@@ -145,6 +171,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("prompts", "num_generations", "max_completion_length", "steps"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
+    if any(n < 0 for n in args.background_load):
+        p.error(f"--background-load values must be >= 0, got {args.background_load}")
     return args
 
 
@@ -157,30 +185,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     print(
         f"trl_cb training-step benchmark: {args.prompts} prompts x {args.num_generations} completions x "
-        f"{args.max_completion_length} tokens, {args.steps} timed steps, trainers={args.trainers}",
+        f"{args.max_completion_length} tokens, {args.steps} timed steps, model={args.model}, "
+        f"trainers={args.trainers}, background load={args.background_load}",
         flush=True,
     )
     results = []
-    runs = [(t, b) for t in args.trainers for b in args.backends]
-    for kind, backend in tqdm(runs, desc="training runs", unit="run"):
+    runs = [(t, b, n) for t in args.trainers for b in args.backends for n in args.background_load]
+    for kind, backend, load in tqdm(runs, desc="training runs", unit="run"):
         spec = {
-            "trainer": kind, "backend": backend, "prompts": args.prompts, "num_generations": args.num_generations,
+            "trainer": kind, "backend": backend, "model": args.model, "background_load": load,
+            "prompts": args.prompts, "num_generations": args.num_generations,
             "max_completion_length": args.max_completion_length, "steps": args.steps, "warmup": args.warmup,
             "eos_logit_bias": args.eos_logit_bias, "seed": args.seed, "max_staleness": args.max_staleness,
             "prefetch_depth": args.prefetch_depth,
             "output_dir": f"/tmp/trl_cb_bench_{kind}_{backend}",
         }  # fmt: skip
-        results.append(run_worker(Path(__file__), spec, timeout=3600))
+        with background_load(load):
+            results.append(run_worker(Path(__file__), spec, timeout=3600))
 
     points = []
+    quiet = min(args.background_load)
     for r in results:
         median = statistics.median(r["step_times"])
-        ref = {x["backend"]: statistics.median(x["step_times"]) for x in results if x["trainer"] == r["trainer"]}
+        ref = {
+            x["backend"]: statistics.median(x["step_times"])
+            for x in results
+            if x["trainer"] == r["trainer"] and x["background_load"] == r["background_load"]
+        }
+        key = (r["trainer"], r["backend"], quiet)
+        base = next(x for x in results if (x["trainer"], x["backend"], x["background_load"]) == key)
         points.append(
             {
                 "trainer": r["trainer"],
                 "backend": r["backend"],
+                "background_load": r["background_load"],
                 "step_time_s": {"median": median, **summarize(r["step_times"])},
+                "ratio_vs_quiet": median / statistics.median(base["step_times"]),
                 "ratio_vs_trl_native": median / ref["trl_native"] if "trl_native" in ref else None,
                 "ratio_vs_generate": median / ref["generate"] if "generate" in ref else None,
                 "mean_completion_length": statistics.fmean(r["mean_lengths"]) if r["mean_lengths"] else None,
@@ -194,7 +234,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = {"benchmark": "grpo_step", "config": config, "env": environment("cpu"), "points": points}
     rows = [
         {
-            "trainer": p["trainer"], "backend": p["backend"], "median": p["step_time_s"]["median"],
+            "trainer": p["trainer"], "backend": p["backend"], "load": p["background_load"],
+            "vs_quiet": p["ratio_vs_quiet"], "median": p["step_time_s"]["median"],
             "min": p["step_time_s"]["min"], "max": p["step_time_s"]["max"], "vs_native": p["ratio_vs_trl_native"],
             "vs_generate": p["ratio_vs_generate"], "len": p["mean_completion_length"], "sps": p["samples_per_s"],
             "wait": p["trainer_wait_s"]["mean"] if p["trainer_wait_s"] else None,
@@ -207,7 +248,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             [
                 ("trainer", "trainer"),
                 ("backend", "backend"),
+                ("load", "bg load"),
                 ("median", "median s/step"),
+                ("vs_quiet", f"x load {quiet}"),
                 ("min", "min"),
                 ("max", "max"),
                 ("vs_native", "x TRL CB"),

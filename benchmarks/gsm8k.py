@@ -2,6 +2,7 @@
 
     pip install -e . && python benchmarks/gsm8k.py            # offline default: tiny Qwen2, CPU, <= 5 min on 2 cores
     python benchmarks/gsm8k.py --quick                        # seconds, for smoke tests
+    python benchmarks/gsm8k.py --model small --num-generations 32 64   # 8 layers x 256 wide, CPU: compute-heavier
     python benchmarks/gsm8k.py --model llama-1b-random --device cuda --max-new-tokens 2048 --num-generations 8 32 64
     python benchmarks/gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --data-file gsm8k/test.jsonl --device cuda
 
@@ -31,7 +32,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    CPU_PRESETS,
+    EOS_BIAS,
     RESULTS_DIR,
+    cpu_preset,
     environment,
     format_table,
     peak_rss_bytes,
@@ -42,8 +46,7 @@ from common import (  # noqa: E402
 )
 
 BACKENDS = ("generate", "trl_native", "trl_cb")
-PRESETS = ("tiny", "llama-1b-random")
-DEFAULT_EOS_BIAS = 4.0  # tiny model: completion lengths p50 ~30, p90 ~90, max ~256 tokens (long-tailed)
+PRESETS = (*CPU_PRESETS, "llama-1b-random")
 
 
 # ------------------------------------------------------------------------------------------------------ worker
@@ -53,18 +56,15 @@ def _load_model(spec: dict[str, Any]) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_cb.tiny import tiny_model, tiny_tokenizer
-
     device = spec["device"]
     dtype = getattr(torch, spec["dtype"])
     name = spec["model"]
-    if name == "tiny":
-        tokenizer = tiny_tokenizer()
-        model = tiny_model(tokenizer, eos_logit_bias=spec["eos_logit_bias"], dtype=dtype)
+    if name in CPU_PRESETS:
+        model, tokenizer = cpu_preset(name, spec["eos_logit_bias"], dtype)
     elif name == "llama-1b-random":
         from transformers import LlamaConfig
 
-        from trl_cb.tiny import bias_eos
+        from trl_cb.tiny import bias_eos, tiny_tokenizer
 
         tokenizer = tiny_tokenizer(vocab_size=4096)
         config = LlamaConfig(  # Llama-3.2-1B's shape with a small vocabulary, random init (no hub)
@@ -192,7 +192,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per point (after one warm-up round)")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"subset of {BACKENDS}")
-    p.add_argument("--eos-logit-bias", type=float, default=DEFAULT_EOS_BIAS, help="random presets: EOS logit boost")
+    p.add_argument(
+        "--eos-logit-bias", type=float, default=None, help="random presets: EOS logit boost (default: per preset)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for the JSON and PNG")
     p.add_argument("--quick", action="store_true", help="tiny sweep in seconds (smoke test; not for numbers)")
@@ -200,6 +202,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.worker is not None:
         return args
+    if args.eos_logit_bias is None:
+        args.eos_logit_bias = EOS_BIAS.get(args.model, 4.0)
     if args.quick:
         args.num_generations, args.prompts_per_round, args.max_new_tokens, args.repeats = [2, 4], 2, 16, 1
     unknown = sorted(set(args.backends) - set(BACKENDS))

@@ -170,9 +170,10 @@ def reset_prefix_cache(manager: ContinuousBatchingManager) -> None:
 def suspend(manager: ContinuousBatchingManager) -> None:
     """Stop the engine's thread (no request may be in flight) but keep its batch processor and cache for `resume`.
 
-    Why: any live thread that has run torch ops owns an OpenMP team; with more OpenMP threads than cores, libgomp
-    throttles its spin-waits and the training thread's CPU ops slow down (measured: forward+backward 23 -> 37 ms with
-    an idle torch thread alive, back to 23 ms once it exits). No engine thread lives between rounds.
+    No engine thread lives between rounds. Its existence alone no longer changes training speed: an idle torch thread
+    owns an OpenMP team, which switches libgomp from spinning to sleeping waits (forward+backward 23 -> 37 ms on an
+    idle machine, but 10x faster on a loaded one); trl_cb now holds that policy for the generator's whole life
+    (`trl_cb/openmp.py`), so stopping or keeping this thread measured the same (docs/benchmarks.md).
     """
     # Not `manager.stop()`: it also runs `gc.collect()` and caches the manager on the model, which cost ~0.28 s per
     # round here. The loop exits on FLUSH_AND_STOP once nothing is pending; the batch processor stays on the manager.

@@ -16,8 +16,9 @@ Guarantees:
   and re-sized (grown, with a log line) when a workload needs more cache than it has.
 - Training is unaffected: the module's train/eval mode and attention implementation are restored after each round,
   a bf16/fp16 round runs on copies of the weights (the module's parameters keep their dtype and exact values;
-  `precision.py`), and the engine's thread is stopped between rounds (an idle torch thread slows CPU training;
-  `_upstream.suspend`).
+  `precision.py`), and the engine's thread is stopped between rounds; OpenMP threads sleep rather than spin while
+  the generator lives, so CPU training stays fast on a loaded machine with or without an engine thread
+  (`openmp.py`).
 - The caller's global RNG is never re-seeded; two rounds on the same prompts sample differently.
 - One round at a time per module (`lifecycle.module_lock`, shared with async rollouts): a concurrent caller, from
   another thread or another generator on the same model, waits (at most `timeout`), never corrupts this round.
@@ -53,6 +54,7 @@ from .generation_settings import (
     sampling_signature,
     without_trl_cb_fields,
 )
+from .openmp import hold_polite_waits_while_alive
 from .precision import GenerationPrecision
 from .request_processors import build_request_processors
 from .sizing import CacheSize, Workload, default_page_size, size_cache
@@ -157,6 +159,7 @@ class ContinuousBatchingGenerator:
         self.gradient_checkpointing_kwargs = gradient_checkpointing_kwargs
         self.timeout = timeout
         self.generation_config = engine_generation_config(generation_config)
+        hold_polite_waits_while_alive(self)  # OpenMP threads sleep, not spin, while we live (openmp.py)
         self._cb_kwargs = _cb_kwargs(continuous_batching_config)
         _check_cb_kwargs_for_settings(self._cb_kwargs, self.generation_config)
         self._engine: _Engine | None = None

@@ -66,8 +66,13 @@ def tiny_model(
     eos_logit_bias: float | None = None,
     dtype: torch.dtype = torch.float32,
     init_std: float | None = None,
+    num_attention_heads: int | None = None,
+    intermediate_size: int | None = None,
 ) -> PreTrainedModel:
     """A random-init causal LM sized to `tokenizer`, on CPU, in train mode off (eval), `sdpa` attention.
+
+    Heads default to `hidden_size // 16` (head dim 16), the MLP to `2 * hidden_size`; key/value heads are half the
+    query heads (grouped-query attention, as in Qwen2/Llama).
 
     `eos_logit_bias`: if set, the EOS row of the output projection is replaced by a fixed direction scaled so that
     EOS gets roughly that logit offset against an average token. A random model never stops on its own (EOS has
@@ -83,11 +88,11 @@ def tiny_model(
     config_cls, model_cls = (
         (Qwen2Config, Qwen2ForCausalLM) if architecture == "qwen2" else (LlamaConfig, LlamaForCausalLM)
     )
-    heads = max(2, hidden_size // 16)
+    heads = num_attention_heads or max(2, hidden_size // 16)
     config = config_cls(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 2),
@@ -111,6 +116,31 @@ def tiny_model(
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     return model.eval()
+
+
+def small_model(
+    tokenizer: PreTrainedTokenizerFast,
+    seed: int = 0,
+    eos_logit_bias: float | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> PreTrainedModel:
+    """The compute-heavier CPU preset: Qwen2, 8 layers x 256 wide, 4 heads of 64 (2 KV heads), MLP 1024 (~8.1 M
+    parameters with the 512-token vocabulary).
+
+    Why: on the 64-wide, 2-layer `tiny_model` a forward costs less than the per-step Python and scheduling overhead
+    around it, which hides what matters on real models (matmul and attention work, thread scaling). This preset has
+    ~75x the FLOPs per token and a realistic head dimension while still running a benchmark in minutes on 2 cores.
+    """
+    return tiny_model(
+        tokenizer,
+        hidden_size=256,
+        num_layers=8,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        seed=seed,
+        eos_logit_bias=eos_logit_bias,
+        dtype=dtype,
+    )
 
 
 @torch.no_grad()

@@ -75,6 +75,39 @@ def test_grpo_step_quick(tmp_path):
     assert len(list(tmp_path.glob("grpo_step-*.json"))) == 1
 
 
+@pytest.mark.slow
+def test_grpo_step_small_model_and_background_load(tmp_path):
+    proc = run(
+        str(ROOT / "benchmarks" / "grpo_step.py"), "--quick", "--trainers", "grpo", "--backends", "trl_cb",
+        "--model", "small", "--background-load", "0", "1", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert payload["config"]["model"] == "small" and payload["config"]["eos_logit_bias"] == 6.0
+    points = {p["background_load"]: p for p in payload["points"]}
+    assert set(points) == {0, 1}
+    assert points[0]["ratio_vs_quiet"] == pytest.approx(1.0)
+    assert points[1]["ratio_vs_quiet"] == pytest.approx(
+        points[1]["step_time_s"]["median"] / points[0]["step_time_s"]["median"]
+    )
+
+
+def test_background_load_starts_and_stops_its_processes():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import background_load
+
+    with background_load(2) as procs:
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)
+    assert all(p.returncode is not None for p in procs)
+    with background_load(0) as procs:
+        assert procs == []
+
+
+def test_grpo_step_rejects_negative_load():
+    proc = run(str(ROOT / "benchmarks" / "grpo_step.py"), "--background-load", "-1", timeout=120)
+    assert proc.returncode == 2 and "--background-load" in proc.stderr
+
+
 def test_data_file_path_is_used(tmp_path):
     from trl_cb.data import GSM8KScriptArguments, load_prompts
 
