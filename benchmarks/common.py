@@ -14,7 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -160,3 +160,36 @@ def write_json(payload: dict[str, Any], out_dir: Path, stem: str) -> Path:
     path = out_dir / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path
+
+
+def record_call_times(obj: Any, name: str) -> list[float]:
+    """Replace the method `obj.<name>` by a wrapper that appends each call's wall-clock seconds to the returned list.
+
+    The benchmarks use it to time the trainer's wait for rollouts inside a step (the generation call, or the wait for
+    finished async groups) without changing what the call does or returns.
+    """
+    times: list[float] = []
+    original = getattr(obj, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            times.append(time.perf_counter() - start)
+
+    setattr(obj, name, timed)
+    return times
+
+
+def redraw_main(render: Callable[[Path, Path], Path], description: str | None) -> None:
+    """Command line of the plot scripts: a result JSON in, its PNG written next to it (or to `--out`)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("json_path", type=Path)
+    parser.add_argument("--out", type=Path, default=None, help="PNG path (default: next to the JSON)")
+    args = parser.parse_args()
+    if not args.json_path.is_file():
+        parser.error(f"no such file: {args.json_path}")
+    print(render(args.json_path, args.out or args.json_path.with_suffix(".png")))

@@ -47,6 +47,7 @@ from common import (  # noqa: E402
     cpu_preset,
     environment,
     format_table,
+    record_call_times,
     run_worker,
     summarize,
     write_json,
@@ -105,17 +106,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     )  # fmt: skip
     waits: list[float] = []
     if backend.startswith("trl_cb"):  # time the trainer's wait for rollouts
-        name = "_cb_async_take" if backend == "trl_cb_async" else "_cb_generate"
-        original = getattr(trainer, name)
-
-        def timed(*a: Any, **k: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return original(*a, **k)
-            finally:
-                waits.append(time.perf_counter() - start)
-
-        setattr(trainer, name, timed)
+        waits = record_call_times(trainer, "_cb_async_take" if backend == "trl_cb_async" else "_cb_generate")
     trainer.train()
     logs = trainer.state.log_history
     lengths = [e["completions/mean_length"] for e in logs if "completions/mean_length" in e]

@@ -46,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, environment, format_table, run_worker, write_json  # noqa: E402
+from common import RESULTS_DIR, environment, format_table, record_call_times, run_worker, write_json  # noqa: E402
 
 BACKENDS = ("generate", "trl_cb", "trl_cb_async")
 TRAINERS = ("grpo", "rloo")
@@ -152,18 +152,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     trainer.remove_callback(PrinterCallback)  # the per-step log dicts would bury the progress bar
     # The trainer's wait for rollouts each step: the generation call (sync backends) or the wait for finished groups
     # (async). The rest of a step is scoring, the IS / old-logprob forward, backward and the optimizer step.
-    waits: list[float] = []
-    name = "_cb_async_take" if backend == "trl_cb_async" else "_generate_single_turn"
-    original = getattr(trainer, name)
-
-    def timed(*a: Any, **k: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return original(*a, **k)
-        finally:
-            waits.append(time.perf_counter() - start)
-
-    setattr(trainer, name, timed)
+    waits = record_call_times(trainer, "_cb_async_take" if backend == "trl_cb_async" else "_generate_single_turn")
     trainer.train()
     logs = [e for e in trainer.state.log_history if "reward" in e and "step" in e]
     if len(logs) != len(curve.step_end):

@@ -7,7 +7,6 @@ Needs no model and no GPU: plots can be redrawn anywhere from the JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -51,13 +50,9 @@ def render(json_path: Path, png_path: Path) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("json_path", type=Path)
-    parser.add_argument("--out", type=Path, default=None, help="PNG path (default: next to the JSON)")
-    args = parser.parse_args()
-    if not args.json_path.is_file():
-        parser.error(f"no such file: {args.json_path}")
-    print(render(args.json_path, args.out or args.json_path.with_suffix(".png")))
+    from common import redraw_main
+
+    redraw_main(render, __doc__)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 WINDOW = 8
 INIT_STD = 0.2
 
-_COMMON: dict[str, Any] = dict(
+#: The tiny shape every architecture shares (4 layers so that sliding/full layer mixes exist).
+SHAPE: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=4,
@@ -171,7 +172,7 @@ REFUSED: list[tuple[Arch, str]] = [
 def tiny_config(arch: Arch, vocab_size: int, special_ids: dict[str, int] | None = None) -> PretrainedConfig:
     """The family's config with the tiny geometry, its feature overrides and the tokenizer's vocabulary."""
     defaults = AutoConfig.for_model(arch.model_type)
-    kwargs = {k: v for k, v in _COMMON.items() if k in defaults.to_dict()}
+    kwargs = {k: v for k, v in SHAPE.items() if k in defaults.to_dict()}
     kwargs.update(arch.overrides)
     kwargs.update(vocab_size=vocab_size, **(special_ids or {}))
     config = AutoConfig.for_model(arch.model_type, **kwargs)

@@ -26,6 +26,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from tests.model_zoo import SHAPE
 from tests.unit.test_generator import teacher_forced_logprobs
 from trl_cb import ContinuousBatchingGenerator, attention
 from trl_cb.data import synthetic_gsm8k
@@ -99,19 +100,13 @@ _WINDOW = 12  # prompts of 6-21 tokens + up to 24 completion tokens: completions
 
 
 def _common(vocab_size: int, tokenizer) -> dict:
+    shape = {k: v for k, v in SHAPE.items() if k != "initializer_range"}  # weights are re-drawn by the tests
     return dict(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
+        **shape,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
     )
 
 
