@@ -52,3 +52,20 @@ def test_no_build_output_is_tracked_and_all_is_ignored():
         ["git", "check-ignore", "--no-index", *probes], cwd=ROOT, capture_output=True, text=True
     ).stdout.split()
     assert ignored == probes
+
+
+def test_result_files_the_docs_cite_exist():
+    """Every `benchmarks/results/...` file README.md and docs/ cite is in the tree (`name.{json,png}` expanded), and no
+    result file sits there uncited: figures in the docs must point at the run that produced them."""
+    cited: set[str] = set()
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for stem, exts in re.findall(r"benchmarks/results/([\w.-]+?)(?:\.\{([\w,]+)\}|(?=[`)\s,;]))", doc.read_text()):
+            names = [f"{stem}.{ext}" for ext in exts.split(",")] if exts else [stem]
+            cited.update(names)
+    # a bare `learning-...json` (no directory) next to a cited directory also counts as cited
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        cited.update(re.findall(r"`((?:gsm8k|grpo_step|learning)-\d{8}-\d{6}\.(?:json|png))`", doc.read_text()))
+    present = {p.name for p in (ROOT / "benchmarks" / "results").iterdir() if p.suffix in (".json", ".png")}
+    assert cited, "the docs cite no benchmark result"
+    assert cited <= present, f"cited but missing: {sorted(cited - present)}"
+    assert present <= cited, f"result files no doc cites: {sorted(present - cited)}"
