@@ -1,7 +1,7 @@
 """Learning benchmark: does RL through trl_cb learn, and how fast against wall-clock? GRPO and RLOO, reward curves
 for plain `generate()`, trl_cb and trl_cb async, several seeds each.
 
-    pip install -e . && python benchmarks/learning.py     # offline default: tiny Qwen2, CPU, <= 10 min on 2 cores
+    pip install -e . && python benchmarks/learning.py     # offline default: tiny Qwen2, CPU, ~5 min on 2 quiet cores
     python benchmarks/learning.py --quick                 # seconds: schema smoke test (learns nothing)
     python benchmarks/learning.py --trainers grpo --seeds 0 1 2 3 4 --steps 60
     python benchmarks/plot_learning.py benchmarks/results/learning-YYYYmmdd-HHMMSS.json   # redraw the PNG
@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"steps={args.steps} batch={args.prompts_per_step}x{args.num_generations} "
         f"max_completion_length={args.max_completion_length} reward={args.reward}"
         + (f"({args.char!r})" if args.reward == "char" else "")
-        + (" — the offline CPU default takes <= 10 minutes on 2 quiet cores." if default_run else ""),
+        + (" — about 5 minutes on 2 quiet CPU cores (up to 15 when busy)." if default_run else ""),
         flush=True,
     )
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"}
