@@ -9,9 +9,10 @@ How the IS weight reaches the loss: TRL multiplies its loss by an IS ratio only 
 policy terms are `-min(c * A, clip(c) * A)` (or another form linear in A), so for a non-negative weight w,
 `w * term(A) == term(w * A)`. We therefore fold w into the advantages, which TRL documents as accepting shape (B, T)
 for exactly this kind of extension; VESPO, which consumes the ratio itself, gets it as `importance_sampling_ratio`.
-The KL term is not weighted (as in TRL). Only these overrides touch TRL internals; `tests/unit/test_contracts.py`
-pins them: `_generate_single_turn`, `_generate_and_score_completions`' output keys,
-`_get_per_token_logps_and_entropies`, `_metrics`.
+The KL term is not weighted (as in TRL). When the weights cannot change between scoring and the loss, the ratio's
+old-policy logprobs are those of TRL's own loss forward (`_compute_loss`; no extra forward). Only these overrides touch
+TRL internals; `tests/unit/test_contracts.py` pins them: `_generate_single_turn`, `_generate_and_score_completions`'
+output keys, `_get_per_token_logps_and_entropies`, `_compute_loss`'s call order, `_metrics`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from .generator import ContinuousBatchingGenerator, plain_module, validate_gener
 from .importance_sampling import importance_sampling_ratio, importance_sampling_stats
 
 logger = logging.getLogger(__name__)
+
+#: Key of the (B, T) sampling logprobs in a scored batch whose IS correction waits for the loss forward.
+_DEFERRED_IS_KEY = "cb_deferred_sampling_per_token_logps"
 
 #: Per-process async state saved in each checkpoint directory (the prompt stream's resume position).
 ASYNC_STATE_FILE = "trl_cb_async_state-rank{rank}.json"
@@ -337,7 +341,12 @@ class ContinuousBatchingTrainerMixin:
         finally:
             self._cb_async_groups = None
         if self._cb_uses_is():
-            self._cb_importance_sampling(output, per_token_loss=per_token_loss)
+            self._cb_per_token_loss = per_token_loss
+            if self._cb_can_defer_is(output):
+                # The loss forward computes these same logprobs with the same weights; the ratio is applied there.
+                output[_DEFERRED_IS_KEY] = self._cb_sampling_logps(output)
+            else:
+                self._cb_importance_sampling(output, per_token_loss=per_token_loss)
         return output
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -387,14 +396,78 @@ class ContinuousBatchingTrainerMixin:
             )
         return old
 
-    def _cb_importance_sampling(self, output: dict[str, Any], per_token_loss: bool) -> None:
-        """Weight `output`'s advantages by the IS ratio and log TRL's IS metrics (see module docstring)."""
+    def _cb_can_defer_is(self, output: dict[str, Any]) -> bool:
+        """Whether the IS ratio may use the loss forward's logprobs instead of an extra no-grad forward now.
+
+        Valid exactly when TRL itself treats the loss forward's detached logprobs as the old policy's (GRPO leaves
+        `old_per_token_logps` unset then): every micro-batch of this generation batch is trained on before the next
+        optimizer step, i.e. gradient_accumulation_steps is a multiple of steps_per_generation x num_iterations, so
+        the weights at loss time are the weights at scoring time. RLOO always runs the extra forward itself but keeps
+        only the sequence sums; the same condition makes its per-token values equal the loss forward's. Not with
+        Liger's fused loss, which never calls `_get_per_token_logps_and_entropies`.
+        """
+        args = self.args
+        if output.get("old_per_token_logps") is not None or getattr(args, "use_liger_kernel", False):
+            return False
+        generate_every = args.steps_per_generation * getattr(args, "num_iterations", 1)
+        return args.gradient_accumulation_steps % generate_every == 0
+
+    def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        """TRL's loss; a deferred IS correction (`_cb_can_defer_is`) is applied to `inputs` as soon as TRL's loss
+        forward has produced the policy's logprobs, before TRL reads the advantages (pinned by test_contracts)."""
+        sampling = inputs.pop(_DEFERRED_IS_KEY, None)
+        if sampling is None:
+            return super()._compute_loss(model, inputs)
+        name = "_get_per_token_logps_and_entropies"
+        applied = False
+        original = getattr(self, name)
+        shadowed = self.__dict__.get(name)  # an instance attribute already there (a user's patch) is put back
+
+        def restore() -> None:
+            if shadowed is None:
+                self.__dict__.pop(name, None)
+            else:
+                self.__dict__[name] = shadowed
+
+        def with_correction(*args: Any, **kwargs: Any) -> Any:
+            nonlocal applied
+            restore()  # one call only: the loss forward is TRL's first call in `_compute_loss`
+            result = original(*args, **kwargs)
+            self._cb_importance_sampling(
+                inputs, per_token_loss=self._cb_per_token_loss, old=result[0].detach(), sampling=sampling
+            )
+            applied = True
+            return result
+
+        self.__dict__[name] = with_correction
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            restore()
+        if not applied:  # never silently train without the correction
+            raise RuntimeError(
+                "trl_cb: TRL's loss did not compute the policy's logprobs through `_get_per_token_logps_and_entropies`"
+                "; the deferred importance-sampling correction could not be applied."
+            )
+        return loss
+
+    def _cb_importance_sampling(
+        self,
+        output: dict[str, Any],
+        per_token_loss: bool,
+        old: torch.Tensor | None = None,
+        sampling: torch.Tensor | None = None,
+    ) -> None:
+        """Weight `output`'s advantages by the IS ratio and log TRL's IS metrics (see module docstring).
+
+        `old` / `sampling`: the training policy's and the sampler's logprobs of the sampled tokens, (B, T); computed
+        from `output` when not given."""
         args = self.args
         mask = output["completion_mask"]
         if output.get("tool_mask") is not None:
             mask = mask * output["tool_mask"]
-        sampling = self._cb_sampling_logps(output)
-        old = self._cb_old_logps(output)
+        sampling = self._cb_sampling_logps(output) if sampling is None else sampling
+        old = self._cb_old_logps(output) if old is None else old
         mode_name = args.cb_importance_sampling_mode
         ratio = importance_sampling_ratio(
             old, sampling, mask, mode_name, args.cb_importance_sampling_clip_min, args.cb_importance_sampling_clip_max

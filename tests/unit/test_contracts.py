@@ -360,6 +360,20 @@ def test_trl_grpo_accepts_per_token_advantages_and_reads_is_ratio_for_vespo():
     assert 'advantages = inputs["advantages"]' in src and "coef_1 * advantages" in src
 
 
+def test_trl_loss_computes_policy_logprobs_before_reading_advantages():
+    """A deferred IS correction (trainers.py `_compute_loss`) rewrites `inputs["advantages"]` (and sets
+    `inputs["importance_sampling_ratio"]`) when TRL's loss forward returns the policy's logprobs: that call must come
+    first, before TRL reads either, and must be TRL's first `_get_per_token_logps_and_entropies` call there."""
+    for cls in (trl.GRPOTrainer, trl.RLOOTrainer):
+        src = inspect.getsource(cls._compute_loss)
+        call = src.find("self._get_per_token_logps_and_entropies(")
+        assert call != -1, f"{cls.__name__}._compute_loss no longer calls _get_per_token_logps_and_entropies"
+        reads = [src.find(key) for key in ('inputs["advantages"]', 'inputs.get("importance_sampling_ratio")')]
+        assert all(r == -1 or r > call for r in reads), f"{cls.__name__} reads advantages before its loss forward"
+    src = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
+    assert "gradient_accumulation_steps % generate_every != 0" in src, "TRL's condition for old logps changed"
+
+
 def test_trl_output_keys_we_read():
     grpo = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
     for key in ("sampling_per_token_logps", "old_per_token_logps", "completion_mask", "prompt_mask", "tool_mask"):

@@ -203,3 +203,56 @@ def test_engine_closed_when_training_fails(tokenizer, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
     assert trainer._cb_generator is None
+
+
+def _train_recording_forwards(kind, tokenizer, tmp_path, defer: bool, monkeypatch):
+    """Train 2 steps (truncated sampling, so IS weights vary per token) and count the policy forwards run without
+    gradients (TRL's and trl_cb's old-logprob forwards) and with them (the loss)."""
+    trainer = make_trainer(
+        kind, tokenizer, tmp_path / str(defer), init_std=0.2, top_p=0.8, cb_importance_sampling_clip_max=1e6,
+        cb_importance_sampling_mode="token_truncate" if kind == "grpo" else "sequence_truncate",
+    )  # fmt: skip
+    calls = {"no_grad": 0, "grad": 0}
+    cls_method = type(trainer)._get_per_token_logps_and_entropies
+
+    def counting(self, *args, **kwargs):
+        calls["grad" if torch.is_grad_enabled() else "no_grad"] += 1
+        return cls_method(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        if not defer:
+            patch.setattr(trainer, "_cb_can_defer_is", lambda output: False)
+        patch.setattr(type(trainer), "_get_per_token_logps_and_entropies", counting)
+        trainer.train()
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    return logs, [p.detach().clone() for p in trainer.model.parameters()], calls
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_deferred_is_uses_the_loss_forward_and_trains_identically(kind, tokenizer, tmp_path, monkeypatch):
+    """When the weights cannot change between scoring and loss (TRL's own condition for reusing the loss forward's
+    logprobs as the old policy's), the IS ratio is computed from the loss forward: one no-grad forward fewer per
+    step, same IS metrics, same loss, same weights as computing it from an extra forward."""
+    deferred_logs, deferred_params, deferred_calls = _train_recording_forwards(
+        kind, tokenizer, tmp_path, True, monkeypatch
+    )
+    eager_logs, eager_params, eager_calls = _train_recording_forwards(kind, tokenizer, tmp_path, False, monkeypatch)
+    assert deferred_calls["grad"] == eager_calls["grad"] == 2  # one loss forward per step (one micro-batch)
+    assert eager_calls["no_grad"] - deferred_calls["no_grad"] == 2, (eager_calls, deferred_calls)
+    for deferred, eager in zip(deferred_logs, eager_logs, strict=True):
+        assert eager["sampling/importance_sampling_ratio/min"] < 0.99, "IS weights must vary for this to mean much"
+        for name in ("loss", "grad_norm", *IS_METRICS):
+            assert deferred[name] == pytest.approx(eager[name], rel=1e-4, abs=1e-6), name
+    for a, b in zip(deferred_params, eager_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_is_computed_from_an_extra_forward_when_weights_move_before_the_loss(tokenizer, tmp_path):
+    """num_iterations=2: the second pass trains on the batch after an update, so the old policy's logprobs must come
+    from scoring time; the correction is not deferred."""
+    trainer = make_trainer("grpo", tokenizer, tmp_path, num_iterations=2, max_steps=1)
+    output = {"old_per_token_logps": None}
+    assert not trainer._cb_can_defer_is(output)
+    trainer = make_trainer("grpo", tokenizer, tmp_path, max_steps=1)
+    assert trainer._cb_can_defer_is(output)
+    assert not trainer._cb_can_defer_is({"old_per_token_logps": torch.zeros(1)})
