@@ -261,13 +261,18 @@ _VARLEN_FLAG = "_trl_cb_varlen_attention"
 
 
 def _choose_attention(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
-    """Decide, once per engine, whether it runs `trl_cb.attention` (see `switch_to_generation_attention`)."""
-    use = (
-        model.config._attn_implementation in attention.DENSE_MASK_IMPLEMENTATIONS
-        and attention.enabled()
-        and not any(manager.continuous_batching_config.cuda_graph_booleans)  # our plan reads host-side lengths
-    )
-    setattr(manager, _VARLEN_FLAG, use)
+    """Decide, once per engine, whether it runs `trl_cb.attention` (see `switch_to_generation_attention`).
+
+    The model was checked (`compat.check_model`) against the engine attention it would get without accelerator
+    graphs; with graphs on, a dense-mask implementation stays, so the model is checked again against that one (a
+    soft-capped or sink model is refused here rather than sampled without its soft-cap or sinks)."""
+    impl = model.config._attn_implementation
+    graphs = any(manager.continuous_batching_config.cuda_graph_booleans)
+    if graphs and attention.replaces(impl):
+        from . import compat  # compat imports this module
+
+        compat.check_model(model, cuda_graphs=True)
+    setattr(manager, _VARLEN_FLAG, attention.replaces(impl, graphs))
     switch_to_generation_attention(manager, model)
 
 
@@ -382,27 +387,32 @@ def check_processors_kept(
 
 
 class PerRequestProcessor(ContinuousBatchingLogitsProcessor):
-    """Adapts a trl_cb `HistoryProcessor` to the engine's processor interface.
+    """Adapts trl_cb `HistoryProcessor`s to the engine's processor interface, as one engine processor.
 
     Takes no per-request kwargs and no tensor argument (one zero row, as the interface requires one per processor);
-    it reads each request's history in `prepare_tensor_args`, which the engine calls right before the forward.
+    it reads each request's history once per step in `prepare_tensor_args`, which the engine calls right before the
+    forward, and applies the processors in order.
     """
 
     supported_kwargs: dict[str, type] = {}
     ignored_kwargs: tuple[str, ...] = ()
 
-    def __init__(self, processor: HistoryProcessor) -> None:
-        self.processor = processor
+    def __init__(self, processors: Sequence[HistoryProcessor]) -> None:
+        self.processors = list(processors)
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
         int32_tensor.zero_()
 
     def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
-        self.processor.prepare([_request_history(future.state) for future in requests_with_new_token])
+        histories = [_request_history(future.state) for future in requests_with_new_token]
+        for processor in self.processors:
+            processor.prepare(histories)
         return torch.zeros(len(requests_with_new_token), dtype=torch.int32)
 
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-        return self.processor(scores)
+        for processor in self.processors:
+            scores = processor(scores)
+        return scores
 
 
 def _request_history(state: Any) -> RequestHistory:
@@ -434,9 +444,10 @@ def install_request_processors(manager: ContinuousBatchingManager, processors: S
             f"decode_compile_config={cfg.decode_compile_config})."
         )
     processor_list = manager.logit_processor
-    wrapped = [PerRequestProcessor(p) for p in processors]
-    processor_list.logits_processor = LogitsProcessorList([*wrapped, *processor_list.logits_processor])
-    processor_list.tensors_required += len(wrapped)
+    processor_list.logits_processor = LogitsProcessorList(
+        [PerRequestProcessor(processors), *processor_list.logits_processor]
+    )
+    processor_list.tensors_required += 1
     processor_list.do_processing = True
 
 

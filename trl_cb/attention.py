@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -55,6 +55,15 @@ _PLAN_CACHE_SIZE = 4
 def enabled() -> bool:
     """False when `TRL_CB_ATTENTION=upstream` asks for transformers' own CB attention (A/B measurements)."""
     return os.environ.get("TRL_CB_ATTENTION", "varlen").lower() != "upstream"
+
+
+def replaces(implementation: str, cuda_graphs: bool = False) -> bool:
+    """Whether an engine built on `implementation` runs `ATTENTION_NAME` instead: the one rule shared by the engine
+    (`_upstream._choose_attention`) and the compatibility check (`compat.engine_attention_implementation`).
+
+    Only dense-mask implementations are replaced, not under `TRL_CB_ATTENTION=upstream`, and not with accelerator
+    graphs (the plan reads host-side lengths)."""
+    return implementation in DENSE_MASK_IMPLEMENTATIONS and enabled() and not cuda_graphs
 
 
 def register() -> None:
@@ -96,6 +105,23 @@ class _Plan:
     buckets: list[_Bucket]
     multi: list[tuple[int, int, int, int]]  # (q_start, q_end, k_start, k_end) of each multi-token request
     multi_masks: list[torch.Tensor | None]  # (Lq, Lk) bool, or None for a plain top-left causal square
+    device: torch.device
+    _grouped: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
+
+    def masks_for(self, n_rep: int) -> list[torch.Tensor | None]:
+        """`multi_masks` for queries packed as (rep, token) rows, `n_rep` query heads per KV head: (n_rep * Lq, Lk),
+        built once per plan (every layer of the forward shares it); None still means plain causal (n_rep == 1)."""
+        if n_rep == 1:
+            return self.multi_masks
+        masks = self._grouped.get(n_rep)
+        if masks is None:
+            masks = []
+            for (q0, q1, k0, k1), mask in zip(self.multi, self.multi_masks, strict=True):
+                if mask is None:
+                    mask = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=self.device).tril()
+                masks.append(mask.repeat(n_rep, 1))
+            self._grouped[n_rep] = masks
+        return masks
 
 
 def _split(lengths: list[int]) -> list[list[int]]:
@@ -130,6 +156,19 @@ def _bucket(rows: list[int], starts: list[int], lengths: list[int], device: torc
 
 
 def _plan(cu_q: torch.Tensor, cu_k: torch.Tensor, window: int | None, device: torch.device) -> _Plan:
+    """The plan for this layout. Layers of one forward pass the same `cu_seq_lens` tensors: the last plan is reused
+    for the same tensor objects at the same version counter (unchanged contents) without reading them to the host
+    (a device sync per layer on an accelerator); otherwise the lengths are read and looked up by value."""
+    stamp = (cu_q._version, cu_k._version, window, device)
+    last = getattr(_local, "last", None)
+    if last is not None and last[0] is cu_q and last[1] is cu_k and last[2] == stamp:
+        return last[3]
+    plan = _plan_for(cu_q, cu_k, window, device)
+    _local.last = (cu_q, cu_k, stamp, plan)  # strong references: the ids cannot be reused while memoised
+    return plan
+
+
+def _plan_for(cu_q: torch.Tensor, cu_k: torch.Tensor, window: int | None, device: torch.device) -> _Plan:
     q_bounds = cu_q.tolist()
     k_bounds = cu_k.tolist()
     key = (tuple(q_bounds), tuple(k_bounds), window, device)
@@ -169,7 +208,7 @@ def _plan(cu_q: torch.Tensor, cu_k: torch.Tensor, window: int | None, device: to
         _bucket([rows[i] for i in g], [starts[i] for i in g], [lengths[i] for i in g], device)
         for g in (_split(lengths) if rows else [])
     ]
-    plan = _Plan(buckets, multi, multi_masks)
+    plan = _Plan(buckets, multi, multi_masks, device)
     if len(cache) >= _PLAN_CACHE_SIZE:
         cache.pop(next(iter(cache)))
     cache[key] = plan
@@ -313,16 +352,12 @@ def packed_varlen_attention(
         o = _attend(q, k, v, bucket.mask, False, scaling, softcap, sinks, n_rep)  # (R, Hkv, n_rep, Dv)
         out.index_copy_(0, bucket.rows, o.reshape(rows, num_heads, value_dim))
 
-    for (q0, q1, k0, k1), mask in zip(plan.multi, plan.multi_masks, strict=True):
+    for (q0, q1, k0, k1), mask in zip(plan.multi, plan.masks_for(n_rep), strict=True):
         len_q = q1 - q0
         # (Lq, H, D) -> (1, Hkv, n_rep * Lq, D): rows ordered (rep, token), so one (Lq, Lk) mask serves every rep
         q = query[q0:q1].reshape(len_q, num_kv, n_rep, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv, -1, head_dim)
         k = key[k0:k1].transpose(0, 1)[None]  # (1, Hkv, Lk, D)
         v = value[k0:k1].transpose(0, 1)[None]
-        if mask is None and n_rep > 1:
-            mask = torch.ones(len_q, k1 - k0, dtype=torch.bool, device=query.device).tril()
-        if mask is not None and n_rep > 1:
-            mask = mask.repeat(n_rep, 1)
         o = _attend(q, k, v, mask, mask is None, scaling, softcap, sinks, n_rep)  # (1, Hkv, n_rep * Lq, Dv)
         out[q0:q1] = o.reshape(num_kv, n_rep, len_q, value_dim).permute(2, 0, 1, 3).reshape(len_q, num_heads, -1)
     return out

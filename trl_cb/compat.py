@@ -22,7 +22,6 @@ forward (up to the attention kernel). `tests/unit/test_compat_matrix.py` proves 
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import threading
 import weakref
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
-from . import _upstream
+from . import _upstream, attention
 
 logger = logging.getLogger(__name__)
 
@@ -52,17 +51,14 @@ WAY_OUT = (
     "`python -m trl_cb.check_model MODEL` checks a model before a run."
 )
 
-#: The engine attention trl_cb runs instead of transformers' dense-mask ones when `trl_cb.attention` is present
-#: (per-request varlen attention: applies `softcap` and sinks, windows from the module's `sliding_window`).
-TRL_CB_ENGINE_ATTENTION = "trl_cb_varlen"
 #: Engine attention implementations whose attention function applies the `softcap` argument. transformers'
 #: `paged|eager` ignores it and `sdpa` cannot apply it (docs/models.md); flash kernels take it.
 SOFTCAP_ATTENTION_IMPLEMENTATIONS: set[str] = {
-    "flash_attention_2", "flash_attention_3", "flash_attention_4", TRL_CB_ENGINE_ATTENTION,
+    "flash_attention_2", "flash_attention_3", "flash_attention_4", attention.ATTENTION_NAME,
 }  # fmt: skip
 #: Engine attention implementations that honour a learned attention sink (`module.sinks` / `s_aux`).
 SINK_ATTENTION_IMPLEMENTATIONS: set[str] = {
-    "paged|eager", "flash_attention_2", "flash_attention_3", TRL_CB_ENGINE_ATTENTION,
+    "paged|eager", "flash_attention_2", "flash_attention_3", attention.ATTENTION_NAME,
 }  # fmt: skip
 
 #: What a few well-known layer types are, for the error message (any other non-attention type is named as is).
@@ -160,20 +156,16 @@ def check_config(config: PretrainedConfig) -> None:
 # ------------------------------------------------------------------------------------------------ model checks
 
 
-def engine_attention_implementation(model: PreTrainedModel) -> str:
+def engine_attention_implementation(model: PreTrainedModel, cuda_graphs: bool = False) -> str:
     """The attention implementation the engine will run `model` with: transformers' switch (eager -> paged|eager),
-    then trl_cb's own engine attention in place of a dense-mask one where `trl_cb.attention` provides it."""
+    then trl_cb's own engine attention in place of a dense-mask one (`attention.replaces`, the rule the engine
+    applies in `_upstream._choose_attention`)."""
     impl = model.config._attn_implementation
     impl = "paged|eager" if impl == "eager" else impl
-    if importlib.util.find_spec(f"{__package__}.attention") is not None:
-        from . import attention  # type: ignore[attr-defined]
-
-        if impl in attention.DENSE_MASK_IMPLEMENTATIONS and attention.enabled():
-            return attention.ATTENTION_NAME
-    return impl
+    return attention.ATTENTION_NAME if attention.replaces(impl, cuda_graphs) else impl
 
 
-def check_model(model: PreTrainedModel) -> bool:
+def check_model(model: PreTrainedModel, cuda_graphs: bool = False) -> bool:
     """Raise `UnsupportedModelError` unless the engine can serve `model` exactly; return whether it was probed.
 
     The config is checked always; the attention probe runs when the parameters are materialised on this process
@@ -181,9 +173,9 @@ def check_model(model: PreTrainedModel) -> bool:
     parameters are whole (the generator does, at its first round, before submitting anything).
     """
     problems = config_problems(model.config)
-    impl = engine_attention_implementation(model)
+    impl = engine_attention_implementation(model, cuda_graphs)
     chosen = model.config._attn_implementation  # what transformers' CB accepts, before trl_cb's replacement
-    if not (chosen in ("eager", "paged|eager", "sdpa", TRL_CB_ENGINE_ATTENTION) or "flash" in chosen):
+    if not (chosen in ("eager", "paged|eager", "sdpa", attention.ATTENTION_NAME) or "flash" in chosen):
         problems.append(
             f"attention implementation {model.config._attn_implementation!r}: the engine runs only 'eager', 'sdpa' "
             "or flash attention (load the model with attn_implementation='sdpa')"
@@ -195,7 +187,7 @@ def check_model(model: PreTrainedModel) -> bool:
     if not _materialised(model):
         logger.info("Parameters are sharded or on the meta device: the attention probe runs at the first round.")
         return False
-    problems = probe_problems(model)
+    problems = probe_problems(model, cuda_graphs=cuda_graphs)
     if problems:
         raise UnsupportedModelError(_model_type(model.config), problems)
     _accepted[model] = impl
@@ -215,14 +207,14 @@ class _AttentionCall:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def probe_problems(model: PreTrainedModel, num_tokens: int = 6) -> list[str]:
+def probe_problems(model: PreTrainedModel, num_tokens: int = 6, cuda_graphs: bool = False) -> list[str]:
     """Run the attention probe on `model` and return every deviation from what the engine does (empty: none).
 
     One no-grad forward of `num_tokens` tokens with a recording attention function; mode, attention implementation
     and RNG are restored afterwards.
     """
     cfg = text_config(model.config)
-    impl = engine_attention_implementation(model)
+    impl = engine_attention_implementation(model, cuda_graphs)
     try:
         calls = _record_attention_calls(model, num_tokens)
     except Exception as err:

@@ -151,8 +151,6 @@ class ContinuousBatchingGenerator:
         self.model = model
         self.accelerator = accelerator
         self.gather_deepspeed3_params = gather_deepspeed3_params
-        self.cast_dtype = cast_dtype
-        self.cast_lm_head_to_fp32 = cast_lm_head_to_fp32
         # Copies of the weights are kept between rounds unless each would be a full copy of a sharded model.
         sharded = _is_sharded(model, accelerator)
         self._precision = GenerationPrecision(cast_dtype, cast_lm_head_to_fp32, keep_copies=not sharded)
@@ -322,15 +320,17 @@ class ContinuousBatchingGenerator:
             self._compat_checked = compat.check_model(module)
         gen_cfg = self.generation_config
         max_new_tokens = int(gen_cfg.max_new_tokens)
-        validate_prompts(prompts, module, max_new_tokens, self._cb_kwargs)
-
-        # Dedupe runs of identical prompts: TRL repeats each prompt G times; each run is prefilled once.
+        # Dedupe runs of identical prompts: TRL repeats each prompt G times; each run is prefilled once (and
+        # validated once).
         groups: list[tuple[list[int], int]] = []  # (prompt, number of samples)
-        for prompt in prompts:
+        first_index: list[int] = []  # where each run starts in `prompts` (for error messages)
+        for i, prompt in enumerate(prompts):
             if groups and groups[-1][0] == prompt:
                 groups[-1] = (prompt, groups[-1][1] + num_generations)
             else:
                 groups.append((prompt, num_generations))
+                first_index.append(i)
+        validate_prompts([p for p, _ in groups], module, max_new_tokens, self._cb_kwargs, indices=first_index)
         workload = Workload(
             num_requests=len(prompts) * num_generations,
             max_prompt_len=max(len(p) for p in prompts),
@@ -512,13 +512,19 @@ class ContinuousBatchingGenerator:
 
 
 def validate_prompts(
-    prompts: list[list[int]], module: PreTrainedModel, max_new_tokens: int, cb_kwargs: dict[str, Any]
+    prompts: list[list[int]],
+    module: PreTrainedModel,
+    max_new_tokens: int,
+    cb_kwargs: dict[str, Any],
+    indices: Sequence[int] | None = None,
 ) -> None:
-    """Raise `ValueError` for input the engine would silently mangle (see docs/index.md, "Bad input")."""
+    """Raise `ValueError` for input the engine would silently mangle (see docs/index.md, "Bad input").
+
+    `indices`: the position of each prompt in the caller's list, for the messages (default: 0, 1, ...)."""
     vocab_size = module.config.get_text_config().vocab_size
     max_positions = getattr(module.config.get_text_config(), "max_position_embeddings", None)
     user_blocks, page_size = cb_kwargs.get("num_blocks"), cb_kwargs.get("page_size")
-    for i, prompt in enumerate(prompts):
+    for i, prompt in zip(range(len(prompts)) if indices is None else indices, prompts, strict=True):
         if len(prompt) == 0:
             raise ValueError(f"Prompt {i} is empty; continuous batching needs at least one prompt token.")
         for token in prompt:

@@ -38,6 +38,14 @@ from .importance_sampling import importance_sampling_ratio, importance_sampling_
 
 logger = logging.getLogger(__name__)
 
+#: TRL's metric names for the IS correction, in the order `_cb_importance_sampling` reduces them.
+IS_METRIC_NAMES = (
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+)
 #: Key of the (B, T) sampling logprobs in a scored batch whose IS correction waits for the loss forward.
 _DEFERRED_IS_KEY = "cb_deferred_sampling_per_token_logps"
 
@@ -51,6 +59,8 @@ class ContinuousBatchingTrainerMixin:
     """Everything GRPO and RLOO share on the CB path: the persistent generator, IS correction, lifecycle."""
 
     _cb_generator: ContinuousBatchingGenerator | None = None
+    #: Whether the trainer's loss is per token (GRPO: the IS weight may be (B, T)) or per sequence (RLOO: (B,)).
+    _cb_per_token_loss: bool
     _cb_last_logprobs: list[list[float]] | None = None
     _cb_async: AsyncRolloutController | None = None
     _cb_async_groups: list[RolloutGroup] | None = None
@@ -331,7 +341,7 @@ class ContinuousBatchingTrainerMixin:
     def _cb_async_active(self) -> bool:
         return bool(getattr(self.args, "async_generation", False) and self.model.training)
 
-    def _cb_score(self, inputs: list[dict[str, Any]], per_token_loss: bool) -> dict[str, Any]:
+    def _cb_score(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's scoring of `inputs` (or, in async mode, of finished groups), then IS correction."""
         self._cb_last_logprobs = None
         if self._cb_async_active():
@@ -341,12 +351,11 @@ class ContinuousBatchingTrainerMixin:
         finally:
             self._cb_async_groups = None
         if self._cb_uses_is():
-            self._cb_per_token_loss = per_token_loss
             if self._cb_can_defer_is(output):
                 # The loss forward computes these same logprobs with the same weights; the ratio is applied there.
                 output[_DEFERRED_IS_KEY] = self._cb_sampling_logps(output)
             else:
-                self._cb_importance_sampling(output, per_token_loss=per_token_loss)
+                self._cb_importance_sampling(output, per_token_loss=self._cb_per_token_loss)
         return output
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -482,13 +491,17 @@ class ContinuousBatchingTrainerMixin:
 
         stats = importance_sampling_stats(ratio, old, sampling, mask)
         mode = "train" if self.model.training else "eval"
-        gather = self.accelerator.gather
+        # One collective and one host sync for all five (this runs per micro-batch when the correction is deferred).
+        local = torch.stack(
+            [stats.logp_diff_mean, stats.logp_diff_max, stats.ratio_min, stats.ratio_mean, stats.ratio_max]
+        ).float()
+        ranks = self.accelerator.gather(local[None]).reshape(-1, 5)  # (processes, 5)
+        reduced = torch.stack(
+            [ranks[:, 0].mean(), ranks[:, 1].max(), nanmin(ranks[:, 2]), ranks[:, 3].nanmean(), nanmax(ranks[:, 4])]
+        ).tolist()
         metrics = self._metrics[mode]
-        metrics["sampling/sampling_logp_difference/mean"].append(gather(stats.logp_diff_mean).mean().item())
-        metrics["sampling/sampling_logp_difference/max"].append(gather(stats.logp_diff_max).max().item())
-        metrics["sampling/importance_sampling_ratio/min"].append(nanmin(gather(stats.ratio_min)).item())
-        metrics["sampling/importance_sampling_ratio/mean"].append(gather(stats.ratio_mean).nanmean().item())
-        metrics["sampling/importance_sampling_ratio/max"].append(nanmax(gather(stats.ratio_max)).item())
+        for name, value in zip(IS_METRIC_NAMES, reduced, strict=True):
+            metrics[name].append(value)
 
     def _cb_uses_is(self) -> bool:
         return bool(self.args.use_transformers_continuous_batching and self.args.cb_importance_sampling_correction)
@@ -497,6 +510,8 @@ class ContinuousBatchingTrainerMixin:
 class GRPOTrainer(ContinuousBatchingTrainerMixin, trl.GRPOTrainer):
     """TRL's `GRPOTrainer`; with `args.use_transformers_continuous_batching`, rollouts come from trl_cb's engine and
     the loss is importance-sampling corrected (see `GRPOConfig`)."""
+
+    _cb_per_token_loss = True
 
     def _generate_single_turn(
         self,
@@ -513,12 +528,14 @@ class GRPOTrainer(ContinuousBatchingTrainerMixin, trl.GRPOTrainer):
         return self._cb_generate(prompt_ids)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        return self._cb_score(inputs, per_token_loss=True)
+        return self._cb_score(inputs)
 
 
 class RLOOTrainer(ContinuousBatchingTrainerMixin, trl.RLOOTrainer):
     """TRL's `RLOOTrainer`; with `args.use_transformers_continuous_batching`, rollouts come from trl_cb's engine and
     the (per-sequence) loss is importance-sampling corrected (see `RLOOConfig`)."""
+
+    _cb_per_token_loss = False
 
     def _generate_single_turn(
         self, prompt_ids: list[list[int]], images: Any, multimodal_fields: dict[str, Any]
@@ -529,4 +546,4 @@ class RLOOTrainer(ContinuousBatchingTrainerMixin, trl.RLOOTrainer):
         return completion_ids
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        return self._cb_score(inputs, per_token_loss=False)
+        return self._cb_score(inputs)
