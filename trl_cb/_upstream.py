@@ -63,8 +63,9 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 from transformers.generation.logits_process import LogitsProcessorList
 
 from . import attention
-from .errors import EngineDiedError
+from .errors import EngineDiedError, GenerationError
 from .lifecycle import deferred_interrupts
+from .policy_logprobs import PolicyLogprobRecorder
 from .request_processors import HistoryProcessor, RequestHistory
 
 __all__ = [
@@ -75,6 +76,8 @@ __all__ = [
     "create_manager",
     "engine_fatal_error",
     "install_request_processors",
+    "output_logprobs",
+    "reshapes_distribution",
     "fsdp2_unsharded",
     "inflight_generated_lengths",
     "release",
@@ -98,13 +101,16 @@ def create_manager(
     cb_config: ContinuousBatchingConfig,
     hints: WorkloadHints,
     request_processors: Sequence[HistoryProcessor] = (),
+    record_policy_logprobs: bool = False,
 ) -> ContinuousBatchingManager:
     """Build and warm up (on this thread, RNG preserved) a fresh manager; its thread is *not* started (`resume`
     starts it). Never reuses a cached one.
 
     The engine's processors are checked against `generate()`'s for `generation_config` (`check_processors_kept`),
     `request_processors` run before them at every step (`install_request_processors`) and trl_cb's attention is
-    chosen (`_choose_attention`), all before the batch processor and its cache exist. On any failure the model keeps
+    chosen (`_choose_attention`), all before the batch processor and its cache exist. With `record_policy_logprobs`,
+    every result's logprobs also carry the trainer-comparable value (`install_policy_logprob_recorder`,
+    `output_logprobs`). On any failure the model keeps
     its attention implementation and train/eval mode: the manager's constructor switches the former and calls
     `eval()` before it can raise.
     """
@@ -128,7 +134,14 @@ def create_manager(
             _choose_attention(manager, model)  # before warmup builds the batch processor (no dense mask)
             if attn_before == attention.ATTENTION_NAME:
                 manager._original_attn_impl = attn_before  # after this engine's rounds, the other engine's again
+            recorder = PolicyLogprobRecorder(generation_config.temperature) if record_policy_logprobs else None
+            if recorder is not None:
+                _require_synchronous(manager, "recording the trainer-comparable logprob of each sampled token")
+                manager.logit_processor.logits_processor.insert(0, recorder)  # sees the raw logits of every row
+                manager.logit_processor.do_processing = True
             manager.warmup()
+            if recorder is not None:
+                install_policy_logprob_recorder(manager, recorder)
     except BaseException:
         if model.config._attn_implementation != attn_before:
             model.set_attn_implementation(attn_before)
@@ -433,22 +446,83 @@ def install_request_processors(manager: ContinuousBatchingManager, processors: S
     after the previous one finished: no async batching, no CUDA graphs or compilation (which would freeze the
     processors' per-step tensors). `ValueError` if the resolved engine config has any of them.
     """
-    cfg = manager.continuous_batching_config  # resolved by the manager's constructor
-    compiled = cfg.varlen_compile_config is not None or cfg.decode_compile_config is not None
-    if any(cfg.cuda_graph_booleans) or cfg.use_async_batching or compiled:
-        raise ValueError(
-            "repetition_penalty / min_new_tokens / min_length are applied from each request's history and need the "
-            "engine's synchronous, uncompiled path: set use_cuda_graph=False and use_async_batching=False and no "
-            f"compile config (resolved: use_cuda_graph={cfg.use_cuda_graph}, "
-            f"use_async_batching={cfg.use_async_batching}, varlen_compile_config={cfg.varlen_compile_config}, "
-            f"decode_compile_config={cfg.decode_compile_config})."
-        )
+    _require_synchronous(manager, "repetition_penalty / min_new_tokens / min_length (read each request's history)")
     processor_list = manager.logit_processor
     processor_list.logits_processor = LogitsProcessorList(
         [PerRequestProcessor(processors), *processor_list.logits_processor]
     )
     processor_list.tensors_required += 1
     processor_list.do_processing = True
+
+
+def _require_synchronous(manager: ContinuousBatchingManager, what: str) -> None:
+    """`ValueError` unless the resolved engine config steps synchronously and uncompiled: `what` reads host-side
+    per-step state that async batching (step n+1 prepared before step n's tokens exist), accelerator graphs and
+    compilation (frozen per-step tensors) would break."""
+    cfg = manager.continuous_batching_config  # resolved by the manager's constructor
+    compiled = cfg.varlen_compile_config is not None or cfg.decode_compile_config is not None
+    if any(cfg.cuda_graph_booleans) or cfg.use_async_batching or compiled:
+        raise ValueError(
+            f"{what} needs the engine's synchronous, uncompiled path: set use_cuda_graph=False and "
+            f"use_async_batching=False and no compile config (resolved: use_cuda_graph={cfg.use_cuda_graph}, "
+            f"use_async_batching={cfg.use_async_batching}, varlen_compile_config={cfg.varlen_compile_config}, "
+            f"decode_compile_config={cfg.decode_compile_config})."
+        )
+
+
+def reshapes_distribution(model: PreTrainedModel, generation_config: GenerationConfig) -> bool:
+    """Whether `generate()` would apply any logits processor besides temperature for `generation_config` (the
+    engine's own copy, trl_cb's per-request fields excluded): then the sampled distribution is not the one TRL's
+    trainer models, and the trainer-comparable logprob must be recorded separately."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper
+
+    return any(not isinstance(p, TemperatureLogitsWarper) for p in model._get_logits_processor(generation_config))
+
+
+def install_policy_logprob_recorder(manager: ContinuousBatchingManager, recorder: PolicyLogprobRecorder) -> None:
+    """After warmup: run `recorder.record` right after the engine samples each step, and hand each token's recorded
+    value to the host beside the engine's own logprob. The request state then stores `(processed, policy)` pairs in
+    its `logprobs` list, so they follow the tokens through forks and re-queues; `output_logprobs` splits them.
+
+    Internals (pinned by tests/unit/test_contracts.py): `batch_processor.model_runner._sample(scores, output_ids)`
+    writes the step's tokens to `output_ids[0, :rows]`, and `batch_processor.inputs_and_outputs
+    .prepare_batch_update()` returns `(requests, tokens, logprobs)` for the same rows, in the same order."""
+    processor = manager.batch_processor
+    runner, ios = processor.model_runner, processor.inputs_and_outputs
+    sample, prepare = runner._sample, ios.prepare_batch_update
+
+    def sample_and_record(scores: torch.Tensor, output_ids: torch.Tensor) -> None:
+        sample(scores, output_ids)
+        recorder.record(output_ids)
+
+    def batch_update_with_policy_logprobs() -> tuple[Any, Any, Any]:
+        requests, tokens, logprobs = prepare()
+        if logprobs is not None and tokens:
+            policy = recorder.read(len(tokens))
+            if policy is not None:
+                logprobs = list(zip(logprobs, policy, strict=True))
+        return requests, tokens, logprobs
+
+    runner._sample = sample_and_record
+    ios.prepare_batch_update = batch_update_with_policy_logprobs
+
+
+def output_logprobs(output: Any) -> tuple[list[float], list[float]]:
+    """`(processed, policy)` logprobs of a finished request's tokens: the distribution the token was sampled from,
+    and `log_softmax(logits / T)` over the whole vocabulary (TRL's training quantity), both from the sampler's logits.
+    They are the same values when no recorder was installed (nothing but temperature shapes the distribution).
+    `GenerationError` (with the request id) if the engine returned a logprob count other than the token count."""
+    values = output.logprobs
+    if len(values) != len(output.generated_tokens):
+        raise GenerationError(
+            output.request_id, f"{len(output.generated_tokens)} tokens but {len(values)} logprobs returned"
+        )
+    if values and isinstance(values[0], tuple):
+        if not all(isinstance(v, tuple) for v in values):
+            raise GenerationError(output.request_id, "a token was sampled without its trainer-comparable logprob")
+        return [float(v[0]) for v in values], [float(v[1]) for v in values]
+    processed = [float(v) for v in values]
+    return processed, processed[:]
 
 
 # ---------------------------------------------------------------------------------------- model compatibility

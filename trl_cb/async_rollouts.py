@@ -61,12 +61,16 @@ _POLL_SECONDS = 0.05
 
 @dataclass
 class RolloutGroup:
-    """All samples of one prompt, in submission order, with per-token behaviour logprobs and policy versions."""
+    """All samples of one prompt, in submission order, with per-token behaviour logprobs and policy versions.
+
+    `logprobs` are of the processed distribution each token was sampled from, `policy_logprobs` of the same
+    sampler's `log_softmax(logits / T)` (TRL's training quantity; what IS compares): see `GenerationResult`."""
 
     row: Any  # the dataset row the prompt came from (rewards need its other fields)
     prompt_ids: list[int]
     completion_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
+    policy_logprobs: list[list[float]] = field(default_factory=list)
     versions: list[list[int]] = field(default_factory=list)
     submitted_version: int = 0
 
@@ -449,14 +453,14 @@ class AsyncRolloutController:
         for rid in pending.request_ids:
             out = pending.outputs[rid]
             del self._by_request[rid]
-            if len(out.generated_tokens) != len(out.logprobs):
-                raise GenerationError(rid, f"{len(out.generated_tokens)} tokens but {len(out.logprobs)} logprobs")
+            processed, policy = _upstream.output_logprobs(out)
             versions = [group.submitted_version] * len(out.generated_tokens)
             for count, version in pending.boundaries.get(rid, []):
                 for i in range(count, len(versions)):
                     versions[i] = version
             group.completion_ids.append(list(out.generated_tokens))
-            group.logprobs.append([float(x) for x in out.logprobs])
+            group.logprobs.append(processed)
+            group.policy_logprobs.append(policy)
             group.versions.append(versions)
         return group
 

@@ -72,18 +72,22 @@ _POLL_SECONDS = 0.2
 
 @dataclass
 class GenerationResult:
-    """Completions in the caller's order; `logprobs[i][t]` is the sampling logprob of `completion_ids[i][t]`.
+    """Completions in the caller's order, with two logprobs per token, both from the sampler's own fp32 logits.
 
-    The logprob is log-softmax of the *processed* logits the token was sampled from (repetition penalty and
-    min-length EOS suppression, temperature, then top-k/top-p/min-p/... truncation and renormalisation: every
-    setting of the generation config, in `generate()`'s order), in fp32 — the behaviour policy that importance
-    sampling corrects for.
+    - `logprobs[i][t]`: log-softmax of the *processed* logits `completion_ids[i][t]` was sampled from (repetition
+      penalty and min-length EOS suppression, temperature, then top-k/top-p/min-p/... truncation and
+      renormalisation, in `generate()`'s order): the distribution actually sampled.
+    - `policy_logprobs[i][t]`: `log_softmax(logits / temperature)` over the whole vocabulary: the quantity TRL's
+      trainer computes for the same token. Importance sampling compares the trainer with this one, so the weight
+      measures the numerical gap between sampler and trainer (and staleness), not the truncation. Equal to
+      `logprobs` when nothing but temperature shapes the distribution.
     """
 
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
     num_generations: int
     timings: dict[str, float] = field(default_factory=dict)
+    policy_logprobs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass
@@ -193,7 +197,9 @@ class ContinuousBatchingGenerator:
                 _check_cb_kwargs_for_settings(self._cb_kwargs, new_config)
                 self.generation_config = new_config
             if len(prompt_ids) == 0:
-                return GenerationResult(completion_ids=[], logprobs=[], num_generations=num_generations)
+                return GenerationResult(
+                    completion_ids=[], logprobs=[], num_generations=num_generations, policy_logprobs=[]
+                )
             prompts = [p.tolist() if hasattr(p, "tolist") else list(p) for p in prompt_ids]  # tensors / arrays too
             with self._generation_module() as module:
                 return self._generate_on(module, prompts, num_generations)
@@ -364,24 +370,24 @@ class ContinuousBatchingGenerator:
 
         completion_ids: list[list[int]] = []
         logprobs: list[list[float]] = []
+        policy_logprobs: list[list[float]] = []
         for (_, count), request_ids in zip(groups, slots, strict=True):
             for rid in request_ids:
                 out = outputs[rid]
-                if len(out.generated_tokens) != len(out.logprobs):
-                    raise GenerationError(
-                        rid, f"{len(out.generated_tokens)} tokens but {len(out.logprobs)} logprobs returned"
-                    )
+                processed, policy = _upstream.output_logprobs(out)
                 completion_ids.append(list(out.generated_tokens))
-                logprobs.append([float(x) for x in out.logprobs])
+                logprobs.append(processed)
+                policy_logprobs.append(policy)
             if not gen_cfg.do_sample:  # greedy: one request per prompt, replicated (identical by definition)
-                completion_ids.extend([completion_ids[-1][:] for _ in range(count - 1)])
-                logprobs.extend([logprobs[-1][:] for _ in range(count - 1)])
+                for rows in (completion_ids, logprobs, policy_logprobs):
+                    rows.extend([rows[-1][:] for _ in range(count - 1)])
         t_end = time.perf_counter()
         return GenerationResult(
             completion_ids=completion_ids,
             logprobs=logprobs,
             num_generations=num_generations,
             timings={"engine_setup_s": t_engine - t0, "generate_s": t_end - t_engine},
+            policy_logprobs=policy_logprobs,
         )
 
     def _submit(
@@ -469,7 +475,15 @@ class ContinuousBatchingGenerator:
         kwargs = dict(self._cb_kwargs)
         gen_cfg = self.generation_config
         request_processors = build_request_processors(request_processor_settings(gen_cfg), eos_token_ids(gen_cfg))
-        if request_processors:  # they read each request's history on the host: synchronous, uncompiled engine only
+        engine_cfg = without_trl_cb_fields(gen_cfg)
+        # Truncating or penalising settings: record the trainer-comparable logprob beside the processed one.
+        record_policy = bool(request_processors) or _upstream.reshapes_distribution(module, engine_cfg)
+        if record_policy:  # both read per-step state on the host: synchronous, uncompiled engine only
+            _check_sync_only_keys(
+                self._cb_kwargs,
+                "the sampling settings truncate or penalise the distribution, so each token's trainer-comparable "
+                "logprob is recorded from the host at every step",
+            )
             kwargs.update(use_cuda_graph=False, use_async_batching=False)
         size = self._cache_size(module, workload)
         kwargs.update(
@@ -488,7 +502,7 @@ class ContinuousBatchingGenerator:
         t0 = time.perf_counter()
         try:
             manager = _upstream.create_manager(
-                module, without_trl_cb_fields(gen_cfg), ContinuousBatchingConfig(**kwargs), hints, request_processors
+                module, engine_cfg, ContinuousBatchingConfig(**kwargs), hints, request_processors, record_policy
             )
         except MemoryError as err:
             raise MemoryError(
@@ -573,16 +587,21 @@ def _resolve_eos(generation_config: GenerationConfig, module: PreTrainedModel) -
 
 def _check_cb_kwargs_for_settings(cb_kwargs: dict[str, Any], generation_config: GenerationConfig) -> None:
     """Refuse engine settings under which trl_cb's per-request processors cannot run exactly (before any build)."""
-    if not request_processor_settings(generation_config).needs_history:
-        return
+    if request_processor_settings(generation_config).needs_history:
+        _check_sync_only_keys(
+            cb_kwargs, "repetition_penalty / min_new_tokens / min_length are applied from each request's history"
+        )
+
+
+def _check_sync_only_keys(cb_kwargs: dict[str, Any], why: str) -> None:
+    """`ValueError` naming the CB-config keys the user set that would make the engine asynchronous or compiled."""
     conflicting = {key: cb_kwargs[key] for key in _SYNC_ONLY_KEYS if cb_kwargs.get(key) not in (None, False)}
     if cb_kwargs.get("default_compile_level"):
         conflicting["default_compile_level"] = cb_kwargs["default_compile_level"]
     if conflicting:
         raise ValueError(
-            f"repetition_penalty / min_new_tokens / min_length are applied from each request's history at every "
-            f"step, which needs the engine's synchronous, uncompiled path; unset {sorted(conflicting)} in the "
-            "continuous batching config, or drop those generation settings."
+            f"{why} at every step, which needs the engine's synchronous, uncompiled path; unset "
+            f"{sorted(conflicting)} in the continuous batching config, or drop those generation settings."
         )
 
 

@@ -29,15 +29,56 @@ import torch
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
+#: TRL's metric names for the IS correction, in the order `ImportanceSamplingStats.local_values` returns them.
+IS_METRIC_NAMES = (
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+)
+
+
 @dataclass
 class ImportanceSamplingStats:
-    """Per-process statistics over completion tokens (sequences for `sequence_*` modes)."""
+    """Per-process sums, counts and extrema of the weights (over counted tokens, or sequences for `sequence_*`
+    modes) and of |log pi_old - log mu| (over counted tokens whose sampling logprob is not NaN).
 
+    Mergeable: the stats of the micro-batches of one generation batch, merged, equal the stats of the whole batch,
+    so the logged values are TRL's (which computes them once per generation batch) whatever the micro-batching."""
+
+    ratio_sum: torch.Tensor
+    ratio_count: torch.Tensor
     ratio_min: torch.Tensor
-    ratio_mean: torch.Tensor
     ratio_max: torch.Tensor
-    logp_diff_mean: torch.Tensor
-    logp_diff_max: torch.Tensor
+    diff_sum: torch.Tensor
+    diff_count: torch.Tensor
+    diff_max: torch.Tensor
+
+    def merge(self, other: ImportanceSamplingStats) -> ImportanceSamplingStats:
+        return ImportanceSamplingStats(
+            ratio_sum=self.ratio_sum + other.ratio_sum,
+            ratio_count=self.ratio_count + other.ratio_count,
+            ratio_min=torch.minimum(self.ratio_min, other.ratio_min),
+            ratio_max=torch.maximum(self.ratio_max, other.ratio_max),
+            diff_sum=self.diff_sum + other.diff_sum,
+            diff_count=self.diff_count + other.diff_count,
+            diff_max=torch.maximum(self.diff_max, other.diff_max),
+        )
+
+    def local_values(self) -> torch.Tensor:
+        """(5,) fp32 in `IS_METRIC_NAMES` order; 0 for a quantity with nothing counted (as TRL logs it)."""
+        zero = torch.zeros((), device=self.ratio_sum.device)
+        has_ratio, has_diff = self.ratio_count > 0, self.diff_count > 0
+        return torch.stack(
+            [
+                torch.where(has_diff, self.diff_sum / self.diff_count.clamp(min=1), zero),
+                torch.where(has_diff, self.diff_max, zero),
+                torch.where(has_ratio, self.ratio_min, zero),
+                torch.where(has_ratio, self.ratio_sum / self.ratio_count.clamp(min=1), zero),
+                torch.where(has_ratio, self.ratio_max, zero),
+            ]
+        ).float()
 
 
 def validate_mode(mode: str, clip_min: float | None, clip_max: float | None) -> None:
@@ -74,20 +115,23 @@ def importance_sampling_ratio(
 def importance_sampling_stats(
     ratio: torch.Tensor, old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor
 ) -> ImportanceSamplingStats:
-    """Min/mean/max of the weights and mean/max |log pi_old - log mu| over counted tokens (0 when there are none)."""
+    """Stats of one batch: weights over counted tokens (all sequences for `sequence_*` ratios of shape (B, 1)),
+    |log pi_old - log mu| over counted tokens whose difference is not NaN."""
     keep = mask.bool()
-    flat = ratio.flatten() if ratio.shape[-1] == 1 else ratio[keep]
-    delta = torch.abs(old_logps - sampling_logps)[keep]
+    flat = (ratio.flatten() if ratio.shape[-1] == 1 else ratio[keep]).float()
+    delta = torch.abs(old_logps - sampling_logps)[keep].float()
     delta = delta[~torch.isnan(delta)]
-    zero = torch.zeros((), device=ratio.device)
+    inf = torch.tensor(math.inf, device=ratio.device)
 
-    def reduce(t: torch.Tensor, fn: str) -> torch.Tensor:
-        return getattr(t, fn)() if t.numel() else zero
+    def extreme(t: torch.Tensor, fn: str, empty: torch.Tensor) -> torch.Tensor:
+        return getattr(t, fn)() if t.numel() else empty
 
     return ImportanceSamplingStats(
-        ratio_min=reduce(flat, "min"),
-        ratio_mean=reduce(flat, "mean"),
-        ratio_max=reduce(flat, "max"),
-        logp_diff_mean=reduce(delta, "mean"),
-        logp_diff_max=reduce(delta, "max"),
+        ratio_sum=flat.sum(),
+        ratio_count=torch.tensor(flat.numel(), device=ratio.device, dtype=torch.float32),
+        ratio_min=extreme(flat, "min", inf),
+        ratio_max=extreme(flat, "max", -inf),
+        diff_sum=delta.sum(),
+        diff_count=torch.tensor(delta.numel(), device=ratio.device, dtype=torch.float32),
+        diff_max=extreme(delta, "max", -inf),
     )

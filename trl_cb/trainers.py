@@ -34,20 +34,21 @@ from trl.trainer.utils import nanmax, nanmin, pad
 from . import compat, lifecycle
 from .async_rollouts import AsyncRolloutController, PromptStream, RolloutGroup, default_max_staleness
 from .generator import ContinuousBatchingGenerator, plain_module, validate_generation_settings, validate_prompts
-from .importance_sampling import importance_sampling_ratio, importance_sampling_stats
+from .importance_sampling import (
+    IS_METRIC_NAMES,
+    ImportanceSamplingStats,
+    importance_sampling_ratio,
+    importance_sampling_stats,
+)
 
 logger = logging.getLogger(__name__)
 
-#: TRL's metric names for the IS correction, in the order `_cb_importance_sampling` reduces them.
-IS_METRIC_NAMES = (
-    "sampling/sampling_logp_difference/mean",
-    "sampling/sampling_logp_difference/max",
-    "sampling/importance_sampling_ratio/min",
-    "sampling/importance_sampling_ratio/mean",
-    "sampling/importance_sampling_ratio/max",
-)
+__all__ = ["IS_METRIC_NAMES", "ContinuousBatchingTrainerMixin", "GRPOTrainer", "RLOOTrainer"]
+
 #: Key of the (B, T) sampling logprobs in a scored batch whose IS correction waits for the loss forward.
 _DEFERRED_IS_KEY = "cb_deferred_sampling_per_token_logps"
+#: Key of the 0-dim id of the generation batch a deferred micro-batch belongs to (TRL's split keeps 0-dim tensors).
+_DEFERRED_IS_BATCH = "cb_deferred_is_batch"
 
 #: Per-process async state saved in each checkpoint directory (the prompt stream's resume position).
 ASYNC_STATE_FILE = "trl_cb_async_state-rank{rank}.json"
@@ -67,6 +68,9 @@ class ContinuousBatchingTrainerMixin:
     #: Stream position the next async controller starts from (advanced when a controller stops; set on resume).
     _cb_async_start: int = 0
     _cb_async_longest: int | None = None
+    #: Deferred IS stats per generation batch id: [mode, micro-batches still to come, stats merged so far].
+    _cb_is_pending: dict[int, list[Any]]
+    _cb_is_batches: int = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """TRL's trainer `__init__`, with everything the CB path cannot serve refused before (model config,
@@ -74,6 +78,7 @@ class ContinuousBatchingTrainerMixin:
         self._cb_check_processing_class(kwargs.get("args"), kwargs.get("processing_class"))
         self._cb_check_model_config(kwargs.get("model", args[0] if args else None), kwargs.get("args"))
         super().__init__(*args, **kwargs)
+        self._cb_is_pending = {}
         self._cb_check_generation_settings()
         self._cb_check_model()
         self._cb_async_setup()
@@ -149,14 +154,15 @@ class ContinuousBatchingTrainerMixin:
         }
 
     def _cb_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
-        """Completions and sampling logprobs for TRL's prompt list (each prompt already repeated per sample)."""
+        """Completions and their sampler-side policy logprobs (`GenerationResult.policy_logprobs`: what TRL's trainer
+        computes, so the IS weight compares like with like) for TRL's prompt list (each prompt repeated per sample)."""
         if self._cb_async_groups is not None:
             return self._cb_async_completions(prompt_ids)
         generator = self._cb_get_generator()
         with profiling_context(self, "trl_cb.generate"):
             result = generator.generate(prompt_ids, num_generations=1)
-        self._cb_last_logprobs = result.logprobs
-        return result.completion_ids, result.logprobs
+        self._cb_last_logprobs = result.policy_logprobs
+        return result.completion_ids, result.policy_logprobs
 
     def _cb_close(self) -> None:
         """Stop async rollouts and the generator (hard stop: nothing in flight is generated); interrupt-safe."""
@@ -334,7 +340,7 @@ class ContinuousBatchingTrainerMixin:
         if [list(p) for p in prompt_ids] != expected:
             raise RuntimeError("Async rollouts are out of step with the prompts TRL tokenized (multi-turn?).")
         completion_ids = [c for g in groups for c in g.completion_ids]
-        logprobs = [lp for g in groups for lp in g.logprobs]
+        logprobs = [lp for g in groups for lp in g.policy_logprobs]
         self._cb_last_logprobs = logprobs
         return completion_ids, logprobs
 
@@ -351,11 +357,21 @@ class ContinuousBatchingTrainerMixin:
         finally:
             self._cb_async_groups = None
         if self._cb_uses_is():
+            mode = "train" if self.model.training else "eval"
             if self._cb_can_defer_is(output):
-                # The loss forward computes these same logprobs with the same weights; the ratio is applied there.
+                # The loss forward computes these same logprobs with the same weights; the ratio is applied there,
+                # per micro-batch, and the stats are logged once the generation batch's last micro-batch is done.
+                # TRL splits a training generation batch into `steps_per_generation` micro-batch dicts (reused,
+                # not re-split, for `num_iterations`; the key is popped at first use); eval uses it whole.
+                batch_id = self._cb_is_batches
+                self._cb_is_batches += 1
+                parts = self.args.steps_per_generation if mode == "train" else 1
+                self._cb_is_pending[batch_id] = [mode, parts, None]
                 output[_DEFERRED_IS_KEY] = self._cb_sampling_logps(output)
+                output[_DEFERRED_IS_BATCH] = torch.tensor(batch_id)
             else:
-                self._cb_importance_sampling(output, per_token_loss=self._cb_per_token_loss)
+                stats = self._cb_importance_sampling(output, per_token_loss=self._cb_per_token_loss)
+                self._cb_log_is_stats(stats, mode)
         return output
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -425,6 +441,7 @@ class ContinuousBatchingTrainerMixin:
         """TRL's loss; a deferred IS correction (`_cb_can_defer_is`) is applied to `inputs` as soon as TRL's loss
         forward has produced the policy's logprobs, before TRL reads the advantages (pinned by test_contracts)."""
         sampling = inputs.pop(_DEFERRED_IS_KEY, None)
+        batch = inputs.pop(_DEFERRED_IS_BATCH, None)
         if sampling is None:
             return super()._compute_loss(model, inputs)
         name = "_get_per_token_logps_and_entropies"
@@ -442,9 +459,10 @@ class ContinuousBatchingTrainerMixin:
             nonlocal applied
             restore()  # one call only: the loss forward is TRL's first call in `_compute_loss`
             result = original(*args, **kwargs)
-            self._cb_importance_sampling(
+            stats = self._cb_importance_sampling(
                 inputs, per_token_loss=self._cb_per_token_loss, old=result[0].detach(), sampling=sampling
             )
+            self._cb_add_deferred_is_stats(int(batch), stats)
             applied = True
             return result
 
@@ -466,8 +484,8 @@ class ContinuousBatchingTrainerMixin:
         per_token_loss: bool,
         old: torch.Tensor | None = None,
         sampling: torch.Tensor | None = None,
-    ) -> None:
-        """Weight `output`'s advantages by the IS ratio and log TRL's IS metrics (see module docstring).
+    ) -> ImportanceSamplingStats:
+        """Weight `output`'s advantages by the IS ratio (see module docstring); return the batch's IS stats.
 
         `old` / `sampling`: the training policy's and the sampler's logprobs of the sampled tokens, (B, T); computed
         from `output` when not given."""
@@ -488,14 +506,23 @@ class ContinuousBatchingTrainerMixin:
                 output["advantages"] = advantages.unsqueeze(1) * ratio  # (B, T) or (B, 1)
             else:
                 output["advantages"] = advantages * ratio.squeeze(1)  # sequence modes only: (B,)
+        return importance_sampling_stats(ratio, old, sampling, mask)
 
-        stats = importance_sampling_stats(ratio, old, sampling, mask)
-        mode = "train" if self.model.training else "eval"
-        # One collective and one host sync for all five (this runs per micro-batch when the correction is deferred).
-        local = torch.stack(
-            [stats.logp_diff_mean, stats.logp_diff_max, stats.ratio_min, stats.ratio_mean, stats.ratio_max]
-        ).float()
-        ranks = self.accelerator.gather(local[None]).reshape(-1, 5)  # (processes, 5)
+    def _cb_add_deferred_is_stats(self, batch_id: int, stats: ImportanceSamplingStats) -> None:
+        """Merge one micro-batch's stats into its generation batch's; log them once the batch's last part is in."""
+        entry = self._cb_is_pending.get(batch_id)
+        if entry is None:  # pragma: no cover - every deferred batch is registered by `_cb_score`
+            raise RuntimeError(f"trl_cb: IS stats for unknown generation batch {batch_id}.")
+        entry[1] -= 1
+        entry[2] = stats if entry[2] is None else entry[2].merge(stats)
+        if entry[1] == 0:
+            del self._cb_is_pending[batch_id]
+            self._cb_log_is_stats(entry[2], entry[0])
+
+    def _cb_log_is_stats(self, stats: ImportanceSamplingStats, mode: str) -> None:
+        """Append TRL's five IS metrics for one generation batch, reduced across processes as TRL reduces them
+        (mean of means, max of maxima, NaN-aware min/mean/max of the weights). One collective, one host sync."""
+        ranks = self.accelerator.gather(stats.local_values()[None]).reshape(-1, len(IS_METRIC_NAMES))
         reduced = torch.stack(
             [ranks[:, 0].mean(), ranks[:, 1].max(), nanmin(ranks[:, 2]), ranks[:, 3].nanmean(), nanmax(ranks[:, 4])]
         ).tolist()

@@ -141,7 +141,7 @@ def test_tool_calls_rewards_and_is_mask(tmp_path, tokenizer):
     assert torch.all(batch["sampling"][tool_mask == 0] == 0.0), "tool tokens carry placeholder sampling logprobs"
     ones = torch.ones_like(batch["old"])
     unmasked = importance_sampling_stats(ones, batch["old"], batch["sampling"], completion_mask)
-    assert unmasked.logp_diff_max > 1.0, "control: without tool_mask the tool tokens would dominate the IS weight"
+    assert unmasked.diff_max > 1.0, "control: without tool_mask the tool tokens would dominate the IS weight"
 
 
 def test_tool_failure_is_reported_the_same(tmp_path, tokenizer):

@@ -119,6 +119,34 @@ def test_internal_attributes_we_touch(model, tokenizer):
         manager.destroy()
 
 
+def test_sampling_internals_the_policy_logprob_recorder_wraps(model, tokenizer):
+    """`install_policy_logprob_recorder` wraps `model_runner._sample(scores, output_ids)` (tokens in
+    `output_ids[0, :rows]`) and `inputs_and_outputs.prepare_batch_update()` (`(requests, tokens, logprobs)`), and puts
+    a plain `(input_ids, scores)` processor first in the engine's list, which calls it on every sampled row."""
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+
+    assert params(ModelRunner._sample)[1:] == ["scores", "output_ids"]
+    assert params(ContinuousBatchingIOs.prepare_batch_update) == ["self"]
+    assert params(model._get_logits_processor)[:2] == ["generation_config", "input_ids_seq_length"]
+    manager = _upstream.create_manager(
+        model,
+        sampling_config(tokenizer, max_new_tokens=4, top_p=0.9),
+        ContinuousBatchingConfig(return_logprobs=True, num_blocks=8, max_batch_tokens=64, page_size=16),
+        WorkloadHints(max_prompt_length=40, max_generated_length=4, num_requests=1),
+        record_policy_logprobs=True,
+    )
+    try:
+        _upstream.resume(manager, model)
+        manager.add_request([5, 6, 7], request_id="r", max_new_tokens=4)
+        out = manager.get_result(timeout=30)
+        processed, policy = _upstream.output_logprobs(out)
+        assert len(processed) == len(policy) == len(out.generated_tokens) == 4
+        assert all(p >= q - 1e-6 for p, q in zip(processed, policy)), "top_p renormalises: processed >= policy"
+    finally:
+        manager.destroy()
+
+
 @pytest.mark.parametrize(("impl", "expected"), [("eager", "paged|eager"), ("sdpa", "sdpa")])
 def test_cb_keeps_dense_mask_attention_without_flash(tokenizer, impl, expected):
     """`_upstream.switch_to_generation_attention` replaces exactly these choices of `switch_to_cb_friendly_attn`

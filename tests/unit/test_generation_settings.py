@@ -260,6 +260,78 @@ def test_changed_min_p_rebuilds_engine(model, tokenizer, prompts):
         assert gen.num_engine_builds == 2, "a live engine ignores a new config: min_p must trigger a rebuild"
 
 
+# ------------------------------------------------------------------------------- trainer-comparable logprobs
+
+
+def trainer_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
+    """What TRL's trainer computes for `completion`: `log_softmax(logits / T)` over the whole vocabulary."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # (T, V)
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+RESHAPING = {
+    "top_p": dict(top_p=0.9),
+    "top_k": dict(top_k=10),
+    "min_p": dict(min_p=0.05),
+    "typical_p": dict(typical_p=0.6),
+    "epsilon_cutoff": dict(epsilon_cutoff=0.03),
+    "eta_cutoff": dict(eta_cutoff=0.05),
+    "top_h": dict(top_h=0.6),
+    "repetition_penalty": dict(repetition_penalty=1.6),
+    "min_new_tokens": dict(min_new_tokens=8),
+    "trl-additional-kwargs": dict(top_p=0.9, top_k=10, min_p=0.01, repetition_penalty=1.1),
+}
+
+
+@pytest.mark.parametrize("overrides", RESHAPING.values(), ids=RESHAPING.keys())
+def test_policy_logprobs_are_the_trainers_quantity_under_reshaping_settings(
+    sharp_model, tokenizer, prompts, overrides
+):
+    """`policy_logprobs` (what IS compares with the trainer) equal the trainer's temperature-only, whole-vocabulary
+    logprobs under every truncating or penalising setting; `logprobs` stay those of the processed distribution.
+    Control: the processed logprobs are far from the trainer's here, so an IS weight built from them (what trl_cb did)
+    would be < 1 on every token and vanish over a sequence."""
+    temperature = 0.8
+    cfg = sampling_config(tokenizer, max_new_tokens=16, temperature=temperature, **overrides)
+    G = 3
+    with ContinuousBatchingGenerator(sharp_model, cfg) as gen:
+        result = gen.generate(prompts[:3], num_generations=G)
+    worst = processed_gap = 0.0
+    for i, (completion, policy, processed) in enumerate(
+        zip(result.completion_ids, result.policy_logprobs, result.logprobs, strict=True)
+    ):
+        assert len(completion) == len(policy) == len(processed) > 0
+        ref = trainer_logprobs(sharp_model, prompts[i // G], completion, temperature)
+        worst = max(worst, (ref - torch.tensor(policy)).abs().max().item())
+        processed_gap = max(processed_gap, (ref - torch.tensor(processed)).abs().max().item())
+    assert worst <= TOL, f"max |policy logprob - trainer logprob| = {worst}"
+    assert processed_gap > 0.05, f"control: the setting moves the processed logprob by only {processed_gap}"
+    gap, obeyed = max_gap(sharp_model, prompts, result, cfg, G)
+    assert obeyed and gap <= TOL, f"processed logprobs no longer generate()'s: {gap}"
+
+
+def test_policy_logprobs_equal_processed_ones_with_temperature_only(sharp_model, tokenizer, prompts):
+    """Nothing but temperature: no recorder runs, and both logprobs are the trainer's quantity."""
+    cfg = sampling_config(tokenizer, max_new_tokens=16, temperature=0.7)
+    with ContinuousBatchingGenerator(sharp_model, cfg) as gen:
+        result = gen.generate(prompts[:2], num_generations=2)
+    assert result.policy_logprobs == result.logprobs
+    for i, (completion, policy) in enumerate(zip(result.completion_ids, result.policy_logprobs, strict=True)):
+        ref = trainer_logprobs(sharp_model, prompts[i // 2], completion, 0.7)
+        assert (ref - torch.tensor(policy)).abs().max().item() <= TOL
+
+
+def test_reshaping_settings_refuse_async_engine_keys(model, tokenizer, prompts):
+    """Recording the trainer-comparable logprob reads each step on the host: a user-set async engine is refused when
+    the engine is built, not silently turned off."""
+    cb = {"use_async_batching": True}
+    with ContinuousBatchingGenerator(model, sampling_config(tokenizer, top_p=0.9, max_new_tokens=4), cb) as gen:
+        with pytest.raises(ValueError, match="use_async_batching"):
+            gen.generate(prompts[:1])
+
+
 # ------------------------------------------------------------------------------------------------------ trainers
 
 

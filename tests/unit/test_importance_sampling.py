@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trl_cb.importance_sampling import importance_sampling_ratio, importance_sampling_stats
+from trl_cb.importance_sampling import IS_METRIC_NAMES, importance_sampling_ratio, importance_sampling_stats
 
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, 0.0]])
 SAMPLING = torch.tensor([[-1.5, -1.0, -0.5], [-1.2, -0.4, 0.0]])
@@ -50,16 +50,36 @@ def test_padding_never_counts():
     assert math.isclose(r[1, 0].item(), math.exp(-0.4), rel_tol=1e-6)
 
 
+def _values(stats) -> dict[str, float]:
+    return dict(zip(IS_METRIC_NAMES, stats.local_values().tolist(), strict=True))
+
+
 def test_stats():
     r = importance_sampling_ratio(OLD, SAMPLING, MASK, "token_truncate", None, 100.0)
-    s = importance_sampling_stats(r, OLD, SAMPLING, MASK)
+    v = _values(importance_sampling_stats(r, OLD, SAMPLING, MASK))
     kept = torch.exp(LOG_R)[MASK.bool()]
-    assert math.isclose(s.ratio_min.item(), kept.min().item(), rel_tol=1e-6)
-    assert math.isclose(s.ratio_max.item(), kept.max().item(), rel_tol=1e-6)
-    assert math.isclose(s.logp_diff_max.item(), 1.0, rel_tol=1e-6)
-    assert math.isclose(s.logp_diff_mean.item(), (0.5 + 1 + 0 + 0.2 + 0.6) / 5, rel_tol=1e-6)
-    empty = importance_sampling_stats(r, OLD, SAMPLING, torch.zeros_like(MASK))
-    assert empty.logp_diff_max.item() == 0.0
+    assert math.isclose(v["sampling/importance_sampling_ratio/min"], kept.min().item(), rel_tol=1e-6)
+    assert math.isclose(v["sampling/importance_sampling_ratio/max"], kept.max().item(), rel_tol=1e-6)
+    assert math.isclose(v["sampling/importance_sampling_ratio/mean"], kept.mean().item(), rel_tol=1e-6)
+    assert math.isclose(v["sampling/sampling_logp_difference/max"], 1.0, rel_tol=1e-6)
+    assert math.isclose(v["sampling/sampling_logp_difference/mean"], (0.5 + 1 + 0 + 0.2 + 0.6) / 5, rel_tol=1e-6)
+    empty = _values(importance_sampling_stats(r, OLD, SAMPLING, torch.zeros_like(MASK)))
+    assert all(value == 0.0 for value in empty.values()), empty
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate"])
+def test_stats_merged_over_row_splits_equal_the_whole_batch(mode):
+    """What the deferred IS correction relies on: per-micro-batch stats, merged, are the whole batch's (min of
+    minima, not the mean of minima). Control: averaging the parts' values (the old logging) differs here."""
+    r = importance_sampling_ratio(OLD, SAMPLING, MASK, mode, None, 100.0)
+    whole = importance_sampling_stats(r, OLD, SAMPLING, MASK).local_values()
+    parts = [
+        importance_sampling_stats(r[i : i + 1], OLD[i : i + 1], SAMPLING[i : i + 1], MASK[i : i + 1]) for i in (0, 1)
+    ]
+    merged = parts[0].merge(parts[1]).local_values()
+    torch.testing.assert_close(merged, whole)
+    averaged = torch.stack([p.local_values() for p in parts]).mean(0)
+    assert not torch.allclose(averaged, whole), "control: averaging per-part values is not the batch's value"
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_truncate"])

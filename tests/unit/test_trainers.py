@@ -115,16 +115,32 @@ def test_logged_logp_difference_shows_a_sampler_that_differs(tokenizer, tmp_path
     assert entry["sampling/sampling_logp_difference/max"] >= 0.1
 
 
-def test_truncated_sampling_is_ratio_at_most_one(tokenizer, tmp_path):
-    """With top_p < 1, the sampler renormalises over the kept tokens, TRL's training logprobs do not: the sampling
-    logprob is >= the training one per token, so every token-level IS weight is <= 1 (docs/index.md)."""
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_truncating_and_penalising_settings_keep_learning(kind, tokenizer, tmp_path):
+    """TRL's own `test_train_with_additional_generation_kwargs` settings (top_p=0.9, top_k=10, min_p=0.01,
+    repetition_penalty=1.1, lr=0.1) on weights far from uniform: the IS weight compares the trainer with the sampler's
+    own temperature-only logprob, so it is 1 within fp32 noise and every parameter moves. With the processed logprob
+    (what trl_cb used to compare) the weight was ~1e-2..1e-11 and the gradient vanished."""
     trainer = make_trainer(
-        "grpo", tokenizer, tmp_path, top_p=0.8, cb_importance_sampling_mode="token_truncate", max_steps=1
+        kind,
+        tokenizer,
+        tmp_path,
+        init_std=0.2,
+        learning_rate=0.1,
+        max_steps=1,
+        top_p=0.9,
+        top_k=10,
+        min_p=0.01,
+        repetition_penalty=1.1,
     )
+    before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
     entry = next(e for e in trainer.state.log_history if "loss" in e)
-    assert entry["sampling/importance_sampling_ratio/max"] <= 1.0 + 1e-5
-    assert entry["sampling/importance_sampling_ratio/min"] < 0.99, "truncation should show in the weights"
+    assert entry["sampling/sampling_logp_difference/max"] <= 1e-4
+    assert entry["sampling/importance_sampling_ratio/min"] == pytest.approx(1.0, abs=1e-3)
+    assert entry["grad_norm"] > 1e-3
+    changed = [not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())]
+    assert all(changed), f"{changed.count(False)} of {len(changed)} parameters did not move"
 
 
 def _loss(trainer, output) -> float:
@@ -205,13 +221,32 @@ def test_engine_closed_when_training_fails(tokenizer, tmp_path):
     assert trainer._cb_generator is None
 
 
-def _train_recording_forwards(kind, tokenizer, tmp_path, defer: bool, monkeypatch):
-    """Train 2 steps (truncated sampling, so IS weights vary per token) and count the policy forwards run without
+def perturb_sampler(patch: pytest.MonkeyPatch) -> None:
+    """Shift the sampler's policy logprobs by a fixed pattern (what a sampler with other numerics records): row i's
+    tokens by -0.6s, 0.4s, 1.4s, ... with s = 0.02 * (i % 8), so IS weights vary per token and their extremes per
+    row (a micro-batch's min/max differs from its generation batch's); deterministic: two runs see the same."""
+    real = ContinuousBatchingGenerator.generate
+
+    def generate(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        result.policy_logprobs = [
+            [lp + 0.02 * (i % 8) * (t % 3 - 0.6) for t, lp in enumerate(row)]
+            for i, row in enumerate(result.policy_logprobs)
+        ]
+        return result
+
+    patch.setattr(ContinuousBatchingGenerator, "generate", generate)
+
+
+def _train_recording_forwards(kind, tokenizer, tmp_path, defer: bool, monkeypatch, **overrides):
+    """Train 2 steps (a perturbed sampler, so IS weights vary per token) and count the policy forwards run without
     gradients (TRL's and trl_cb's old-logprob forwards) and with them (the loss)."""
-    trainer = make_trainer(
-        kind, tokenizer, tmp_path / str(defer), init_std=0.2, top_p=0.8, cb_importance_sampling_clip_max=1e6,
+    args = dict(
+        init_std=0.2, cb_importance_sampling_clip_max=1e6,
         cb_importance_sampling_mode="token_truncate" if kind == "grpo" else "sequence_truncate",
     )  # fmt: skip
+    args.update(overrides)
+    trainer = make_trainer(kind, tokenizer, tmp_path / str(defer), **args)
     calls = {"no_grad": 0, "grad": 0}
     cls_method = type(trainer)._get_per_token_logps_and_entropies
 
@@ -220,6 +255,7 @@ def _train_recording_forwards(kind, tokenizer, tmp_path, defer: bool, monkeypatc
         return cls_method(self, *args, **kwargs)
 
     with monkeypatch.context() as patch:
+        perturb_sampler(patch)
         if not defer:
             patch.setattr(trainer, "_cb_can_defer_is", lambda output: False)
         patch.setattr(type(trainer), "_get_per_token_logps_and_entropies", counting)
@@ -245,6 +281,45 @@ def test_deferred_is_uses_the_loss_forward_and_trains_identically(kind, tokenize
             assert deferred[name] == pytest.approx(eager[name], rel=1e-4, abs=1e-6), name
     for a, b in zip(deferred_params, eager_params, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kind", "schedule"),
+    [
+        ("grpo", dict(gradient_accumulation_steps=2, per_device_train_batch_size=4)),
+        ("rloo", dict(gradient_accumulation_steps=2, per_device_train_batch_size=4)),
+        ("grpo", dict(gradient_accumulation_steps=2, num_iterations=2, steps_per_generation=1)),
+    ],
+    ids=["grpo-gas2", "rloo-gas2", "grpo-gas2-iter2"],
+)
+def test_deferred_is_metrics_reduced_per_generation_batch(kind, schedule, tokenizer, tmp_path, monkeypatch):
+    """With several micro-batches per generation batch (GAS=2, or num_iterations=2), the deferred correction logs
+    TRL's values: stats over the whole generation batch, logged once (not per micro-batch and averaged). Reference:
+    the correction computed at scoring time on the whole batch (TRL's own reduction). Control: logging per micro-batch
+    (the old behaviour) gives other min/max values with GAS=2, so the test would see it; with num_iterations=2 and
+    steps_per_generation=1 the generation batch is one micro-batch (used twice, corrected once)."""
+    deferred_logs, _, calls = _train_recording_forwards(kind, tokenizer, tmp_path, True, monkeypatch, **schedule)
+    assert calls["grad"] == 4, calls  # 2 steps x 2 micro-batches, all deferred
+    eager_logs, _, _ = _train_recording_forwards(kind, tokenizer, tmp_path / "eager", False, monkeypatch, **schedule)
+    for deferred, eager in zip(deferred_logs, eager_logs, strict=True):
+        for name in IS_METRICS:
+            assert deferred[name] == pytest.approx(eager[name], rel=1e-4, abs=1e-6), name
+    if schedule.get("steps_per_generation") == 1:
+        return
+
+    from trl_cb.trainers import ContinuousBatchingTrainerMixin
+
+    def log_each_micro_batch(self, batch_id, stats):
+        self._cb_log_is_stats(stats, "train")
+
+    monkeypatch.setattr(ContinuousBatchingTrainerMixin, "_cb_add_deferred_is_stats", log_each_micro_batch)
+    per_part_logs, _, _ = _train_recording_forwards(kind, tokenizer, tmp_path / "parts", True, monkeypatch, **schedule)
+    moved = [
+        name
+        for name in ("sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/max")
+        if any(p[name] != pytest.approx(e[name], rel=1e-4, abs=1e-6) for p, e in zip(per_part_logs, eager_logs))
+    ]
+    assert moved, "control: per-micro-batch logging should move min/max away from the batch's values"
 
 
 def test_is_computed_from_an_extra_forward_when_weights_move_before_the_loss(tokenizer, tmp_path):
