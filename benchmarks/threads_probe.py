@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for load in args.background_load:
             with background_load(load):
                 for condition in args.conditions:
-                    env = {**os.environ, "TRL_CB_OPENMP_GUARD": "1", **CONDITIONS[condition]}
+                    env = {**os.environ, **CONDITIONS[condition]}
                     cmd = [sys.executable, __file__, "--worker", condition, args.model, str(args.iters)]
                     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, check=True)
                     ms = json.loads(out.stdout.strip().splitlines()[-1])["median_ms"]

@@ -140,17 +140,19 @@ class ContinuousBatchingTrainerMixin:
                 gather_deepspeed3_params=args.ds3_gather_for_generation,
                 gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
                 timeout=args.cb_generation_timeout,
-                **self._cb_precision_kwargs(),
+                **self._cb_generator_kwargs(),
             )
         return self._cb_generator
 
-    def _cb_precision_kwargs(self) -> dict[str, Any]:
-        """Generation dtype as TRL's CB path picks it (`bf16`/`fp16`, fp32 LM head); applied to copies of the weights,
-        never to the training module (`trl_cb/precision.py`)."""
+    def _cb_generator_kwargs(self) -> dict[str, Any]:
+        """Generator options from the config: the generation dtype as TRL's CB path picks it (`bf16`/`fp16`, fp32 LM
+        head; applied to copies of the weights, never to the training module, `trl_cb/precision.py`) and the OpenMP
+        guard (`trl_cb/openmp.py`)."""
         args = self.args
         return {
             "cast_dtype": torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
             "cast_lm_head_to_fp32": bool(getattr(args, "cast_lm_head_to_fp32", False)),
+            "openmp_guard": args.cb_openmp_guard,
         }
 
     def _cb_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
@@ -288,7 +290,7 @@ class ContinuousBatchingTrainerMixin:
                 self.generation_config,
                 continuous_batching_config=args.transformers_continuous_batching_config,
                 timeout=args.cb_generation_timeout,
-                **self._cb_precision_kwargs(),
+                **self._cb_generator_kwargs(),
             )
             rows_per_step = args.generation_batch_size // self.accelerator.num_processes
             module = plain_module(self.model_wrapped)

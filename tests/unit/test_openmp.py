@@ -12,6 +12,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -63,7 +65,6 @@ print(json.dumps({"before": before, "during": during, "after": after}))
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs >= 2 torch threads (OpenMP teams)")
 def test_generator_makes_parked_openmp_workers_sleep():
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("TRL_CB_OPENMP_GUARD", None)
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT
     )
@@ -91,19 +92,67 @@ def test_hold_is_reference_counted_and_release_idempotent():
     assert openmp.polite_waits_held() == (start > 0)
 
 
+def _wait_for_holders(count: int, timeout: float = 10.0) -> None:
+    """Releases queued by finalizers are applied by the guard thread: wait for them."""
+    deadline = time.monotonic() + timeout
+    while openmp._holders != count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert openmp._holders == count, (openmp._holders, count)
+
+
 def test_guard_lives_with_the_generator(model, tokenizer):
     start = openmp._holders
-    generator = ContinuousBatchingGenerator(model, sampling_config(tokenizer))
+    generator = ContinuousBatchingGenerator(model, sampling_config(tokenizer), openmp_guard=True)
     assert openmp.polite_waits_held() and openmp._holders == start + 1
     del generator
     gc.collect()
-    assert openmp._holders == start
+    _wait_for_holders(start)
 
 
-def test_opt_out(monkeypatch):
-    monkeypatch.setenv("TRL_CB_OPENMP_GUARD", "0")
+def test_on_by_default_only_where_it_helps(model, tokenizer):
+    """Unset: on for a CPU engine with a multi-threaded OpenMP torch; never for another device; `False` opts out."""
+    assert not openmp.guard_helps(torch.device("cuda", 0))
+    expected = torch.get_num_threads() > 1 and "OpenMP" in torch.__config__.parallel_info()
+    assert openmp.guard_helps(torch.device("cpu")) == expected
     start = openmp._holders
-    release = openmp.hold_polite_waits()
-    assert openmp._holders == start
-    release()
-    assert openmp._holders == start
+    with ContinuousBatchingGenerator(model, sampling_config(tokenizer), openmp_guard=False):
+        assert openmp._holders == start
+    with ContinuousBatchingGenerator(model, sampling_config(tokenizer)) as generator:
+        assert openmp._holders == start + int(expected)
+        del generator
+    gc.collect()
+    _wait_for_holders(start)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_trainer_config_field_reaches_the_generator(kind, tokenizer, tmp_path):
+    from tests.unit.test_trainers import make_trainer
+
+    off = make_trainer(kind, tokenizer, tmp_path, cb_openmp_guard=False)
+    assert off._cb_generator_kwargs()["openmp_guard"] is False
+    assert make_trainer(kind, tokenizer, tmp_path)._cb_generator_kwargs()["openmp_guard"] is None
+
+
+def test_release_from_a_finalizer_while_the_lock_is_held_does_not_deadlock():
+    """A garbage-collection finalizer can run on a thread that holds the guard's lock (inside `hold_polite_waits`).
+    The release it triggers must not wait for that lock. Run in a thread so a deadlock fails instead of hanging."""
+
+    class Owner:
+        pass
+
+    start = openmp._holders
+    owner = Owner()
+    openmp.hold_polite_waits_while_alive(owner)
+    assert openmp._holders == start + 1
+
+    def finalize_under_lock() -> None:
+        nonlocal owner
+        with openmp._lock:
+            owner = None  # the finalizer runs here, on this thread, while it holds the lock
+            gc.collect()
+
+    worker = threading.Thread(target=finalize_under_lock, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "the finalizer's release deadlocked on the guard's lock"
+    _wait_for_holders(start)

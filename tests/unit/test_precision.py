@@ -7,6 +7,7 @@ the engine's forwards saw), so a fix that simply stopped casting would fail here
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -234,3 +235,53 @@ def test_cast_lm_head_to_fp32_with_tied_embeddings(model_dtype, bf16, tokenizer,
     assert trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight, "tie restored"
     entry = next(e for e in trainer.state.log_history if "loss" in e)
     assert entry["sampling/sampling_logp_difference/max"] < 0.05
+
+
+def _autocast_gap(model, tokenizer, prompt_len: int) -> tuple[float, float]:
+    """(max, mean) |policy logprob of a bf16 round - the fp32 model's logprob under `torch.autocast(bfloat16)`|, the
+    regime TRL trains in with `bf16=True`, over 4 completions of 16 tokens after random prompts of `prompt_len`."""
+    gen = torch.Generator().manual_seed(prompt_len)
+    prompts = [torch.randint(10, len(tokenizer), (prompt_len,), generator=gen).tolist() for _ in range(2)]
+    with ContinuousBatchingGenerator(
+        model, sampling_config(tokenizer, max_new_tokens=16), cast_dtype=torch.bfloat16
+    ) as generator:
+        result = generator.generate(prompts, num_generations=2)
+    gaps = []
+    for i, (completion, policy) in enumerate(zip(result.completion_ids, result.policy_logprobs, strict=True)):
+        ids = torch.tensor([prompts[i // 2] + completion])
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids).logits[0, prompt_len - 1 : -1].float()  # (T, V)
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        gaps.append((ref - torch.tensor(policy)).abs())
+    gaps = torch.cat(gaps)
+    return gaps.max().item(), gaps.mean().item()
+
+
+def test_bf16_round_keeps_rope_in_fp32_at_long_prompts(tokenizer, monkeypatch):
+    """bf16 rounds sample with the rotary frequencies in the dtype the trainer keeps them in (fp32), so logprobs stay
+    within bf16 noise of the autocast trainer at 16 and at 1500 prompt tokens alike (std-0.2 weights; measured
+    max/mean 0.15/0.030 and 0.16/0.033). Control: rounding the generation's buffers to bf16 as well (what casting
+    every buffer did) moves the 1500-token logprobs by far more."""
+    model = tiny_model(tokenizer, init_std=0.2)
+    short_max, short_mean = _autocast_gap(model, tokenizer, 16)
+    long_max, long_mean = _autocast_gap(model, tokenizer, 1500)
+    assert long_max <= 0.3 and long_mean <= 0.05, (long_max, long_mean)
+    assert short_max <= 0.3 and short_mean <= 0.05, (short_max, short_mean)
+
+    real_applied = GenerationPrecision.applied
+
+    @contextlib.contextmanager
+    def applied_rounding_buffers(self, module):
+        saved = [(b, b.data) for b in module.buffers() if b.is_floating_point()]
+        for buffer, data in saved:
+            buffer.data = data.to(self.dtype)
+        try:
+            with real_applied(self, module):
+                yield
+        finally:
+            for buffer, data in saved:
+                buffer.data = data
+
+    monkeypatch.setattr(GenerationPrecision, "applied", applied_rounding_buffers)
+    rounded_max, rounded_mean = _autocast_gap(model, tokenizer, 1500)
+    assert rounded_max >= 0.8 and rounded_mean >= 3 * long_mean, (rounded_max, rounded_mean, long_mean)
