@@ -384,19 +384,42 @@ def inflight_generated_lengths(manager: ContinuousBatchingManager) -> dict[str, 
 def check_processors_kept(
     manager: ContinuousBatchingManager, model: PreTrainedModel, generation_config: GenerationConfig
 ) -> None:
-    """`ValueError` if the engine dropped any processor `generate()` builds from `generation_config`.
+    """`ValueError` unless the engine applies, in order, exactly the processors `generate()` builds from
+    `generation_config`, each with the same settings.
 
-    The engine keeps a processor as-is or swaps it 1:1 for its per-request version, and drops the ones it marks
-    unsupported; so equal counts mean nothing was dropped.
+    The engine keeps a processor as-is or swaps it 1:1 for its per-request version (`CLASSIC_TO_CB_PROCESSORS_MAP`,
+    which copies the settings into attributes of the same names), and drops the ones it marks unsupported. So the
+    check pairs them up by position: same class or its per-request class, and every setting the two share equal.
     """
-    expected = [type(p).__name__ for p in model._get_logits_processor(generation_config)]
-    kept = manager.logit_processor.logits_processor
-    if len(kept) != len(expected):
+    from transformers.generation.continuous_batching.cb_logits_processors import CLASSIC_TO_CB_PROCESSORS_MAP
+
+    expected = list(model._get_logits_processor(generation_config))
+    kept = list(manager.logit_processor.logits_processor)
+    problems = [] if len(kept) == len(expected) else [f"kept {len(kept)} of {len(expected)}"]
+    for want, got in zip(expected, kept):
+        if type(got) not in (type(want), CLASSIC_TO_CB_PROCESSORS_MAP.get(type(want))):
+            problems.append(f"{type(want).__name__} became {type(got).__name__}")
+            continue
+        shared = set(vars(want)) & set(vars(got))
+        changed = sorted(name for name in shared if not _same_setting(vars(want)[name], vars(got)[name]))
+        if changed:
+            problems.append(f"{type(want).__name__} changed {changed}")
+    if problems:
         raise ValueError(
-            f"The continuous batching engine kept {len(kept)} of the logits processors generate() would apply "
-            f"({expected}); sampling would not follow the generation config. trl_cb's field table "
-            "(trl_cb/generation_settings.py) needs updating for this transformers version."
+            f"The continuous batching engine does not apply the logits processors generate() would "
+            f"({[type(p).__name__ for p in expected]}): {'; '.join(problems)}. Sampling would not follow the "
+            "generation config; trl_cb's field table (trl_cb/generation_settings.py) needs updating for this "
+            "transformers version."
         )
+
+
+def _same_setting(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # objects without a plain equality: compare identity
+        return a is b
 
 
 class PerRequestProcessor(ContinuousBatchingLogitsProcessor):

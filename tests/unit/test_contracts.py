@@ -301,7 +301,7 @@ def test_engine_drops_repetition_penalty_and_we_notice(model, tokenizer):
     sequences). `create_manager` must refuse a config whose processors the engine does not all keep."""
     cfg = ContinuousBatchingConfig(return_logprobs=True, num_blocks=8, max_batch_tokens=64, page_size=16)
     hints = WorkloadHints(max_prompt_length=8, max_generated_length=4, num_requests=1)
-    with pytest.raises(ValueError, match="kept 0 of the logits processors"):
+    with pytest.raises(ValueError, match="kept 0 of 1"):
         _upstream.create_manager(
             model, sampling_config(tokenizer, max_new_tokens=4, repetition_penalty=1.3), cfg, hints
         )
@@ -310,6 +310,26 @@ def test_engine_drops_repetition_penalty_and_we_notice(model, tokenizer):
     try:
         kept = [type(p).__name__ for p in manager.logit_processor.logits_processor]
         assert kept == ["MinPLogitsWarper"], kept
+    finally:
+        manager.destroy()
+
+
+def test_processor_check_compares_types_and_settings_not_counts(model, tokenizer):
+    """`check_processors_kept` pairs the engine's processors with generate()'s by type (or per-request type) and
+    compares their settings: a processor swapped for another, or kept with another parameter, is refused even when
+    the count is the same."""
+    cfg = ContinuousBatchingConfig(return_logprobs=True, num_blocks=8, max_batch_tokens=64, page_size=16)
+    hints = WorkloadHints(max_prompt_length=8, max_generated_length=4, num_requests=1)
+    built = sampling_config(tokenizer, max_new_tokens=4, temperature=0.7, top_p=0.9)
+    manager = _upstream.create_manager(model, built, cfg, hints)
+    try:
+        _upstream.check_processors_kept(manager, model, built)  # what it was built from passes
+        with pytest.raises(ValueError, match=r"changed \['top_p'\]"):
+            _upstream.check_processors_kept(manager, model, sampling_config(tokenizer, temperature=0.7, top_p=0.8))
+        with pytest.raises(ValueError, match="became"):
+            _upstream.check_processors_kept(manager, model, sampling_config(tokenizer, temperature=0.7, top_k=5))
+        with pytest.raises(ValueError, match=r"changed \['temperature'\]"):
+            _upstream.check_processors_kept(manager, model, sampling_config(tokenizer, temperature=0.9, top_p=0.9))
     finally:
         manager.destroy()
 
