@@ -176,13 +176,23 @@ def test_async_rejects_eager_attention(model, tokenizer):
         controller(model, tokenizer)
 
 
-@pytest.mark.parametrize("kind", ["grpo", "rloo"])
-def test_trainer_async_is_exact_without_updates_and_logs_every_metric(kind, tokenizer, tmp_path):
+@pytest.mark.parametrize(
+    ("kind", "settings"),
+    [
+        ("grpo", {}),
+        ("rloo", {}),
+        ("grpo", dict(init_std=0.2, top_p=0.9, top_k=10, min_p=0.01, repetition_penalty=1.1)),
+    ],
+    ids=["grpo", "rloo", "grpo-truncated"],
+)
+def test_trainer_async_is_exact_without_updates_and_logs_every_metric(kind, settings, tokenizer, tmp_path):
     """lr=0: weights never change, so behaviour logprobs must equal TRL's training logprobs even though samples
-    were generated across step boundaries (the engine never runs a forward alongside the trainer's)."""
+    were generated across step boundaries (the engine never runs a forward alongside the trainer's) — also under
+    truncating and penalising settings, where the IS compares the sampler's temperature-only logprob."""
     trainer = make_trainer(
-        kind, tokenizer, tmp_path, async_generation=True, max_steps=3, learning_rate=0.0, max_completion_length=16
-    )
+        kind, tokenizer, tmp_path, async_generation=True, max_steps=3, learning_rate=0.0, max_completion_length=16,
+        **settings,
+    )  # fmt: skip
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     assert len(logs) == 3
