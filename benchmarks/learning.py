@@ -112,7 +112,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         output_dir=spec["output_dir"], per_device_train_batch_size=spec["prompts_per_step"] * spec["num_generations"],
         num_generations=spec["num_generations"], max_completion_length=spec["max_completion_length"],
         max_steps=spec["steps"], learning_rate=spec["learning_rate"], lr_scheduler_type="constant", beta=0.0,
-        temperature=spec["temperature"],
+        temperature=spec["temperature"], top_p=spec.get("top_p", 1.0), top_k=spec.get("top_k", 0),
+        min_p=spec.get("min_p"), repetition_penalty=spec.get("repetition_penalty", 1.0),
         bf16=not cpu and spec["dtype"] == "bfloat16", use_cpu=cpu, report_to=[], save_strategy="no",
         logging_steps=1, disable_tqdm=True, seed=spec["seed"], data_seed=spec["seed"], **extra,
     )  # fmt: skip
@@ -324,6 +325,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-completion-length", type=int, default=24)
     p.add_argument("--learning-rate", type=float, default=5e-3, help="constant schedule")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (TRL's top_p)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (TRL's top_k; 0: off)")
+    p.add_argument("--min-p", type=float, default=None, help="min-p sampling (TRL's min_p)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="TRL's repetition_penalty")
     p.add_argument("--reward", default="char", choices=REWARDS, help="char: share of --char; gsm8k: accuracy")
     p.add_argument("--char", default="a", help="the character whose share is the reward (--reward char)")
     p.add_argument("--min-chars", type=int, default=20, help="--reward char: divide by at least this many chars")
@@ -432,7 +437,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "trainer": kind, "backend": backend, "seed": seed, "steps": args.steps,
             "prompts_per_step": args.prompts_per_step, "num_generations": args.num_generations,
             "max_completion_length": args.max_completion_length, "learning_rate": args.learning_rate,
-            "temperature": args.temperature, "device": args.device, "dtype": args.dtype, "model": args.model,
+            "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+            "repetition_penalty": args.repetition_penalty, "device": args.device, "dtype": args.dtype,
+            "model": args.model,
             "eos_logit_bias": args.eos_logit_bias, "model_seed": 0, "num_prompts": args.num_prompts,
             "data_seed": 0, "data_file": args.data_file, "reward": args.reward, "char": args.char,
             "min_chars": args.min_chars, "max_staleness": args.max_staleness,
