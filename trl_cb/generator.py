@@ -64,7 +64,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: CB-config keys that must be off for trl_cb's per-request processors (`_upstream.install_request_processors`).
+#: CB-config keys that must be off for what reads each step on the host: trl_cb's per-request processors and the
+#: policy-logprob recorder (`_upstream._require_synchronous`).
 _SYNC_ONLY_KEYS = ("use_cuda_graph", "use_async_batching", "varlen_compile_config", "decode_compile_config")
 #: How often the collector wakes up to check that the engine thread is still alive.
 _POLL_SECONDS = 0.2
