@@ -141,11 +141,12 @@ class ContinuousBatchingTrainerMixin:
 
     def _cb_precision_kwargs(self) -> dict[str, Any]:
         """Generation dtype as TRL's CB path picks it (`bf16`/`fp16`, fp32 LM head); applied to copies of the weights,
-        never to the training module (`trl_cb/precision.py`)."""
+        never to the training module (`trl_cb/precision.py`), kept between rounds per `cb_keep_generation_weights`."""
         args = self.args
         return {
             "cast_dtype": torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
             "cast_lm_head_to_fp32": bool(getattr(args, "cast_lm_head_to_fp32", False)),
+            "keep_generation_weights": args.cb_keep_generation_weights,
         }
 
     def _cb_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
