@@ -17,6 +17,7 @@ forwards saw, and the copy bytes held between rounds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from transformers import GenerationConfig
 
 from trl_cb import ContinuousBatchingGenerator
 from trl_cb.data import synthetic_gsm8k
+from trl_cb.precision import GenerationPrecision
 from trl_cb.tiny import tiny_model, tiny_tokenizer
 
 
@@ -73,6 +75,19 @@ def main() -> None:
     report: dict = {"rank": rank, "world_size": dist.get_world_size(), "rounds": []}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     cast_dtype = torch.bfloat16 if args.bf16 else None
+    # Bytes of the module's tensors pointed at generation copies in each round (their storage moved inside `applied`).
+    copied: list[int] = []
+    real_applied = GenerationPrecision.applied
+
+    @contextlib.contextmanager
+    def measured_applied(self, module):
+        tensors = [*module.parameters(), *module.buffers()]
+        before = [t.data_ptr() for t in tensors]
+        with real_applied(self, module):
+            copied.append(sum(t.numel() * t.element_size() for t, b in zip(tensors, before) if t.data_ptr() != b))
+            yield
+
+    GenerationPrecision.applied = measured_applied
     with ContinuousBatchingGenerator(model, cfg, timeout=60, cast_dtype=cast_dtype) as gen:
         for _ in range(2):
             seen.clear()
@@ -92,6 +107,8 @@ def main() -> None:
                 {
                     "max_diff": diff, "sharded_after": sharded, "n": len(result.completion_ids),
                     "engine_dtypes": engine_dtypes, "copy_bytes_between_rounds": gen._precision.copy_bytes,
+                    "copy_bytes_in_round": copied[-1],
+                    "param_bytes_bf16": 2 * sum(p.numel() for p in model.parameters()),
                     "shard_dtypes": sorted({str(p.to_local().dtype) for p in model.parameters()}),
                     "step_moved_shard": not torch.equal(shard, q_proj.weight.to_local()),
                 }
