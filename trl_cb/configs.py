@@ -52,6 +52,13 @@ class ContinuousBatchingArguments:
             Upper IS bound (truncate: clamp; mask: zero above).
         cb_generation_timeout (`float`, *optional*):
             Seconds one generation round may take before it fails with `TimeoutError` (`None`: no limit).
+        cb_keep_generation_weights (`bool`, *optional*):
+            With `bf16`/`fp16` (or `cast_lm_head_to_fp32`), generation runs on copies of the weights in the
+            generation dtype. `True`: keep them between rounds (refreshed in place; +2 bytes per fp32 parameter for
+            bf16/fp16, held all the time). `False`: make them at the start of each round and free them at its end
+            (the same bytes, only during the round; one allocation per round). Unset: keep, except when the
+            parameters are sharded (ZeRO-3, FSDP), where a kept copy would be the full model on every rank. No effect
+            when the model is already in the generation dtype. See docs/distributed.md, "Memory".
         async_generation (`bool`, *optional*, defaults to `False`):
             Keep the engine generating across steps; see docs/async.md.
         max_staleness (`int`, *optional*):
@@ -104,6 +111,14 @@ class ContinuousBatchingArguments:
     cb_generation_timeout: float | None = field(
         default=None,
         metadata={"help": "Seconds a continuous batching round may take before it fails (None: no limit)."},
+    )
+    cb_keep_generation_weights: bool | None = field(
+        default=None,
+        metadata={
+            "help": "bf16/fp16 generation runs on copies of the weights in the generation dtype. True: keep them "
+            "between rounds (+2 bytes per fp32 parameter, all the time); False: make and free them every round "
+            "(the same bytes, during rounds only). Unset: keep unless parameters are sharded (ZeRO-3, FSDP)."
+        },
     )
 
     cb_openmp_guard: bool | None = field(
@@ -184,6 +199,11 @@ class ContinuousBatchingArguments:
         )
         if self.cb_generation_timeout is not None and self.cb_generation_timeout <= 0:
             raise ValueError(f"cb_generation_timeout must be > 0 or None, got {self.cb_generation_timeout}.")
+        if self.cb_keep_generation_weights is not None and not isinstance(self.cb_keep_generation_weights, bool):
+            raise ValueError(
+                "cb_keep_generation_weights must be True, False or None (auto), got "
+                f"{self.cb_keep_generation_weights!r}."
+            )
         if self.async_generation:
             if not self.use_transformers_continuous_batching:
                 raise ValueError("async_generation needs use_transformers_continuous_batching=True.")

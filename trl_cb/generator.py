@@ -128,6 +128,9 @@ class ContinuousBatchingGenerator:
         openmp_guard: Make the process's parked OpenMP workers sleep instead of spin while this generator lives
             (`trl_cb/openmp.py`): much faster CPU training on a loaded machine, 5-10% slower on an idle one. `None`:
             on for a CPU model with a multi-threaded OpenMP torch, off otherwise (GPU engines).
+        keep_generation_weights: Keep the `cast_dtype` copies of the weights between rounds (`True`: refreshed in
+            place, stable addresses, held all the time) or make and free them every round (`False`). `None`: keep
+            unless the parameters are sharded (ZeRO-3, FSDP), where a kept copy would be the full model per rank.
 
     Raises:
         compat.UnsupportedModelError: (a `ValueError`) at construction, for a model the engine cannot sample from
@@ -147,6 +150,7 @@ class ContinuousBatchingGenerator:
         gradient_checkpointing_kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
         openmp_guard: bool | None = None,
+        keep_generation_weights: bool | None = None,
     ) -> None:
         if accelerator is not None and not gather_deepspeed3_params and _zero_stage(accelerator) == 3:
             raise ValueError(
@@ -161,8 +165,8 @@ class ContinuousBatchingGenerator:
         self.accelerator = accelerator
         self.gather_deepspeed3_params = gather_deepspeed3_params
         # Copies of the weights are kept between rounds unless each would be a full copy of a sharded model.
-        sharded = _is_sharded(model, accelerator)
-        self._precision = GenerationPrecision(cast_dtype, cast_lm_head_to_fp32, keep_copies=not sharded)
+        keep = not _is_sharded(model, accelerator) if keep_generation_weights is None else keep_generation_weights
+        self._precision = GenerationPrecision(cast_dtype, cast_lm_head_to_fp32, keep_copies=keep)
         self.gradient_checkpointing_kwargs = gradient_checkpointing_kwargs
         self.timeout = timeout
         self.generation_config = engine_generation_config(generation_config)

@@ -146,13 +146,14 @@ class ContinuousBatchingTrainerMixin:
 
     def _cb_generator_kwargs(self) -> dict[str, Any]:
         """Generator options from the config: the generation dtype as TRL's CB path picks it (`bf16`/`fp16`, fp32 LM
-        head; applied to copies of the weights, never to the training module, `trl_cb/precision.py`) and the OpenMP
-        guard (`trl_cb/openmp.py`)."""
+        head; applied to copies of the weights, never to the training module, `trl_cb/precision.py`), kept between
+        rounds per `cb_keep_generation_weights`, and the OpenMP guard (`trl_cb/openmp.py`)."""
         args = self.args
         return {
             "cast_dtype": torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
             "cast_lm_head_to_fp32": bool(getattr(args, "cast_lm_head_to_fp32", False)),
             "openmp_guard": args.cb_openmp_guard,
+            "keep_generation_weights": args.cb_keep_generation_weights,
         }
 
     def _cb_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:

@@ -4,6 +4,7 @@ and the FSDP2 adapter under torchrun. Select with `-m distributed`."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -64,13 +65,46 @@ def test_trainer_two_processes(config, trainer, lora, expected_type, shards, tmp
         assert r["engine_builds"] == 1 and r["generator_closed"]
 
 
-def test_fsdp2_adapter_two_processes(tmp_path):
+def _small_logp_gap(value: float) -> bool:
+    """bf16 sampling vs the bf16 training forward: finite, and far below what a wrong sampler gives (> 1 nat)."""
+    return math.isfinite(value) and value <= 0.1
+
+
+def test_zero3_bf16_two_processes(tmp_path):
+    """TRL's `bf16=True` under ZeRO-3 on an fp32-loaded model: DeepSpeed holds the module in bf16 and the fp32 master
+    weights in its optimizer partitions (as on TRL's own path); generation gathers the bf16 parameters (no trl_cb
+    copy: the module is in the generation dtype already), training runs, the masters stay fp32."""
+    pytest.importorskip("deepspeed")
+    for r in _accelerate("zero3.yaml", tmp_path, "--trainer", "grpo", "--bf16"):
+        assert r["world_size"] == 2 and r["distributed_type"].endswith("DEEPSPEED")
+        assert len(r["logs"]) == 2 and r["engine_builds"] == 1 and r["generator_closed"]
+        assert all(_small_logp_gap(e["sampling/sampling_logp_difference/max"]) for e in r["logs"]), r["logs"]
+        assert all(x["sharded_after"] is True and x["lengths_match"] for x in r["rounds"])
+        assert r["master_dtypes"] == ["torch.float32"] and r["trainable_param_dtypes"] == ["torch.bfloat16"], r
+        # Trained: the bf16 module moved (norm weights near 1.0 may not, at lr 1e-3 in bf16; their masters do).
+        assert r["num_trainable_changed"] > r["num_trainable"] // 2, r
+
+
+@pytest.mark.parametrize("bf16", [None, "cast", "mp"], ids=["fp32", "bf16-cast", "bf16-mixed-precision-policy"])
+def test_fsdp2_adapter_two_processes(bf16, tmp_path):
     launcher = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
     cmd = [launcher, "--nproc_per_node", "2", str(HERE / "fsdp2_check.py"), "--report", str(tmp_path)]
-    for r in _launch(cmd, tmp_path):
+    for r in _launch(cmd + (["--bf16", bf16] if bf16 else []), tmp_path):
         assert r["world_size"] == 2 and r["engine_builds"] == 1 and r["sharded_at_end"]
         for step in r["rounds"]:  # step 1 follows an optimizer step: fresh weights
-            assert step["max_diff"] <= 1e-4 and step["sharded_after"] and step["n"] == 6
+            assert step["sharded_after"] and step["n"] == 6
+            # fp32 master shards stay fp32 and train; rounds run in the generation dtype.
+            assert step["shard_dtypes"] == ["torch.float32"] and step["step_moved_shard"]
+            assert step["engine_dtypes"] == ["torch.bfloat16" if bf16 else "torch.float32"]
+            if bf16:
+                # Sharded: the generation copy is made per round, never kept (it would be the full model per rank).
+                assert _small_logp_gap(step["max_diff"]) and step["copy_bytes_between_rounds"] == 0, step
+                # fp32 unsharded parameters: the round copies them; under the policy they are bf16 already and only
+                # buffers (rotary inv_freq) are copied.
+                copied, full = step["copy_bytes_in_round"], step["param_bytes_bf16"]
+                assert copied >= full if bf16 == "cast" else copied < full / 100, step
+            else:
+                assert step["max_diff"] <= 1e-4
 
 
 @pytest.mark.gpu
@@ -78,9 +112,13 @@ def test_fsdp2_adapter_two_processes(tmp_path):
     not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,
     reason="accelerate enables FSDP only on GPU-class backends; needs 2 CUDA devices (see docs/distributed.md)",
 )
-def test_fsdp2_trainer_gpu(tmp_path):
-    reports = _accelerate("fsdp2.yaml", tmp_path, "--trainer", "grpo")
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_fsdp2_trainer_gpu(bf16, tmp_path):
+    reports = _accelerate("fsdp2.yaml", tmp_path, "--trainer", "grpo", *(["--bf16"] if bf16 else []))
     for r in reports:
         assert r["distributed_type"].endswith("FSDP")
         assert all(x["sharded_after"] is True for x in r["rounds"])
-        assert all(e["sampling/sampling_logp_difference/max"] <= 1e-4 for e in r["logs"])
+        gaps = [e["sampling/sampling_logp_difference/max"] for e in r["logs"]]
+        assert all(_small_logp_gap(g) for g in gaps) if bf16 else all(g <= 1e-4 for g in gaps)
+        if bf16:  # accelerate's FSDP2 policy: fp32 sharded master weights, bf16 compute
+            assert r["trainable_param_dtypes"] == ["torch.float32"] and r["num_trainable_changed"] > 0, r

@@ -39,11 +39,32 @@ def _is_fsdp2(model: torch.nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def _full_trainable(trainer: Any) -> dict[str, torch.Tensor]:
+    """Trainable parameters by name, gathered to full tensors (ZeRO-3, FSDP2) on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    params = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    if any(hasattr(p, "ds_id") for p in params.values()):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {n: p.detach().clone() for n, p in params.items()}
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in params.items()}
+
+
+def _master_dtypes(trainer: Any) -> list[str]:
+    """Dtypes of the fp32 master copies DeepSpeed's ZeRO-3 optimizer keeps (empty for other strategies)."""
+    optimizer = getattr(trainer.model_wrapped, "optimizer", None)
+    flat = getattr(optimizer, "fp32_partitioned_groups_flat", None) or []
+    return sorted({str(t.dtype) for t in flat})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--report", required=True)
     parser.add_argument("--trainer", default="grpo", choices=["grpo", "rloo"])
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--bf16", action="store_true", help="TRL's bf16=True on an fp32-loaded model")
     args = parser.parse_args()
 
     import trl_cb
@@ -55,7 +76,7 @@ def main() -> None:
     use_cpu = not torch.cuda.is_available()
     config = config_cls(
         output_dir=os.path.join(args.report, "out"), per_device_train_batch_size=4, num_generations=4,
-        max_completion_length=16, max_steps=2, logging_steps=1, learning_rate=1e-3, beta=0.0, bf16=False,
+        max_completion_length=16, max_steps=2, logging_steps=1, learning_rate=1e-3, beta=0.0, bf16=args.bf16,
         use_cpu=use_cpu, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
         use_transformers_continuous_batching=True, top_k=0, top_p=1.0,
     )  # fmt: skip
@@ -93,7 +114,9 @@ def main() -> None:
         return completion_ids, logprobs
 
     trainer._cb_generate = recording_generate
+    trained_before = {n: p.detach().float().clone() for n, p in _full_trainable(trainer).items()}
     trainer.train()
+    trained_after = _full_trainable(trainer)
 
     rank = trainer.accelerator.process_index
     report = {
@@ -104,6 +127,15 @@ def main() -> None:
         "engine_builds": builds[-1] if builds else 0,
         "logs": [e for e in trainer.state.log_history if "loss" in e],
         "generator_closed": trainer._cb_generator is None,
+        # Module parameters by dtype, and the fp32 master weights where the strategy keeps them apart (ZeRO-3 with
+        # bf16 holds the module in bf16 and the optimizer's fp32 partitions).
+        "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
+        "trainable_param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters() if p.requires_grad}),
+        "master_dtypes": _master_dtypes(trainer),
+        "num_trainable_changed": sum(
+            not torch.equal(trained_before[n], trained_after[n].float()) for n in trained_before
+        ),
+        "num_trainable": len(trained_before),
     }
     Path(args.report, f"rank{rank}.json").write_text(json.dumps(report, indent=2))
 

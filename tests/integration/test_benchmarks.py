@@ -191,3 +191,23 @@ def test_learning_threshold_crossing_and_band_logic():
     band = {"min": [0.0, 0.1, 0.2], "max": [0.1, 0.3, 0.4]}
     assert _in_band([0.05, 0.2, 0.3], band, 0.0) == 1.0
     assert _in_band([0.05, 0.5, 0.1], band, 0.0) == pytest.approx(1 / 3)
+
+
+@pytest.mark.slow
+def test_precision_memory_quick_measures_kept_and_per_round_copies(tmp_path):
+    proc = run(
+        str(ROOT / "benchmarks" / "precision_memory.py"), "--quick", "--cases", "fp32-bf16",
+        "--backends", "generate", "trl_cb", "--keep", "auto", "false", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert payload["benchmark"] == "precision_memory" and {"device", "torch", "git_commit"} <= set(payload["env"])
+    points = {(p["backend"], p["keep"]): p for p in payload["points"]}
+    assert set(points) == {("generate", None), ("trl_cb", "auto"), ("trl_cb", "false")}
+    half = points["generate", None]["weights_mib"] / 2  # bf16 copy of the fp32 parameters
+    kept, per_round = points["trl_cb", "auto"], points["trl_cb", "false"]
+    assert kept["copy_kept_mib"] >= half and per_round["copy_kept_mib"] == 0
+    assert kept["copy_round_mib"] == pytest.approx(per_round["copy_round_mib"]) and per_round["copy_round_mib"] >= half
+    for p in points.values():
+        assert p["peak_train_mib"] >= p["held_between_steps_mib"] > 0 and p["param_dtypes_after"] == ["torch.float32"]
+    assert "peak - generate" in proc.stdout and len(list(tmp_path.glob("precision_memory-*.json"))) == 1
