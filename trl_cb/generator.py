@@ -165,8 +165,12 @@ class ContinuousBatchingGenerator:
         self.accelerator = accelerator
         self.gather_deepspeed3_params = gather_deepspeed3_params
         # Copies of the weights are kept between rounds unless each would be a full copy of a sharded model.
-        keep = not _is_sharded(model, accelerator) if keep_generation_weights is None else keep_generation_weights
+        sharded = _is_sharded(model, accelerator)
+        keep = not sharded if keep_generation_weights is None else keep_generation_weights
         self._precision = GenerationPrecision(cast_dtype, cast_lm_head_to_fp32, keep_copies=keep)
+        #: Whether the weights the engine reads sit at the same addresses every round: not when they are gathered
+        #: (ZeRO-3, FSDP) or copied (per-round generation copies) anew for each round.
+        self._stable_weights = not sharded and (keep or cast_dtype is None)
         self.gradient_checkpointing_kwargs = gradient_checkpointing_kwargs
         self.timeout = timeout
         self.generation_config = engine_generation_config(generation_config)
@@ -495,6 +499,16 @@ class ContinuousBatchingGenerator:
                 "logprob is recorded from the host at every step",
             )
             kwargs.update(use_cuda_graph=False, use_async_batching=False)
+        if not self._stable_weights:
+            # Accelerator graphs replay the addresses they were captured with; a persistent engine would read freed
+            # memory from the second round on.
+            if self._cb_kwargs.get("use_cuda_graph"):
+                raise ValueError(
+                    "use_cuda_graph=True needs the weights at the same addresses every round, but they are gathered "
+                    "(ZeRO-3/FSDP) or copied per round (cb_keep_generation_weights=False) here: unset "
+                    "use_cuda_graph, or keep the generation copies (unsharded models)."
+                )
+            kwargs["use_cuda_graph"] = False
         size = self._cache_size(module, workload)
         kwargs.update(
             page_size=size.page_size,

@@ -285,3 +285,19 @@ def test_bf16_round_keeps_rope_in_fp32_at_long_prompts(tokenizer, monkeypatch):
     monkeypatch.setattr(GenerationPrecision, "applied", applied_rounding_buffers)
     rounded_max, rounded_mean = _autocast_gap(model, tokenizer, 1500)
     assert rounded_max >= 0.8 and rounded_mean >= 3 * long_mean, (rounded_max, rounded_mean, long_mean)
+
+
+def test_weights_that_move_between_rounds_turn_accelerator_graphs_off(model, tokenizer, prompts):
+    """Per-round generation copies (or gathered shards) live at new addresses every round, which graphs captured at
+    the first round would replay stale: graphs are off for such an engine, and asking for them is refused."""
+    cfg = sampling_config(tokenizer, max_new_tokens=4)
+    per_round = dict(cast_dtype=torch.bfloat16, keep_generation_weights=False)
+    with ContinuousBatchingGenerator(model, cfg, {"use_cuda_graph": True}, **per_round) as generator:
+        with pytest.raises(ValueError, match="same addresses every round"):
+            generator.generate(prompts[:1])
+    with ContinuousBatchingGenerator(model, cfg, **per_round) as generator:
+        generator.generate(prompts[:1])
+        assert not any(generator._engine.manager.continuous_batching_config.cuda_graph_booleans)
+    kept = dict(cast_dtype=torch.bfloat16, keep_generation_weights=True)
+    with ContinuousBatchingGenerator(model, cfg, {"use_cuda_graph": True}, **kept) as generator:
+        assert generator._stable_weights, "control: kept copies are refreshed in place and may be captured"
