@@ -31,7 +31,7 @@ def cpu_preset(name: str, eos_logit_bias: float | None, dtype: Any = None) -> tu
     """(model, tokenizer) for a `CPU_PRESETS` name: random init, EOS-biased, local tokenizer (no download)."""
     import torch
 
-    from trl_cb.tiny import small_model, tiny_model, tiny_tokenizer
+    from trl_cb.offline.tiny import small_model, tiny_model, tiny_tokenizer
 
     if name not in CPU_PRESETS:
         raise ValueError(f"unknown CPU preset {name!r}; choose from {CPU_PRESETS}")

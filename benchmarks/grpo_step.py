@@ -67,7 +67,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import TrainerCallback
 
     import trl_cb
-    from trl_cb.data import GSM8K_TEST_SIZE, gsm8k_test
+    from trl_cb.offline.data import GSM8K_TEST_SIZE, gsm8k_test
 
     kind, backend = spec["trainer"], spec["backend"]
     package = trl_cb if backend.startswith("trl_cb") else trl

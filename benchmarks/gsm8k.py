@@ -64,7 +64,7 @@ def _load_model(spec: dict[str, Any]) -> tuple[Any, Any]:
     elif name == "llama-1b-random":
         from transformers import LlamaConfig
 
-        from trl_cb.tiny import bias_eos, tiny_tokenizer
+        from trl_cb.offline.tiny import bias_eos, tiny_tokenizer
 
         tokenizer = tiny_tokenizer(vocab_size=4096)
         config = LlamaConfig(  # Llama-3.2-1B's shape with a small vocabulary, random init (no hub)
@@ -87,7 +87,7 @@ def _load_model(spec: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def _prompts(spec: dict[str, Any], tokenizer: Any, count: int) -> list[list[int]]:
-    from trl_cb.data import GSM8KScriptArguments, load_prompts, tokenize_prompt
+    from trl_cb.offline.data import GSM8KScriptArguments, load_prompts, tokenize_prompt
 
     args = GSM8KScriptArguments(
         data_file=spec["data_file"], dataset_name=spec["dataset"], num_examples=count,

@@ -75,7 +75,7 @@ def char_share_reward(char: str, min_chars: int) -> Any:
 def _model_and_tokenizer(spec: dict[str, Any]) -> tuple[Any, Any]:
     import torch
 
-    from trl_cb.tiny import tiny_model, tiny_tokenizer
+    from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
 
     if spec["model"] == "tiny":
         tokenizer = tiny_tokenizer()
@@ -96,7 +96,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import PrinterCallback, TrainerCallback
 
     import trl_cb
-    from trl_cb.data import GSM8K_TEST_SIZE, gsm8k_reward, gsm8k_test, load_gsm8k_jsonl
+    from trl_cb.offline.data import GSM8K_TEST_SIZE, gsm8k_reward, gsm8k_test, load_gsm8k_jsonl
 
     kind, backend = spec["trainer"], spec["backend"]
     package = trl_cb if backend.startswith("trl_cb") else trl

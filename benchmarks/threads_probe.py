@@ -35,7 +35,7 @@ CONDITIONS = {"spin": {}, "guard": {}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}
 def worker(condition: str, model_name: str, iters: int) -> dict[str, Any]:
     import torch
 
-    from trl_cb import openmp
+    from trl_cb.engine import openmp
 
     if condition == "one_thread":
         torch.set_num_threads(1)

@@ -21,8 +21,8 @@ from datasets import Dataset
 from trl import TrlParser
 
 from trl_cb import GRPOConfig, GRPOTrainer
-from trl_cb.data import GSM8KScriptArguments, gsm8k_reward, load_prompts
-from trl_cb.tiny import tiny_checkpoint
+from trl_cb.offline.data import GSM8KScriptArguments, gsm8k_reward, load_prompts
+from trl_cb.offline.tiny import tiny_checkpoint
 
 DEFAULTS = dict(
     use_transformers_continuous_batching=True,

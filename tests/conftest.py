@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast
 
-from trl_cb.data import synthetic_gsm8k
-from trl_cb.tiny import tiny_model, tiny_tokenizer
+from trl_cb.offline.data import synthetic_gsm8k
+from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ Change one import — `from trl_cb import GRPOConfig, GRPOTrainer` (or `RLOOConf
 
 from .configs import ContinuousBatchingArguments, GRPOConfig, RLOOConfig
 from .errors import EngineDiedError, GenerationError
-from .generator import ContinuousBatchingGenerator, GenerationResult
+from .rollouts.generator import ContinuousBatchingGenerator, GenerationResult
 from .trainers import ContinuousBatchingTrainerMixin, GRPOTrainer, RLOOTrainer
 
 __version__ = "0.1.0"

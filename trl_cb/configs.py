@@ -23,8 +23,8 @@ from typing import Any
 import trl
 
 from .deprecation import warn_deprecated
-from .generator import validate_cb_kwargs
 from .importance_sampling import IS_MODES, validate_mode
+from .rollouts.generator import validate_cb_kwargs
 
 DEFAULT_MAX_MEMORY_PERCENT = 0.5
 

@@ -28,9 +28,9 @@ from torch.distributed.tensor import DTensor
 from transformers import GenerationConfig
 
 from trl_cb import ContinuousBatchingGenerator
-from trl_cb.data import synthetic_gsm8k
-from trl_cb.precision import GenerationPrecision
-from trl_cb.tiny import tiny_model, tiny_tokenizer
+from trl_cb.engine.precision import GenerationPrecision
+from trl_cb.offline.data import synthetic_gsm8k
+from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
 
 
 def teacher_forced_max_diff(model, tokenizer, prompts, result, group: int) -> float:

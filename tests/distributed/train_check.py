@@ -68,8 +68,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import trl_cb
-    from trl_cb.data import synthetic_gsm8k
-    from trl_cb.tiny import tiny_model, tiny_tokenizer
+    from trl_cb.offline.data import synthetic_gsm8k
+    from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
 
     config_cls = trl_cb.GRPOConfig if args.trainer == "grpo" else trl_cb.RLOOConfig
     trainer_cls = trl_cb.GRPOTrainer if args.trainer == "grpo" else trl_cb.RLOOTrainer

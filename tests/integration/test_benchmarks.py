@@ -109,7 +109,7 @@ def test_grpo_step_rejects_negative_load():
 
 
 def test_data_file_path_is_used(tmp_path):
-    from trl_cb.data import GSM8KScriptArguments, load_prompts
+    from trl_cb.offline.data import GSM8KScriptArguments, load_prompts
 
     f = tmp_path / "g.jsonl"
     f.write_text('{"question": "What is 2+3?", "answer": "2+3=5\\n#### 5"}\n')
@@ -121,7 +121,7 @@ def test_data_file_path_is_used(tmp_path):
 
 
 def test_default_prompts_are_the_vendored_gsm8k_test_split():
-    from trl_cb.data import GSM8KScriptArguments, gsm8k_test, load_prompts
+    from trl_cb.offline.data import GSM8KScriptArguments, gsm8k_test, load_prompts
 
     records = load_prompts(GSM8KScriptArguments(num_examples=5), seed=3)
     assert records == gsm8k_test(5, seed=3)

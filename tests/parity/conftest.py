@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from trl_cb.tiny import tiny_checkpoint
+from trl_cb.offline.tiny import tiny_checkpoint
 
 CHAT_TEMPLATE = (
     "{%- for m in messages -%}{{ m.role }}: {{ m.content }}\n{%- endfor -%}"

@@ -185,7 +185,7 @@ def assert_finite(run: Run, names: tuple[str, ...]) -> None:
 
 
 def prompt_dataset(n: int = 8, seed: int = 5, conversational: bool = False) -> Dataset:
-    from trl_cb.data import synthetic_gsm8k
+    from trl_cb.offline.data import synthetic_gsm8k
 
     rows = synthetic_gsm8k(n, seed=seed)
     if conversational:

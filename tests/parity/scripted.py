@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from trl_cb.tiny import tiny_tokenizer
+from trl_cb.offline.tiny import tiny_tokenizer
 
 CALL = '\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n'
 MARKERS = ["<|user|>", "<|assistant|>", "<|tool|>", "<|resume|>", "<|end|>", "<tool_call>", "</tool_call>"]

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerFast
 
 from tests.parity.conftest import length_reward
 from tests.parity.harness import assert_same_logs, prompt_dataset, run_cb, run_trl
-from trl_cb.tiny import tiny_model
+from trl_cb.offline.tiny import tiny_model
 
 #: 2 prompts x 4 samples per step, 3 optimizer steps that each move every weight.
 ARGS = dict(per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_steps=3, learning_rate=1e-2)

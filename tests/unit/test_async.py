@@ -14,8 +14,8 @@ import torch
 from tests.conftest import sampling_config
 from tests.unit.test_trainers import make_trainer
 from trl_cb import ContinuousBatchingGenerator, EngineDiedError, GenerationError, GRPOConfig
-from trl_cb.async_rollouts import AsyncMetrics, AsyncRolloutController
-from trl_cb.data import synthetic_gsm8k
+from trl_cb.offline.data import synthetic_gsm8k
+from trl_cb.rollouts.async_controller import AsyncMetrics, AsyncRolloutController
 
 
 def controller(model, tokenizer, max_new_tokens=24, cb_config=None, **kwargs) -> AsyncRolloutController:
@@ -103,7 +103,7 @@ def test_behaviour_logprobs_across_a_weight_update(tokenizer):
     """A completion that straddles an update: tokens sampled before it match the old weights; tokens after it
     match the new weights on top of the KV cache computed with the old ones (partial-rollout semantics). The
     recorded logprobs are what IS must use: they differ from any single-policy recomputation."""
-    from trl_cb.tiny import tiny_model
+    from trl_cb.offline.tiny import tiny_model
 
     # No EOS bias: samples run to max_new_tokens, so updates land mid-flight. Std 0.2: far from uniform.
     model = tiny_model(tokenizer, init_std=0.2)
@@ -220,7 +220,7 @@ def test_trainer_async_learns_with_updates(tokenizer, tmp_path):
 def heavy_controller(tokenizer, **kwargs) -> tuple[AsyncRolloutController, torch.nn.Module]:
     """A controller whose in-flight groups take many seconds to generate (the old `stop` generated them all)."""
     from tests.unit.test_reliability import far_from_uniform
-    from trl_cb.tiny import tiny_model
+    from trl_cb.offline.tiny import tiny_model
 
     model = far_from_uniform(tiny_model(tokenizer, hidden_size=128, num_layers=4), tokenizer)
     options = dict(num_generations=4, groups_per_step=2, prefetch_depth=1, max_staleness=1)
@@ -288,7 +288,7 @@ def test_async_round_and_sync_round_on_one_model_take_turns(tokenizer):
     """The controller holds the model's round lock while its engine may run: a synchronous generator on the same
     model from another thread waits (old code: both engines ran forwards at once, logprobs off by ~0.4)."""
     from tests.unit.test_reliability import far_from_uniform, max_logprob_error
-    from trl_cb.tiny import tiny_model
+    from trl_cb.offline.tiny import tiny_model
 
     model = far_from_uniform(tiny_model(tokenizer), tokenizer)
     ctl = controller(model, tokenizer, max_new_tokens=40)
@@ -396,8 +396,8 @@ def test_default_staleness_drops_nothing_when_taking_every_k_steps(tokenizer, tm
 def test_stop_with_requests_in_flight_leaves_no_engine_error(tokenizer):
     """`stop` hard-stops with requests in flight: the batch still running must use the engine's attention, i.e. the
     training implementation is restored only after the engine has stopped."""
-    from trl_cb import _upstream
-    from trl_cb.tiny import tiny_model
+    from trl_cb.engine import _upstream
+    from trl_cb.offline.tiny import tiny_model
 
     model = tiny_model(tokenizer)
     ctl = controller(model, tokenizer, max_new_tokens=48, cb_config={"max_requests_per_batch": 4}, prefetch_depth=2)

@@ -1,4 +1,4 @@
-"""`python -m trl_cb.check_model`: PASS on a served checkpoint, FAIL with the reason on a refused one or a gap."""
+"""`python -m trl_cb.cli.check_model`: PASS on a served checkpoint, FAIL with the reason on a refused one or a gap."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from tests.model_zoo import REFUSED, SUPPORTED, WINDOW, tiny_arch_model, tiny_config
-from trl_cb import check_model
+from trl_cb.cli import check_model
 
 
 def _save(tmp_path: Path, tokenizer, model=None, config=None) -> str:
@@ -78,7 +78,7 @@ def test_refused_architecture_exits_nonzero_before_loading_weights(tokenizer, tm
     path = _save(tmp_path, tokenizer, config=tiny_config(arch, len(tokenizer)))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.run(
-        [sys.executable, "-m", "trl_cb.check_model", path, "--device", "cpu"],
+        [sys.executable, "-m", "trl_cb.cli.check_model", path, "--device", "cpu"],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr

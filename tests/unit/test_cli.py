@@ -16,8 +16,8 @@ import pytest
 from trl import DatasetMixtureConfig, ScriptArguments
 
 import trl_cb
-from trl_cb import cli
-from trl_cb.data import gsm8k_reward
+from trl_cb.cli import command as cli
+from trl_cb.offline.data import gsm8k_reward
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "examples" / "recipes"
@@ -135,8 +135,8 @@ def test_reward_names():
     from trl.rewards import accuracy_reward, think_format_reward
 
     assert cli.resolve_reward("gsm8k_reward") is gsm8k_reward
-    assert cli.resolve_reward("trl_cb.data:gsm8k_reward") is gsm8k_reward
-    assert cli.resolve_reward("trl_cb.data.gsm8k_reward") is gsm8k_reward  # TRL's spelling
+    assert cli.resolve_reward("trl_cb.offline.data:gsm8k_reward") is gsm8k_reward
+    assert cli.resolve_reward("trl_cb.offline.data.gsm8k_reward") is gsm8k_reward  # TRL's spelling
     assert cli.resolve_reward("accuracy_reward") is accuracy_reward
     assert cli.resolve_reward("think_format_reward") is think_format_reward
     overlong = cli.resolve_reward("get_soft_overlong_punishment")  # TRL's CLI values: 1280 tokens, 256 of slack
@@ -167,7 +167,7 @@ def test_tiny_model_name(tmp_path, monkeypatch):
 
 def test_tiny_checkpoint_tolerates_a_concurrent_writer(tmp_path, monkeypatch):
     """Ranks of one launch build the tiny checkpoint at once: the loser keeps the winner's copy, leaves no debris."""
-    import trl_cb.tiny as tiny
+    from trl_cb.offline import tiny
 
     target = tmp_path / "tiny"
     real_tokenizer = tiny.tiny_tokenizer
@@ -189,7 +189,7 @@ def test_tiny_checkpoint_refuses_to_publish_an_incomplete_copy(tmp_path, monkeyp
     be renamed into place (other ranks would then load a directory without config.json)."""
     import transformers
 
-    import trl_cb.tiny as tiny
+    from trl_cb.offline import tiny
 
     monkeypatch.setattr(transformers.PreTrainedModel, "should_save_on_this_rank", lambda self, main: False)
     with pytest.raises(RuntimeError, match="not rank 0"):
@@ -222,13 +222,13 @@ def test_gsm8k_shaped_data_is_mapped_to_prompt_records(tmp_path):
 
 def test_check_model_dispatch(monkeypatch, capsys):
     seen = []
-    fake = types.ModuleType("trl_cb.check_model")
+    fake = types.ModuleType("trl_cb.cli.check_model")
     fake.main = lambda argv: seen.append(argv) or 3
-    monkeypatch.setitem(sys.modules, "trl_cb.check_model", fake)
+    monkeypatch.setitem(sys.modules, "trl_cb.cli.check_model", fake)
     assert cli.main(["check-model", "some/model", "--dtype", "bfloat16"]) == 3
     assert seen == [["some/model", "--dtype", "bfloat16"]]
 
-    monkeypatch.setitem(sys.modules, "trl_cb.check_model", None)  # as if the module were not installed
+    monkeypatch.setitem(sys.modules, "trl_cb.cli.check_model", None)  # as if the module were not installed
     assert cli.main(["check-model", "some/model"]) == 2
     assert "check-model: error: not available" in capsys.readouterr().err
 

@@ -20,9 +20,10 @@ from datasets import Dataset
 
 from tests.conftest import sampling_config
 from tests.model_zoo import REFUSED, SUPPORTED, WINDOW, Arch, tiny_arch_model, tiny_config
-from trl_cb import ContinuousBatchingGenerator, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer, compat
-from trl_cb.compat import UnsupportedModelError
-from trl_cb.data import synthetic_gsm8k
+from trl_cb import ContinuousBatchingGenerator, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from trl_cb.checks import model as compat
+from trl_cb.checks.model import UnsupportedModelError
+from trl_cb.offline.data import synthetic_gsm8k
 
 TOLERANCE = 1e-4
 CONTROL_GAP = 0.1
@@ -153,7 +154,8 @@ def test_engine_with_accelerator_graphs_refuses_a_soft_capped_model(tokenizer, s
     """
     from types import SimpleNamespace
 
-    from trl_cb import _upstream, attention
+    from trl_cb.engine import _upstream
+    from trl_cb.engine import varlen_attention as attention
 
     def fake_manager(graphs: bool) -> SimpleNamespace:  # what `_choose_attention` uses, after upstream's switch
         config = SimpleNamespace(cuda_graph_booleans=(graphs,), auto_switch_to_flash=False)

@@ -21,7 +21,8 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from tests.conftest import sampling_config
-from trl_cb import _upstream, attention
+from trl_cb.engine import _upstream
+from trl_cb.engine import varlen_attention as attention
 
 
 def params(fn) -> list[str]:
@@ -151,7 +152,7 @@ def test_sampling_internals_the_policy_logprob_recorder_wraps(model, tokenizer):
 def test_cb_keeps_dense_mask_attention_without_flash(tokenizer, impl, expected):
     """`_upstream.switch_to_generation_attention` replaces exactly these choices of `switch_to_cb_friendly_attn`
     (no flash on this machine) with trl_cb's attention."""
-    from trl_cb.tiny import tiny_model
+    from trl_cb.offline.tiny import tiny_model
 
     model = tiny_model(tokenizer)
     model.set_attn_implementation(impl)
@@ -169,7 +170,7 @@ def test_cb_keeps_dense_mask_attention_without_flash(tokenizer, impl, expected):
 
 
 def test_eager_model_is_switched_and_restored(tokenizer):
-    from trl_cb.tiny import tiny_model
+    from trl_cb.offline.tiny import tiny_model
 
     model = tiny_model(tokenizer)
     model.set_attn_implementation("eager")
@@ -337,7 +338,7 @@ def test_processor_check_compares_types_and_settings_not_counts(model, tokenizer
 def test_generation_config_fields_all_classified():
     """A transformers release adding a GenerationConfig field fails here: classify it in
     `trl_cb/generation_settings.FIELD_RULES` (until then it is refused whenever set)."""
-    from trl_cb.generation_settings import FIELD_RULES, Handling
+    from trl_cb.checks.generation_settings import FIELD_RULES, Handling
 
     assert sorted(f for f in GenerationConfig().to_dict() if f not in FIELD_RULES) == []
     assert sorted(f for f in FIELD_RULES if f not in GenerationConfig().to_dict()) == []
@@ -370,7 +371,7 @@ def test_attention_interface_accepts_a_registered_probe(tokenizer):
     """The compatibility probe registers its own attention function and runs one forward through it."""
     from transformers import AttentionInterface
 
-    from trl_cb.tiny import tiny_model
+    from trl_cb.offline.tiny import tiny_model
 
     calls = []
 
@@ -567,7 +568,7 @@ def test_hard_stop_abandons_outstanding_requests_and_marks_the_loop_stopped(mode
 def test_manager_constructor_switches_attention_before_it_can_raise(tokenizer):
     """Why `create_manager` restores attention and mode on failure: upstream switches eager -> paged|eager, then
     raises (here: page_size below its minimum of 4)."""
-    from trl_cb.tiny import tiny_model
+    from trl_cb.offline.tiny import tiny_model
 
     model = tiny_model(tokenizer)
     model.set_attn_implementation("eager")

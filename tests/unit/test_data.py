@@ -7,11 +7,11 @@ from importlib import resources
 
 import pytest
 
-from trl_cb.data import GSM8K_TEST_SIZE, gsm8k_reward, gsm8k_test, tokenize_prompt
+from trl_cb.offline.data import GSM8K_TEST_SIZE, gsm8k_reward, gsm8k_test, tokenize_prompt
 
 
 def test_vendored_split_is_package_data_with_its_licence():
-    folder = resources.files("trl_cb") / "resources" / "gsm8k"
+    folder = resources.files("trl_cb.offline") / "resources" / "gsm8k"
     assert "MIT License" in (folder / "LICENSE").read_text() and "OpenAI" in (folder / "LICENSE").read_text()
     lines = [json.loads(line) for line in (folder / "test.jsonl").read_text().splitlines() if line.strip()]
     assert len(lines) == GSM8K_TEST_SIZE == 1319

@@ -16,8 +16,8 @@ from transformers import GenerationConfig
 
 from tests.conftest import sampling_config
 from trl_cb import ContinuousBatchingGenerator
-from trl_cb.generation_settings import check_generation_config
-from trl_cb.tiny import bias_eos, tiny_model
+from trl_cb.checks.generation_settings import check_generation_config
+from trl_cb.offline.tiny import bias_eos, tiny_model
 
 TOL = 1e-4
 
@@ -390,7 +390,7 @@ def test_docs_field_table_matches_the_code():
     """docs/index.md lists every field with the handling the code applies (no drift between the two)."""
     from pathlib import Path
 
-    from trl_cb.generation_settings import FIELD_RULES, Handling
+    from trl_cb.checks.generation_settings import FIELD_RULES, Handling
 
     docs = (Path(__file__).parents[2] / "docs" / "index.md").read_text()
     section = docs.split("## Sampling settings", 1)[1].split("\n## ", 1)[0]

@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 
 from tests.conftest import sampling_config
 from trl_cb import ContinuousBatchingGenerator
-from trl_cb.sizing import CPU_PAGE_SIZE
+from trl_cb.engine.sizing import CPU_PAGE_SIZE
 
 
 def teacher_forced_logprobs(
@@ -148,7 +148,7 @@ def test_engine_build_does_not_reseed_global_rng(model, tokenizer, prompts):
 
 
 def _workload(prompts: list[list[int]]):
-    from trl_cb.sizing import Workload
+    from trl_cb.engine.sizing import Workload
 
     return Workload(len(prompts), max(map(len, prompts)), 1, sum(map(len, prompts)))
 
@@ -207,7 +207,7 @@ def test_fresh_weights_after_update_long_prompt(sharp_model, tokenizer):
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_training_forward_unchanged_after_generation(tokenizer, prompts, attn):
-    from trl_cb.tiny import tiny_model
+    from trl_cb.offline.tiny import tiny_model
 
     model = tiny_model(tokenizer, eos_logit_bias=4.0)
     model.set_attn_implementation(attn)
@@ -245,7 +245,7 @@ def test_empty_prompt_list_returns_empty(model, tokenizer):
 
 def test_peft_generation_uses_adapter_weights(tokenizer, prompts):
     peft = pytest.importorskip("peft")
-    from trl_cb.tiny import tiny_model
+    from trl_cb.offline.tiny import tiny_model
 
     base = tiny_model(tokenizer, eos_logit_bias=4.0, init_std=0.2)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)

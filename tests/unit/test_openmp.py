@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from tests.conftest import sampling_config
-from trl_cb import ContinuousBatchingGenerator, openmp
+from trl_cb import ContinuousBatchingGenerator
+from trl_cb.engine import openmp
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +30,7 @@ import gc, json, resource, time
 import torch
 from transformers import GenerationConfig
 from trl_cb import ContinuousBatchingGenerator
-from trl_cb.tiny import tiny_model, tiny_tokenizer
+from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
 
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)

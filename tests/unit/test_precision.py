@@ -18,9 +18,9 @@ from transformers import Gemma2Config, Gemma2ForCausalLM
 from tests.conftest import sampling_config
 from tests.unit.test_trainers import PAIRS, length_reward
 from trl_cb import ContinuousBatchingGenerator
-from trl_cb.data import synthetic_gsm8k
-from trl_cb.precision import GenerationPrecision
-from trl_cb.tiny import tiny_model
+from trl_cb.engine.precision import GenerationPrecision
+from trl_cb.offline.data import synthetic_gsm8k
+from trl_cb.offline.tiny import tiny_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

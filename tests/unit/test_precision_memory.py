@@ -20,8 +20,8 @@ from tests.unit.test_precision import WeightDtypeSpy, q_proj
 from tests.unit.test_trainers import make_trainer
 from trl_cb import ContinuousBatchingGenerator, GRPOConfig, RLOOConfig
 from trl_cb import generator as generator_module
-from trl_cb.precision import GenerationPrecision
-from trl_cb.tiny import tiny_model
+from trl_cb.engine.precision import GenerationPrecision
+from trl_cb.offline.tiny import tiny_model
 
 
 @contextlib.contextmanager

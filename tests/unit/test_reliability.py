@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 
 from tests.conftest import sampling_config
 from trl_cb import ContinuousBatchingGenerator, EngineDiedError, GenerationError
-from trl_cb.tiny import bias_eos, tiny_model
+from trl_cb.offline.tiny import bias_eos, tiny_model
 
 SIGNAL_TO_CALLER_S = 2.0
 
@@ -201,7 +201,7 @@ def test_sigint_at_random_points_including_cleanup_never_orphans_the_engine(ligh
 
 def test_second_ctrl_c_inside_cleanup_is_delivered_after_the_thread_stopped(light, tokenizer, monkeypatch):
     """Deterministic version: the second SIGINT is sent from inside the engine's stop."""
-    from trl_cb import _upstream
+    from trl_cb.engine import _upstream
 
     real_stop = _upstream.request_hard_stop
     seen_alive = []
@@ -336,8 +336,8 @@ def test_two_threads_on_one_model_get_exact_results(light, tokenizer, shared_gen
 
 
 def test_waiting_for_the_model_respects_timeout(light, tokenizer):
-    from trl_cb import lifecycle
-    from trl_cb.generator import plain_module
+    from trl_cb.engine import guards as lifecycle
+    from trl_cb.rollouts.generator import plain_module
 
     gen = ContinuousBatchingGenerator(light, sampling_config(tokenizer), timeout=0.3)
     lock = lifecycle.module_lock(plain_module(light))
@@ -367,7 +367,7 @@ def test_waiting_for_the_model_respects_timeout(light, tokenizer):
 def test_failed_engine_build_leaves_the_model_exactly_as_it_was(tokenizer, path):
     """transformers switches eager -> paged|eager (and calls eval()) before its constructor raises; every later
     plain forward then failed ('paged|eager' without a paged cache)."""
-    from trl_cb.sizing import Workload
+    from trl_cb.engine.sizing import Workload
 
     model = tiny_model(tokenizer)
     model.set_attn_implementation("eager")
@@ -398,8 +398,8 @@ def test_interpreter_exit_with_unclosed_engines_prints_nothing_and_does_not_hang
             import itertools
             from transformers import GenerationConfig
             from trl_cb import ContinuousBatchingGenerator
-            from trl_cb.async_rollouts import AsyncRolloutController
-            from trl_cb.tiny import tiny_model, tiny_tokenizer
+            from trl_cb.rollouts.async_controller import AsyncRolloutController
+            from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
 
             tok = tiny_tokenizer()
             cfg = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=8, eos_token_id=tok.eos_token_id,

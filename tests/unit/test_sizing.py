@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from trl_cb.sizing import (
+from trl_cb.engine.sizing import (
     CPU_DENSE_MASK_MAX_BATCH_TOKENS,
     CPU_MAX_BATCH_TOKENS,
     MAX_BATCH_TOKENS_CAP,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from trl_cb.tiny import small_model
+from trl_cb.offline.tiny import small_model
 
 
 def test_small_model_shape_and_determinism(tokenizer):

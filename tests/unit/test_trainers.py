@@ -11,9 +11,9 @@ from datasets import Dataset
 from transformers import ProcessorMixin
 
 from trl_cb import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-from trl_cb.data import synthetic_gsm8k
-from trl_cb.generator import ContinuousBatchingGenerator
-from trl_cb.tiny import tiny_model
+from trl_cb.offline.data import synthetic_gsm8k
+from trl_cb.offline.tiny import tiny_model
+from trl_cb.rollouts.generator import ContinuousBatchingGenerator
 
 IS_METRICS = [
     "sampling/importance_sampling_ratio/min",
@@ -99,7 +99,7 @@ def test_sampling_logprobs_match_trl_training_logprobs(kind, tokenizer, tmp_path
 def test_logged_logp_difference_shows_a_sampler_that_differs(tokenizer, tmp_path, monkeypatch):
     """Control for the test above: an engine sampling from another policy than the trained one (here at 1.3x the
     temperature, as a dropped soft-cap or window would) shows in the logged difference far above 1e-4."""
-    from trl_cb import generator as generator_module
+    from trl_cb.rollouts import generator as generator_module
 
     real = generator_module.engine_generation_config
 

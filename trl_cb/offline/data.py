@@ -104,9 +104,9 @@ def gsm8k_test(
     """
     if num_examples is not None and not 0 < num_examples <= GSM8K_TEST_SIZE:
         raise ValueError(f"num_examples must be in [1, {GSM8K_TEST_SIZE}] (the split's size), got {num_examples}.")
-    source = resources.files("trl_cb") / "resources" / "gsm8k" / "test.jsonl"
+    source = resources.files("trl_cb.offline") / "resources" / "gsm8k" / "test.jsonl"
     with source.open("r", encoding="utf-8") as f:
-        records = _read_gsm8k_lines(f, "trl_cb/resources/gsm8k/test.jsonl", None, conversational)
+        records = _read_gsm8k_lines(f, "trl_cb/offline/resources/gsm8k/test.jsonl", None, conversational)
     if seed is not None:
         random.Random(seed).shuffle(records)
     return records[:num_examples] if num_examples is not None else records

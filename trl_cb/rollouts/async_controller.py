@@ -49,10 +49,11 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from . import _upstream, lifecycle
-from .errors import EngineDiedError, GenerationError
+from ..engine import _upstream
+from ..engine import guards as lifecycle
+from ..engine.sizing import Workload
+from ..errors import EngineDiedError, GenerationError
 from .generator import ContinuousBatchingGenerator, validate_prompts
-from .sizing import Workload
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import attention
+from . import varlen_attention as attention
 
 #: Upper bound on tokens per forward; larger batches buy nothing on CPU and little on GPU.
 MAX_BATCH_TOKENS_CAP = 8192

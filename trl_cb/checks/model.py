@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
-from . import _upstream, attention
+from ..engine import _upstream
+from ..engine import varlen_attention as attention
 
 logger = logging.getLogger(__name__)
 

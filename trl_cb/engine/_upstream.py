@@ -62,9 +62,9 @@ from transformers.generation.continuous_batching.cb_logits_processors import Con
 from transformers.generation.continuous_batching.utils import WorkloadHints
 from transformers.generation.logits_process import LogitsProcessorList
 
-from . import attention
-from .errors import EngineDiedError, GenerationError
-from .lifecycle import deferred_interrupts
+from ..errors import EngineDiedError, GenerationError
+from . import varlen_attention as attention
+from .guards import deferred_interrupts
 from .policy_logprobs import PolicyLogprobRecorder
 from .request_processors import HistoryProcessor, RequestHistory
 
@@ -282,7 +282,7 @@ def _choose_attention(manager: ContinuousBatchingManager, model: PreTrainedModel
     impl = model.config._attn_implementation
     graphs = any(manager.continuous_batching_config.cuda_graph_booleans)
     if graphs and attention.replaces(impl):
-        from . import compat  # compat imports this module
+        from ..checks import model as compat  # compat imports this module
 
         compat.check_model(model, cuda_graphs=True)
     setattr(manager, _VARLEN_FLAG, attention.replaces(impl, graphs))

@@ -83,7 +83,7 @@ def algorithm(name: str) -> Algorithm:
     from trl.scripts.grpo import GRPOScriptArguments
     from trl.scripts.rloo import RLOOScriptArguments
 
-    from . import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+    from .. import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     table = {
         "grpo": Algorithm("grpo", GRPOScriptArguments, GRPOConfig, GRPOTrainer),
@@ -118,7 +118,7 @@ def reward_registry() -> dict[str, Callable[..., list[float]]]:
     """Reward functions known by bare name: trl_cb's GSM8K reward and the names `trl grpo` / `trl rloo` accept."""
     from trl import rewards
 
-    from .data import gsm8k_reward
+    from ..offline.data import gsm8k_reward
 
     return {
         "gsm8k_reward": gsm8k_reward,
@@ -160,7 +160,7 @@ def resolve_reward(name: str) -> Callable[..., list[float]]:
 
 def tiny_model_path() -> str:
     """Directory of the offline tiny checkpoint (`trl-cb/tiny`), built on first use (shared with the examples)."""
-    from .tiny import tiny_checkpoint
+    from ..offline.tiny import tiny_checkpoint
 
     return tiny_checkpoint(Path(tempfile.gettempdir()) / "trl_cb_tiny_qwen2")
 
@@ -180,14 +180,14 @@ def load_datasets(script_args: Any, dataset_args: Any) -> Any:
     from datasets import Dataset, DatasetDict, load_dataset
     from trl import get_dataset
 
-    from .data import synthetic_gsm8k
+    from ..offline.data import synthetic_gsm8k
 
     if dataset_args.datasets:
         if script_args.dataset_name:
             logger.warning("Both `datasets` and `dataset_name` are set: loading `datasets`, ignoring `dataset_name`.")
         dataset = get_dataset(dataset_args)
     elif script_args.dataset_name == VENDORED_GSM8K:
-        from .data import gsm8k_test
+        from ..offline.data import gsm8k_test
 
         rows = gsm8k_test(seed=0)
         held_out = VENDORED_GSM8K_TEST_ROWS
@@ -210,7 +210,7 @@ def load_datasets(script_args: Any, dataset_args: Any) -> Any:
 
 def _as_prompt_records(dataset: Any) -> Any:
     """Map a GSM8K-shaped split (`question`, `answer`, no `prompt`) to `prompt`/`answer`; anything else as it is."""
-    from .data import gsm8k_record
+    from ..offline.data import gsm8k_record
 
     columns = set(dataset.column_names or [])
     if "prompt" in columns or not {"question", "answer"} <= columns:
@@ -350,9 +350,9 @@ def run_check_model(argv: list[str]) -> int:
     try:
         from .check_model import main as check_model_main
     except ModuleNotFoundError as err:
-        if err.name != "trl_cb.check_model":
+        if err.name != "trl_cb.cli.check_model":
             raise
-        return _fail("trl-cb check-model", "not available in this installation of trl_cb (no trl_cb.check_model).")
+        return _fail("trl-cb check-model", "not available in this installation of trl_cb (no trl_cb.cli.check_model).")
     return int(check_model_main(argv) or 0)
 
 

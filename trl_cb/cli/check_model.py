@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import compat
+from ..checks import model as compat
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ def _prompts(tokenizer, model, num_prompts: int, prompt_tokens: int | None) -> l
 def _sample(model, tokenizer, prompts: list[list[int]], args: argparse.Namespace):
     from transformers import GenerationConfig
 
-    from .generator import ContinuousBatchingGenerator
+    from ..rollouts.generator import ContinuousBatchingGenerator
 
     eos = getattr(model.generation_config, "eos_token_id", None)
     pad = getattr(model.generation_config, "pad_token_id", None)

@@ -31,14 +31,20 @@ from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import nanmax, nanmin, pad
 
-from . import compat, lifecycle
-from .async_rollouts import AsyncRolloutController, PromptStream, RolloutGroup, default_max_staleness
-from .generator import ContinuousBatchingGenerator, plain_module, validate_generation_settings, validate_prompts
-from .importance_sampling import (
+from ..checks import model as compat
+from ..engine import guards as lifecycle
+from ..importance_sampling import (
     IS_METRIC_NAMES,
     ImportanceSamplingStats,
     importance_sampling_ratio,
     importance_sampling_stats,
+)
+from ..rollouts.async_controller import AsyncRolloutController, PromptStream, RolloutGroup, default_max_staleness
+from ..rollouts.generator import (
+    ContinuousBatchingGenerator,
+    plain_module,
+    validate_generation_settings,
+    validate_prompts,
 )
 
 logger = logging.getLogger(__name__)

@@ -45,19 +45,21 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import ContinuousBatchingConfig
 
-from . import _upstream, compat, lifecycle
-from .errors import EngineDiedError, GenerationError
-from .generation_settings import (
+from ..checks import model as compat
+from ..checks.generation_settings import (
     engine_generation_config,
     eos_token_ids,
     request_processor_settings,
     sampling_signature,
     without_trl_cb_fields,
 )
-from .openmp import guard_helps, hold_polite_waits_while_alive
-from .precision import GenerationPrecision
-from .request_processors import build_request_processors
-from .sizing import CacheSize, Workload, default_page_size, size_cache
+from ..engine import _upstream
+from ..engine import guards as lifecycle
+from ..engine.openmp import guard_helps, hold_polite_waits_while_alive
+from ..engine.precision import GenerationPrecision
+from ..engine.request_processors import build_request_processors
+from ..engine.sizing import CacheSize, Workload, default_page_size, size_cache
+from ..errors import EngineDiedError, GenerationError
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

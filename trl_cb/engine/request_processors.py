@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from .generation_settings import RequestProcessorSettings
+from ..checks.generation_settings import RequestProcessorSettings
 
 __all__ = [
     "HistoryProcessor",

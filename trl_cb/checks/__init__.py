@@ -1,0 +1,1 @@
+"""Up-front checks: which models and which generation settings the CB engine serves exactly."""

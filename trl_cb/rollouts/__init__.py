@@ -1,0 +1,1 @@
+"""Rollouts: one generation round (`ContinuousBatchingGenerator`) and async rollouts across training steps."""
