@@ -116,8 +116,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import TrainerCallback
 
     import trl_cb
-    from trl_cb.offline.data import gsm8k_test
     from trl_cb.engine.precision import GenerationPrecision
+    from trl_cb.offline.data import gsm8k_test
     from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
 
     model_dtype, train_precision = spec["case"].split("-")
