@@ -490,7 +490,12 @@ class ContinuousBatchingGenerator:
         t0 = time.perf_counter()
         try:
             manager = _upstream.create_manager(
-                module, without_trl_cb_fields(gen_cfg), ContinuousBatchingConfig(**kwargs), hints, request_processors
+                module,
+                without_trl_cb_fields(gen_cfg),
+                ContinuousBatchingConfig(**kwargs),
+                hints,
+                request_processors,
+                check_model=compat.check_model,
             )
         except MemoryError as err:
             raise MemoryError(
