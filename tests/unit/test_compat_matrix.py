@@ -171,11 +171,11 @@ def test_engine_with_accelerator_graphs_refuses_a_soft_capped_model(tokenizer, s
     assert compat.check_model(gemma2) is True  # accepted for the engine trl_cb builds by default
     gemma2.set_attn_implementation("paged|eager")  # as the manager's constructor leaves an eager model
     with pytest.raises(UnsupportedModelError, match="soft"):
-        _upstream._choose_attention(fake_manager(graphs=True), gemma2)
+        _upstream._choose_attention(fake_manager(graphs=True), gemma2, compat.check_model)
     for model, graphs in ((make("qwen2"), True), (gemma2, False)):
         manager = fake_manager(graphs)
         expected = model.config._attn_implementation if graphs else attention.ATTENTION_NAME
-        _upstream._choose_attention(manager, model)
+        _upstream._choose_attention(manager, model, compat.check_model)
         assert getattr(manager, _upstream._VARLEN_FLAG) is (not graphs), model.config.model_type
         assert model.config._attn_implementation == expected
 

@@ -584,7 +584,7 @@ def test_manager_constructor_switches_attention_before_it_can_raise(tokenizer):
 
 
 def test_cpython_thread_atexit_hook():
-    """`_upstream.register_before_thread_join` needs the hook that runs before non-daemon threads are joined."""
+    """`guards.register_before_thread_join` needs the hook that runs before non-daemon threads are joined."""
     assert callable(getattr(threading, "_register_atexit", None)), "threading._register_atexit is gone"
 
 

@@ -34,6 +34,8 @@ from typing import Any
 
 from transformers import GenerationConfig
 
+from ..engine.request_processors import RequestProcessorSettings
+
 __all__ = [
     "FIELD_RULES",
     "FieldRule",
@@ -236,19 +238,6 @@ def check_generation_config(generation_config: GenerationConfig) -> None:
             + "\n- ".join(problems)
             + "\nUnset them, or generate without continuous batching. Field table: docs/index.md, 'Sampling settings'."
         )
-
-
-@dataclass(frozen=True)
-class RequestProcessorSettings:
-    """What trl_cb applies per request itself (`request_processors.py`); all off by default."""
-
-    repetition_penalty: float | None = None
-    min_new_tokens: int = 0
-    min_length: int = 0
-
-    @property
-    def needs_history(self) -> bool:
-        return self.repetition_penalty is not None or self.min_new_tokens > 0 or self.min_length > 0
 
 
 def request_processor_settings(generation_config: GenerationConfig) -> RequestProcessorSettings:

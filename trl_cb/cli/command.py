@@ -83,7 +83,8 @@ def algorithm(name: str) -> Algorithm:
     from trl.scripts.grpo import GRPOScriptArguments
     from trl.scripts.rloo import RLOOScriptArguments
 
-    from .. import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+    from ..configs import GRPOConfig, RLOOConfig
+    from ..trainers import GRPOTrainer, RLOOTrainer
 
     table = {
         "grpo": Algorithm("grpo", GRPOScriptArguments, GRPOConfig, GRPOTrainer),

@@ -41,8 +41,7 @@ What we rely on, and why:
   stopped while it still runs).
 - `ContinuousBatchingManager.__init__` switches the model's attention implementation *before* it can raise (e.g. a
   page_size below 4): `create_manager` restores it (and train/eval mode) from what it saw before.
-- `threading._register_atexit` (CPython): runs our engine shutdown before the interpreter joins non-daemon threads.
-  `trl_cb/attention.py` itself uses only what transformers hands every attention function on an engine forward
+- `varlen_attention.py` itself uses only what transformers hands every attention function on an engine forward
   (`cache`, `cu_seq_lens_q/k`, `cache.update(...)`), pinned in the same contract tests.
 """
 
@@ -82,7 +81,6 @@ __all__ = [
     "inflight_generated_lengths",
     "release",
     "reset_prefix_cache",
-    "register_before_thread_join",
     "request_hard_stop",
     "resume",
     "stop_now",
@@ -102,15 +100,17 @@ def create_manager(
     hints: WorkloadHints,
     request_processors: Sequence[HistoryProcessor] = (),
     record_policy_logprobs: bool = False,
+    check_model: Callable[..., object] | None = None,
 ) -> ContinuousBatchingManager:
     """Build and warm up (on this thread, RNG preserved) a fresh manager; its thread is *not* started (`resume`
     starts it). Never reuses a cached one.
 
     The engine's processors are checked against `generate()`'s for `generation_config` (`check_processors_kept`),
     `request_processors` run before them at every step (`install_request_processors`) and trl_cb's attention is
-    chosen (`_choose_attention`), all before the batch processor and its cache exist. With `record_policy_logprobs`,
-    every result's logprobs also carry the trainer-comparable value (`install_policy_logprob_recorder`,
-    `output_logprobs`). On any failure the model keeps
+    chosen (`_choose_attention`, which refuses through `check_model` a model the engine's attention would not serve
+    exactly), all before the batch processor and its cache exist. With `record_policy_logprobs`, every result's
+    logprobs also carry the trainer-comparable value (`install_policy_logprob_recorder`, `output_logprobs`). On any
+    failure the model keeps
     its attention implementation and train/eval mode: the manager's constructor switches the former and calls
     `eval()` before it can raise.
     """
@@ -131,7 +131,7 @@ def create_manager(
             check_processors_kept(manager, model, generation_config)
             if request_processors:
                 install_request_processors(manager, request_processors)
-            _choose_attention(manager, model)  # before warmup builds the batch processor (no dense mask)
+            _choose_attention(manager, model, check_model)  # before warmup builds the batch processor (no dense mask)
             if attn_before == attention.ATTENTION_NAME:
                 manager._original_attn_impl = attn_before  # after this engine's rounds, the other engine's again
             recorder = PolicyLogprobRecorder(generation_config.temperature) if record_policy_logprobs else None
@@ -245,22 +245,6 @@ def release(manager: ContinuousBatchingManager) -> None:
     manager.distributed_helper.destroy_cpu_comm_group()
 
 
-def register_before_thread_join(callback: Callable[[], None]) -> bool:
-    """Run `callback` at interpreter exit *before* non-daemon threads are joined (a held engine thread would block
-    that join forever). CPython's `threading._register_atexit`; falls back to `atexit` (after the join)."""
-    register = getattr(threading, "_register_atexit", None)
-    try:
-        if register is not None:
-            register(callback)
-            return True
-    except RuntimeError:  # already shutting down
-        return False
-    import atexit
-
-    atexit.register(callback)
-    return True
-
-
 def resume(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
     """Restart a suspended engine's thread on its kept batch processor (no re-seeding, no re-allocation)."""
     switch_to_generation_attention(manager, model)
@@ -273,18 +257,21 @@ def resume(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
 _VARLEN_FLAG = "_trl_cb_varlen_attention"
 
 
-def _choose_attention(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
+def _choose_attention(
+    manager: ContinuousBatchingManager, model: PreTrainedModel, check_model: Callable[..., object] | None
+) -> None:
     """Decide, once per engine, whether it runs `trl_cb.attention` (see `switch_to_generation_attention`).
 
     The model was checked (`compat.check_model`) against the engine attention it would get without accelerator
     graphs; with graphs on, a dense-mask implementation stays, so the model is checked again against that one (a
-    soft-capped or sink model is refused here rather than sampled without its soft-cap or sinks)."""
+    soft-capped or sink model is refused here (`check_model(model, cuda_graphs=True)`, the caller's model check)
+    rather than sampled without its soft-cap or sinks."""
     impl = model.config._attn_implementation
     graphs = any(manager.continuous_batching_config.cuda_graph_booleans)
     if graphs and attention.replaces(impl):
-        from ..checks import model as compat  # compat imports this module
-
-        compat.check_model(model, cuda_graphs=True)
+        if check_model is None:
+            raise ValueError("An engine with accelerator graphs needs the model check (`check_model`) to be built.")
+        check_model(model, cuda_graphs=True)
     setattr(manager, _VARLEN_FLAG, attention.replaces(impl, graphs))
     switch_to_generation_attention(manager, model)
 

@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import logging
@@ -30,7 +31,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -168,9 +169,21 @@ def close_at_exit(obj: Any) -> None:
     with _locks_guard:
         _exit_registry.add(obj)
         if not _exit_hook_installed:
-            from . import _upstream
+            _exit_hook_installed = register_before_thread_join(_close_all)
 
-            _exit_hook_installed = _upstream.register_before_thread_join(_close_all)
+
+def register_before_thread_join(callback: Callable[[], None]) -> bool:
+    """Run `callback` at interpreter exit *before* non-daemon threads are joined (a held engine thread would block
+    that join forever). CPython's `threading._register_atexit`; falls back to `atexit` (after the join)."""
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is not None:
+            register(callback)
+            return True
+    except RuntimeError:  # already shutting down
+        return False
+    atexit.register(callback)
+    return True
 
 
 def _close_all() -> None:

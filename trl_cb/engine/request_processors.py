@@ -26,13 +26,12 @@ from typing import Protocol
 
 import torch
 
-from ..checks.generation_settings import RequestProcessorSettings
-
 __all__ = [
     "HistoryProcessor",
     "MinLengthEosSuppression",
     "RepetitionPenalty",
     "RequestHistory",
+    "RequestProcessorSettings",
     "build_request_processors",
 ]
 
@@ -66,6 +65,20 @@ class RequestHistory:
         if start >= split:
             return list(self.generated[start - split :])
         return list(self.prefix[start:]) + list(self.generated)
+
+
+@dataclass(frozen=True)
+class RequestProcessorSettings:
+    """What trl_cb applies per request itself (read from the generation config by `checks.generation_settings`); all
+    off by default."""
+
+    repetition_penalty: float | None = None
+    min_new_tokens: int = 0
+    min_length: int = 0
+
+    @property
+    def needs_history(self) -> bool:
+        return self.repetition_penalty is not None or self.min_new_tokens > 0 or self.min_length > 0
 
 
 class HistoryProcessor(Protocol):

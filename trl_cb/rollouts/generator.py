@@ -528,7 +528,13 @@ class ContinuousBatchingGenerator:
         t0 = time.perf_counter()
         try:
             manager = _upstream.create_manager(
-                module, engine_cfg, ContinuousBatchingConfig(**kwargs), hints, request_processors, record_policy
+                module,
+                engine_cfg,
+                ContinuousBatchingConfig(**kwargs),
+                hints,
+                request_processors,
+                record_policy,
+                check_model=compat.check_model,
             )
         except MemoryError as err:
             raise MemoryError(
