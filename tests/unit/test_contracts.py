@@ -1,4 +1,5 @@
-"""Contract tests: the transformers and TRL surface trl_cb relies on (see trl_cb/_upstream.py, trl_cb/trainers.py).
+"""Contract tests: the transformers and TRL surface trl_cb relies on (trl_cb/engine/_upstream.py for transformers,
+trl_cb/trainers/trl_internals.py for TRL).
 
 Each test names what broke, so an upstream release that moves an API fails here first, cheaply and clearly,
 instead of corrupting rollouts or their importance weights.
@@ -362,7 +363,7 @@ def test_trl_grpo_accepts_per_token_advantages_and_reads_is_ratio_for_vespo():
 
 
 def test_trl_loss_computes_policy_logprobs_before_reading_advantages():
-    """A deferred IS correction (trainers.py `_compute_loss`) rewrites `inputs["advantages"]` (and sets
+    """A deferred IS correction (trainers/is_correction.py `_compute_loss`) rewrites `inputs["advantages"]` (and sets
     `inputs["importance_sampling_ratio"]`) when TRL's loss forward returns the policy's logprobs: that call must come
     first, before TRL reads either, and must be TRL's first `_get_per_token_logps_and_entropies` call there."""
     for cls in (trl.GRPOTrainer, trl.RLOOTrainer):
@@ -373,6 +374,29 @@ def test_trl_loss_computes_policy_logprobs_before_reading_advantages():
         assert all(r == -1 or r > call for r in reads), f"{cls.__name__} reads advantages before its loss forward"
     src = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
     assert "gradient_accumulation_steps % generate_every != 0" in src, "TRL's condition for old logps changed"
+
+
+def test_trainers_reach_trl_internals_only_through_one_module():
+    """Every TRL private attribute trl_cb's trainers touch goes through trainers/trl_internals.py (pinned by the tests
+    around this one); the other trainer modules only override TRL's three generation/loss hooks."""
+    import ast
+    from pathlib import Path
+
+    import trl_cb.trainers
+
+    overrides = {"_generate_single_turn", "_generate_and_score_completions", "_compute_loss"}
+    offenders = []
+    for path in sorted(Path(trl_cb.trainers.__file__).parent.glob("*.py")):
+        if path.name == "trl_internals.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else None
+            if name and name.startswith("_") and not name.startswith(("_cb_", "__")) and name not in overrides:
+                offenders.append(f"{path.name}:{node.lineno} .{name}")
+    assert not offenders, offenders
+    for cls in (trl.GRPOTrainer, trl.RLOOTrainer):
+        assert "self._metrics" in inspect.getsource(cls.__init__), f"{cls.__name__} no longer keeps _metrics"
+        assert callable(getattr(cls, "_tokenize_prompts", None))
 
 
 def test_trl_output_keys_we_read():

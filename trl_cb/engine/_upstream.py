@@ -1,56 +1,21 @@
 """The only place trl_cb touches transformers' continuous-batching internals.
 
-Why one module: transformers' CB engine is young and moves between minor releases. Every attribute or behaviour we
-rely on beyond the documented `init_continuous_batching` / `add_request` / `get_result` / `pause` / `stop` /
-`destroy` surface is reached through a function here, and `tests/unit/test_contracts.py` pins each one, so an
-upstream change fails one cheap test with a clear message instead of corrupting rollouts.
+transformers' CB engine is young and moves between minor releases. Everything trl_cb relies on beyond the documented
+`init_continuous_batching` / `add_request` / `get_result` / `pause` / `stop` / `destroy` surface is reached through a
+function here, and tests/unit/test_contracts.py pins each one, so an upstream change fails one cheap test with a clear
+message instead of corrupting rollouts. The list of what is relied on, and why: docs/architecture.md, "Upstream
+surface".
 
-What we rely on, and why:
-- `ContinuousBatchingManager.num_return_sequences` is read by `add_request` to set the request's number of forked
-  children. Setting it per request lets each unique prompt fork exactly as many samples as TRL asked for (a group
-  may be split across ranks), without rebuilding the engine when G changes (train vs eval).
-- `manager.batch_processor.cache.reset()` clears the prefix-hash ledger, which otherwise survives between rounds and
-  lets a later prompt reuse KV blocks computed with the previous weights (see docs/index.md, "Fresh weights").
-- `manager._original_attn_impl` records the attention implementation CB switched away from; we restore it after
-  each round so the training forward never runs through the paged path (transformers issues 48296/48297).
-- `manager.warmup()` builds the batch processor on the calling thread. That constructor seeds the *global* RNG
-  (`torch.manual_seed`); doing it here, inside `fork_rng`, keeps the caller's RNG stream untouched.
-- `manager.background_thread_status.fatal_error` tells a crashed engine from an idle one.
-- torch FSDP2's per-group reshard setting (`fsdp2_unsharded`): saved and restored around a round.
-- `background_thread_status.request_stop(FLUSH_AND_STOP)`, `manager._wake_up_loop` and `manager._generation_thread`
-  (`suspend`): the thread is stopped between rounds and restarted by `start()` on the kept batch processor.
-- `manager.logit_processor` (a `ContinuousBatchingLogitsProcessorList`) is what the batch processor, built later by
-  `warmup()`, applies to every step's logits. `install_request_processors` prepends trl_cb's per-request
-  processors to it (`ContinuousBatchingLogitsProcessor` subclasses: `prepare_tensor_args` receives the requests with
-  a new token, in the order of the logits rows, on the engine thread before the forward), and
-  `check_processors_kept` compares it with `model._get_logits_processor(config)` — what `generate()` would apply — so
-  a processor the engine drops raises instead of changing the sampled distribution silently.
-- `RequestState.initial_tokens`, `.generated_tokens` and `._true_initial_tokens` (`_request_history`): a request's
-  prompt and completion so far, also after the engine re-queued it with its tokens folded into the prompt.
-- The engine's attention (`switch_to_generation_attention`): after `switch_to_cb_friendly_attn` picks `sdpa` or
-  `paged|eager` (the dense-mask implementations), we put `trl_cb.attention.ATTENTION_NAME` on the model instead and
-  record the training implementation in `manager._original_attn_impl`. It must happen before the batch processor is
-  built: the engine allocates and fills its dense mask only for `sdpa`/`paged|eager` (`attn_mask_is_needed`), and
-  passes the varlen inputs (`cu_seq_lens_q`/`cu_seq_lens_k`, `cache`) to every attention call. Not done when the
-  engine uses accelerator graphs (`continuous_batching_config.cuda_graph_booleans`): our plan reads host-side lengths.
-- `request_stop(HARD_STOP)` (`stop_now`): the loop checks it before every batch, exits after at most the forward in
-  progress, and fails what is left. `manager.destroy()` / `stop()` flush instead (every outstanding request is
-  generated to the end first: 28-43 s on a long round), so aborts never use them.
-- `background_thread_status.local_status == STOPPED` is set by the thread's own `finally` (`mark_as_stopped`): we
-  wait for it instead of `Thread.join`, which a `KeyboardInterrupt` can break on CPython 3.11 (the thread is marked
-  stopped while it still runs).
-- `ContinuousBatchingManager.__init__` switches the model's attention implementation *before* it can raise (e.g. a
-  page_size below 4): `create_manager` restores it (and train/eval mode) from what it saw before.
-- `varlen_attention.py` itself uses only what transformers hands every attention function on an engine forward
-  (`cache`, `cu_seq_lens_q/k`, `cache.update(...)`), pinned in the same contract tests.
+Invariants: the caller's global RNG is never re-seeded (the batch processor is built inside `fork_rng`); the model
+keeps its training attention implementation outside rounds (and after a failed build); no engine thread lives
+between rounds (`suspend`); an abort never flushes (`stop_now` hard-stops, waiting for the thread's own end marker).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -61,31 +26,10 @@ from transformers.generation.continuous_batching.cb_logits_processors import Con
 from transformers.generation.continuous_batching.utils import WorkloadHints
 from transformers.generation.logits_process import LogitsProcessorList
 
-from ..errors import EngineDiedError
+from ..errors import EngineDiedError, GenerationError
 from . import varlen_attention as attention
 from .guards import deferred_interrupts
-from .request_processors import HistoryProcessor, RequestHistory
-
-__all__ = [
-    "ContinuousBatchingManager",
-    "WorkloadHints",
-    "add_forked_request",
-    "check_processors_kept",
-    "create_manager",
-    "engine_fatal_error",
-    "install_request_processors",
-    "fsdp2_unsharded",
-    "inflight_generated_lengths",
-    "release",
-    "reset_prefix_cache",
-    "request_hard_stop",
-    "resume",
-    "stop_now",
-    "suspend",
-    "wait_for_thread_exit",
-    "restore_training_attention",
-    "switch_to_generation_attention",
-]
+from .request_processors import HistoryProcessor, RequestHistory, require_synchronous_engine
 
 _fork_lock = threading.Lock()
 
@@ -112,7 +56,7 @@ def create_manager(
         # A cached manager would be returned as-is and silently ignore our configs (notes: "persistent pitfalls").
         model.destroy_cached_continuous_batching_manager()
     devices = [model.device] if model.device.type == "cuda" else []
-    attn_before, training_before = model.config._attn_implementation, model.training
+    attn_before, training_before = attention_implementation(model), model.training
     if attn_before == attention.ATTENTION_NAME:
         # Another engine on this model (async rollouts) keeps trl_cb's attention on the shared config, and upstream's
         # constructor accepts only its own names: build from `sdpa` (what ATTENTION_NAME runs outside an engine).
@@ -130,11 +74,17 @@ def create_manager(
                 manager._original_attn_impl = attn_before  # after this engine's rounds, the other engine's again
             manager.warmup()
     except BaseException:
-        if model.config._attn_implementation != attn_before:
+        if attention_implementation(model) != attn_before:
             model.set_attn_implementation(attn_before)
         model.train(training_before)
         raise
     return manager
+
+
+def attention_implementation(model: PreTrainedModel) -> str:
+    """The attention implementation `model` runs now (transformers keeps it in the private
+    `config._attn_implementation`; `set_attn_implementation` is the public setter)."""
+    return model.config._attn_implementation
 
 
 def add_forked_request(
@@ -170,13 +120,11 @@ def reset_prefix_cache(manager: ContinuousBatchingManager) -> None:
 def suspend(manager: ContinuousBatchingManager) -> None:
     """Stop the engine's thread (no request may be in flight) but keep its batch processor and cache for `resume`.
 
-    No engine thread lives between rounds. Its existence alone no longer changes training speed: an idle torch thread
-    owns an OpenMP team, which switches libgomp from spinning to sleeping waits (forward+backward 23 -> 37 ms on an
-    idle machine, but 10x faster on a loaded one); trl_cb now holds that policy for the generator's whole life
-    (`trl_cb/openmp.py`), so stopping or keeping this thread measured the same (docs/benchmarks.md).
+    No engine thread lives between rounds, so nothing runs forwards of the module while the trainer does. (The OpenMP
+    wait policy an idle torch thread would bring is held by `openmp.py` either way.)
     """
-    # Not `manager.stop()`: it also runs `gc.collect()` and caches the manager on the model, which cost ~0.28 s per
-    # round here. The loop exits on FLUSH_AND_STOP once nothing is pending; the batch processor stays on the manager.
+    # Not `manager.stop()`: it also runs `gc.collect()` and caches the manager on the model, both per round. The loop
+    # exits on FLUSH_AND_STOP once nothing is pending; the batch processor stays on the manager.
     # Interrupt-safe: the handle is dropped only once the thread has exited (`wait_for_thread_exit`).
     with deferred_interrupts():
         status = manager.background_thread_status
@@ -239,7 +187,7 @@ def resume(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
         manager.start()
 
 
-#: Manager attribute (ours): whether this engine runs `trl_cb.attention`, decided once, because its batch processor
+#: Manager attribute (ours): whether this engine runs `varlen_attention`, decided once, because its batch processor
 #: was built without the dense mask and every later round must use the same implementation.
 _VARLEN_FLAG = "_trl_cb_varlen_attention"
 
@@ -247,13 +195,13 @@ _VARLEN_FLAG = "_trl_cb_varlen_attention"
 def _choose_attention(
     manager: ContinuousBatchingManager, model: PreTrainedModel, check_model: Callable[..., object] | None
 ) -> None:
-    """Decide, once per engine, whether it runs `trl_cb.attention` (see `switch_to_generation_attention`).
+    """Decide, once per engine, whether it runs `varlen_attention` (see `switch_to_generation_attention`).
 
-    The model was checked (`compat.check_model`) against the engine attention it would get without accelerator
-    graphs; with graphs on, a dense-mask implementation stays, so the model is checked again against that one (a
-    soft-capped or sink model is refused here (`check_model(model, cuda_graphs=True)`, the caller's model check)
-    rather than sampled without its soft-cap or sinks."""
-    impl = model.config._attn_implementation
+    The model was checked against the engine attention it gets without accelerator graphs; with graphs on, a
+    dense-mask implementation stays, so `check_model(model, cuda_graphs=True)` (the caller's model check,
+    `checks.model.check_model`) checks it against that one: a soft-capped or sink model is refused here rather than
+    sampled without its soft-cap or sinks."""
+    impl = attention_implementation(model)
     graphs = any(manager.continuous_batching_config.cuda_graph_booleans)
     if graphs and attention.replaces(impl):
         if check_model is None:
@@ -267,13 +215,13 @@ def switch_to_generation_attention(manager: ContinuousBatchingManager, model: Pr
     """Put the engine's attention implementation on the model (idempotent).
 
     transformers' choice first (flash when available, else `sdpa` / `paged|eager`); for an engine built to run
-    `trl_cb.attention.ATTENTION_NAME` (per-request attention, honours softcap; `_choose_attention`), a dense-mask
+    `varlen_attention.ATTENTION_NAME` (per-request attention, honours softcap; `_choose_attention`), a dense-mask
     choice is replaced by it. `manager._original_attn_impl` keeps the training implementation.
     """
-    if model.config._attn_implementation == attention.ATTENTION_NAME:
+    if attention_implementation(model) == attention.ATTENTION_NAME:
         return
     manager.switch_to_cb_friendly_attn(model, manager.continuous_batching_config.auto_switch_to_flash)
-    chosen = model.config._attn_implementation
+    chosen = attention_implementation(model)
     if not getattr(manager, _VARLEN_FLAG, False) or chosen not in attention.DENSE_MASK_IMPLEMENTATIONS:
         return
     attention.register()
@@ -296,50 +244,28 @@ def engine_fatal_error(manager: ContinuousBatchingManager) -> Exception | None:
     return getattr(status, "fatal_error", None)
 
 
+def check_alive(manager: ContinuousBatchingManager, what: str) -> None:
+    """`EngineDiedError` ("The continuous batching engine stopped {what}", with its fatal error) unless the engine's
+    thread still runs."""
+    error = engine_fatal_error(manager)
+    if error is not None or not manager.is_running():
+        suffix = f": {error!r}" if error is not None else "."
+        raise EngineDiedError(f"The continuous batching engine stopped {what}{suffix}") from error
+
+
+def finished_output(result: Any) -> Any | None:
+    """`result` once its request has finished, `None` while it runs; `GenerationError` if the request failed."""
+    if not result.is_finished():
+        return None
+    if result.error is not None:
+        raise GenerationError(result.request_id, str(result.error))
+    return result
+
+
 def resolved_cache_blocks(manager: ContinuousBatchingManager) -> int | None:
     """Number of whole-model KV blocks the engine's cache actually holds (after its own rounding)."""
     processor = manager.batch_processor
     return None if processor is None else int(processor.cache.num_blocks)
-
-
-@contextmanager
-def fsdp2_unsharded(module: torch.nn.Module) -> Iterator[None]:
-    """Hold every FSDP2 (`fully_shard`) parameter group of `module` unsharded for a whole generation round.
-
-    Why: TRL's `summon_full_params` is a no-op for FSDP2, whose hooks all-gather before each forward and reshard
-    after it. The CB engine runs forwards on its own thread, a data-dependent number of times per rank, so per-forward
-    collectives would pair up across ranks out of step (seen: gloo "connection closed", wrong results). We unshard
-    once (collectively, all ranks together), turn reshard-after-forward off so the engine's forwards run no
-    collective, and on exit reshard and restore each group's exact reshard setting (torch internals
-    `_auto_reshard_after_forward` and `post_forward_mesh_info`, pinned by tests/unit/test_contracts.py).
-    """
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        yield
-        return
-    fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
-    if not fsdp_modules:
-        yield
-        return
-    saved = []
-    for m in fsdp_modules:
-        state = m._get_fsdp_state()
-        saved.append(
-            (state, state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups])
-        )
-        m.set_reshard_after_forward(False, recurse=False)
-    try:
-        for m in fsdp_modules:
-            m.unshard()
-        yield
-    finally:
-        for m in fsdp_modules:
-            m.reshard()
-        for state, auto, infos in saved:
-            state._auto_reshard_after_forward = auto
-            for group, info in zip(state._fsdp_param_groups, infos):
-                group.post_forward_mesh_info = info
 
 
 def inflight_generated_lengths(manager: ContinuousBatchingManager) -> dict[str, int]:
@@ -369,7 +295,7 @@ def check_processors_kept(
         raise ValueError(
             f"The continuous batching engine kept {len(kept)} of the logits processors generate() would apply "
             f"({expected}); sampling would not follow the generation config. trl_cb's field table "
-            "(trl_cb/generation_settings.py) needs updating for this transformers version."
+            "(trl_cb/checks/generation_settings.py) needs updating for this transformers version."
         )
 
 
@@ -421,15 +347,14 @@ def install_request_processors(manager: ContinuousBatchingManager, processors: S
     processors' per-step tensors). `ValueError` if the resolved engine config has any of them.
     """
     cfg = manager.continuous_batching_config  # resolved by the manager's constructor
-    compiled = cfg.varlen_compile_config is not None or cfg.decode_compile_config is not None
-    if any(cfg.cuda_graph_booleans) or cfg.use_async_batching or compiled:
-        raise ValueError(
-            "repetition_penalty / min_new_tokens / min_length are applied from each request's history and need the "
-            "engine's synchronous, uncompiled path: set use_cuda_graph=False and use_async_batching=False and no "
-            f"compile config (resolved: use_cuda_graph={cfg.use_cuda_graph}, "
-            f"use_async_batching={cfg.use_async_batching}, varlen_compile_config={cfg.varlen_compile_config}, "
-            f"decode_compile_config={cfg.decode_compile_config})."
-        )
+    require_synchronous_engine(
+        {
+            "use_cuda_graph": any(cfg.cuda_graph_booleans),
+            "use_async_batching": cfg.use_async_batching,
+            "varlen_compile_config": cfg.varlen_compile_config,
+            "decode_compile_config": cfg.decode_compile_config,
+        }
+    )
     processor_list = manager.logit_processor
     processor_list.logits_processor = LogitsProcessorList(
         [PerRequestProcessor(processors), *processor_list.logits_processor]

@@ -20,9 +20,9 @@ than `min_length`). They run first, in that order, like `generate()`'s processor
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -33,7 +33,20 @@ __all__ = [
     "RequestHistory",
     "RequestProcessorSettings",
     "build_request_processors",
+    "require_synchronous_engine",
 ]
+
+#: Engine settings under which the processors cannot run: each makes the engine prepare a step before the previous
+#: step's token is known, or freezes the per-step tensors (accelerator graphs, compilation).
+ASYNCHRONOUS_ENGINE_SETTINGS = (
+    "use_cuda_graph",
+    "use_async_batching",
+    "varlen_compile_config",
+    "decode_compile_config",
+    "default_compile_level",
+)
+#: What an engine running the processors is built with where the user left these unset (transformers' `None`: auto).
+SYNCHRONOUS_ENGINE = {"use_cuda_graph": False, "use_async_batching": False}
 
 
 @dataclass
@@ -167,3 +180,18 @@ def build_request_processors(
     if (settings.min_new_tokens > 0 or settings.min_length > 0) and eos_token_ids:
         processors.append(MinLengthEosSuppression(eos_token_ids, settings.min_new_tokens, settings.min_length))
     return processors
+
+
+def require_synchronous_engine(settings: Mapping[str, Any]) -> None:
+    """`ValueError` naming every setting in `settings` (engine kwargs, or a resolved engine config's values) that
+    would make the engine asynchronous or compiled, which the processors cannot run under."""
+    conflicting = {
+        key: settings[key] for key in ASYNCHRONOUS_ENGINE_SETTINGS if settings.get(key) not in (None, False)
+    }
+    if conflicting:
+        raise ValueError(
+            "repetition_penalty / min_new_tokens / min_length are applied from each request's history at every step, "
+            "which needs the engine's synchronous, uncompiled path; unset (or set to False) "
+            f"{', '.join(f'{k}={v!r}' for k, v in sorted(conflicting.items()))} in the continuous batching config, or "
+            "drop those generation settings."
+        )
