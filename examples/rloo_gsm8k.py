@@ -14,15 +14,14 @@ Multi-GPU (see docs/distributed.md):
 
 from __future__ import annotations
 
-import tempfile
-
 import torch
 from datasets import Dataset
 from trl import TrlParser
 
 from trl_cb import RLOOConfig, RLOOTrainer
 from trl_cb.offline.data import GSM8KScriptArguments, gsm8k_reward, load_prompts
-from trl_cb.offline.tiny import tiny_checkpoint
+from trl_cb.offline.names import is_tiny_model_name
+from trl_cb.offline.tiny import tiny_model_path
 
 DEFAULTS = dict(
     use_transformers_continuous_batching=True,
@@ -41,9 +40,9 @@ if not torch.cuda.is_available():  # TRL defaults to bf16, which needs a GPU unl
 
 def main(script_args: GSM8KScriptArguments, training_args: RLOOConfig) -> None:
     model = script_args.model_name_or_path
-    if model == "tiny":  # rank 0 first: under torch.distributed only rank 0 writes checkpoint files
+    if is_tiny_model_name(model):  # rank 0 first: under torch.distributed only rank 0 writes checkpoint files
         with training_args.main_process_first(local=False):
-            model = tiny_checkpoint(f"{tempfile.gettempdir()}/trl_cb_tiny_qwen2")
+            model = tiny_model_path()
     dataset = Dataset.from_list(load_prompts(script_args, seed=training_args.seed))
     trainer = RLOOTrainer(model=model, reward_funcs=gsm8k_reward, args=training_args, train_dataset=dataset)
     trainer.train()

@@ -22,11 +22,10 @@ from typing import Any
 
 import trl
 
+from .checks.engine_config import DEFAULT_MAX_MEMORY_PERCENT, cb_kwargs
 from .deprecation import warn_deprecated
 from .importance_sampling import IS_MODES, validate_mode
-from .rollouts.generator import validate_cb_kwargs
-
-DEFAULT_MAX_MEMORY_PERCENT = 0.5
+from .rollouts.async_controller import validate_async_bounds
 
 
 @dataclass
@@ -85,7 +84,8 @@ class ContinuousBatchingArguments:
         default=None,
         metadata={
             "help": "Keyword arguments for `transformers.generation.ContinuousBatchingConfig` (dict or JSON string). "
-            "Unset cache geometry is sized from the workload; `max_memory_percent` defaults to 0.5."
+            f"Unset cache geometry is sized from the workload; `max_memory_percent` defaults to "
+            f"{DEFAULT_MAX_MEMORY_PERCENT}."
         },
     )
     cb_importance_sampling_correction: bool = field(
@@ -184,11 +184,7 @@ class ContinuousBatchingArguments:
                 "transformers_continuous_batching_config must be a dict or JSON object, got "
                 f"{type(cb_config).__name__}."
             )
-        cb_config = dict(cb_config or {})
-        validate_cb_kwargs(cb_config)
-        if cb_config.get("max_memory_percent") is None:
-            cb_config["max_memory_percent"] = DEFAULT_MAX_MEMORY_PERCENT
-        self.transformers_continuous_batching_config = cb_config
+        self.transformers_continuous_batching_config = cb_kwargs(cb_config)
 
         if self.cb_importance_sampling_mode is None:
             self.cb_importance_sampling_mode = self._default_importance_sampling_mode()
@@ -212,10 +208,7 @@ class ContinuousBatchingArguments:
                     "async_generation trains on samples drawn by older weights; it needs "
                     "cb_importance_sampling_correction=True."
                 )
-            if (self.max_staleness is not None and self.max_staleness < 0) or self.prefetch_depth < 0:
-                raise ValueError(
-                    f"max_staleness and prefetch_depth must be >= 0, got {self.max_staleness}, {self.prefetch_depth}."
-                )
+            validate_async_bounds(self.max_staleness, self.prefetch_depth)
         if self.use_transformers_continuous_batching and getattr(self, "use_vllm", False):
             raise ValueError(
                 "use_transformers_continuous_batching and use_vllm are mutually exclusive; enable one of them."

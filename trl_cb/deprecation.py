@@ -21,13 +21,23 @@ REMOVAL_VERSION = "1.0.0"
 
 #: Old module path -> the module(s) its names live in now (earlier ones win a name clash). Removed in REMOVAL_VERSION.
 MOVED_MODULES: dict[str, tuple[str, ...]] = {
-    "trl_cb.async_rollouts": ("trl_cb.rollouts.async_controller",),
+    "trl_cb.async_rollouts": (
+        "trl_cb.rollouts.async_controller",
+        "trl_cb.rollouts.rollout_groups",
+        "trl_cb.rollouts.prompt_stream",
+        "trl_cb.trainers.async_bridge",
+    ),
     "trl_cb.attention": ("trl_cb.engine.varlen_attention",),
     "trl_cb.check_model": ("trl_cb.cli.check_model",),
     "trl_cb.compat": ("trl_cb.checks.model",),
     "trl_cb.data": ("trl_cb.offline.data",),
     "trl_cb.generation_settings": ("trl_cb.checks.generation_settings",),
-    "trl_cb.generator": ("trl_cb.rollouts.generator",),
+    "trl_cb.generator": (
+        "trl_cb.rollouts.generator",
+        "trl_cb.rollouts.model_access",
+        "trl_cb.checks.inputs",
+        "trl_cb.checks.engine_config",
+    ),
     "trl_cb.lifecycle": ("trl_cb.engine.guards",),
     "trl_cb.openmp": ("trl_cb.engine.openmp",),
     "trl_cb.precision": ("trl_cb.engine.precision",),

@@ -255,7 +255,7 @@ def test_ctrl_c_in_take_reaches_the_caller_within_2s(tokenizer):
     try:
         latency, _ = interrupted(lambda: ctl.take(2), [0.4])
         assert latency is not None and latency < 2.0, latency
-        assert ctl._holds == 1, "the engine must be held again after the interrupt"
+        assert ctl._hold.depth == 1, "the engine must be held again after the interrupt"
     finally:
         start = time.monotonic()
         ctl.stop()
@@ -342,7 +342,7 @@ def test_trainer_sizes_the_engine_from_the_longest_prompt_and_validates_every_ro
     trainer.train_dataset = Dataset.from_list(rows)
     try:
         ctl = trainer._cb_async_controller()
-        assert ctl.generator._engine.workload.max_prompt_len >= long_len
+        assert ctl.generator._pool.engine.workload.max_prompt_len >= long_len
     finally:
         trainer._cb_close()
     rows[120]["prompt"] = ""

@@ -57,7 +57,7 @@ def test_num_generations_must_be_positive(model, tokenizer, prompts):
 def test_request_failing_inside_engine_raises_with_id(model, tokenizer, prompts, monkeypatch):
     """A request the engine cannot schedule (here: larger than a deliberately tiny cache, with our pre-check
     disabled) fails inside the engine; the round raises with that request's id instead of returning fewer rows."""
-    monkeypatch.setattr("trl_cb.rollouts.generator.validate_prompts", lambda *a, **k: None)
+    monkeypatch.setattr("trl_cb.checks.inputs.validate_prompts", lambda *a, **k: None)
     long_prompt = [7] * 200
     cb = {"num_blocks": 6, "page_size": 16, "max_batch_tokens": 64}
     gen = ContinuousBatchingGenerator(model, sampling_config(tokenizer), cb, timeout=60)

@@ -1,4 +1,5 @@
-"""Contract tests: the transformers and TRL surface trl_cb relies on (see trl_cb/_upstream.py, trl_cb/trainers.py).
+"""Contract tests: the transformers and TRL surface trl_cb relies on (trl_cb/engine/_upstream.py for transformers,
+trl_cb/trainers/trl_internals.py for TRL).
 
 Each test names what broke, so an upstream release that moves an API fails here first, cheaply and clearly,
 instead of corrupting rollouts or their importance weights.
@@ -21,7 +22,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from tests.conftest import sampling_config
-from trl_cb.engine import _upstream
+from trl_cb.engine import _upstream, _upstream_sampling
 from trl_cb.engine import varlen_attention as attention
 
 
@@ -141,7 +142,7 @@ def test_sampling_internals_the_policy_logprob_recorder_wraps(model, tokenizer):
         _upstream.resume(manager, model)
         manager.add_request([5, 6, 7], request_id="r", max_new_tokens=4)
         out = manager.get_result(timeout=30)
-        processed, policy = _upstream.output_logprobs(out)
+        processed, policy = _upstream_sampling.output_logprobs(out)
         assert len(processed) == len(policy) == len(out.generated_tokens) == 4
         assert all(p >= q - 1e-6 for p, q in zip(processed, policy)), "top_p renormalises: processed >= policy"
     finally:
@@ -285,14 +286,14 @@ def test_request_processors_see_each_rows_own_history(model, tokenizer):
 
 def test_request_history_after_requeue():
     """A re-queued request folds its generated tokens into `initial_tokens` and keeps the prompt length in
-    `_true_initial_tokens`; `_upstream._request_history` must still report prompt and completion correctly."""
+    `_true_initial_tokens`; `_upstream_sampling._request_history` must still report prompt and completion correctly."""
     from transformers.generation.continuous_batching.requests import RequestState
 
     state = RequestState(request_id="r", initial_tokens=[1, 2, 3], max_new_tokens=8)
     state.generated_tokens = [4, 5]
     requeued = state.create_equivalent_initial_request()
     for s, generated in ((state, 2), (requeued, 2)):
-        history = _upstream._request_history(s)
+        history = _upstream_sampling._request_history(s)
         assert (history.prompt_len, history.num_generated, history.tokens()) == (3, generated, [1, 2, 3, 4, 5])
         assert history.key is s
 
@@ -324,13 +325,20 @@ def test_processor_check_compares_types_and_settings_not_counts(model, tokenizer
     built = sampling_config(tokenizer, max_new_tokens=4, temperature=0.7, top_p=0.9)
     manager = _upstream.create_manager(model, built, cfg, hints)
     try:
-        _upstream.check_processors_kept(manager, model, built)  # what it was built from passes
+        check = _upstream_sampling.check_processors_kept
+        check(manager, model, built)  # what it was built from passes
         with pytest.raises(ValueError, match=r"changed \['top_p'\]"):
-            _upstream.check_processors_kept(manager, model, sampling_config(tokenizer, temperature=0.7, top_p=0.8))
+            _upstream_sampling.check_processors_kept(
+                manager, model, sampling_config(tokenizer, temperature=0.7, top_p=0.8)
+            )
         with pytest.raises(ValueError, match="became"):
-            _upstream.check_processors_kept(manager, model, sampling_config(tokenizer, temperature=0.7, top_k=5))
+            _upstream_sampling.check_processors_kept(
+                manager, model, sampling_config(tokenizer, temperature=0.7, top_k=5)
+            )
         with pytest.raises(ValueError, match=r"changed \['temperature'\]"):
-            _upstream.check_processors_kept(manager, model, sampling_config(tokenizer, temperature=0.9, top_p=0.9))
+            _upstream_sampling.check_processors_kept(
+                manager, model, sampling_config(tokenizer, temperature=0.9, top_p=0.9)
+            )
     finally:
         manager.destroy()
 
@@ -410,7 +418,7 @@ def test_trl_grpo_accepts_per_token_advantages_and_reads_is_ratio_for_vespo():
 
 
 def test_trl_loss_computes_policy_logprobs_before_reading_advantages():
-    """A deferred IS correction (trainers.py `_compute_loss`) rewrites `inputs["advantages"]` (and sets
+    """A deferred IS correction (trainers/is_correction.py `_compute_loss`) rewrites `inputs["advantages"]` (and sets
     `inputs["importance_sampling_ratio"]`) when TRL's loss forward returns the policy's logprobs: that call must come
     first, before TRL reads either, and must be TRL's first `_get_per_token_logps_and_entropies` call there."""
     for cls in (trl.GRPOTrainer, trl.RLOOTrainer):
@@ -421,6 +429,29 @@ def test_trl_loss_computes_policy_logprobs_before_reading_advantages():
         assert all(r == -1 or r > call for r in reads), f"{cls.__name__} reads advantages before its loss forward"
     src = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
     assert "gradient_accumulation_steps % generate_every != 0" in src, "TRL's condition for old logps changed"
+
+
+def test_trainers_reach_trl_internals_only_through_one_module():
+    """Every TRL private attribute trl_cb's trainers touch goes through trainers/trl_internals.py (pinned by the tests
+    around this one); the other trainer modules only override TRL's three generation/loss hooks."""
+    import ast
+    from pathlib import Path
+
+    import trl_cb.trainers
+
+    overrides = {"_generate_single_turn", "_generate_and_score_completions", "_compute_loss"}
+    offenders = []
+    for path in sorted(Path(trl_cb.trainers.__file__).parent.glob("*.py")):
+        if path.name == "trl_internals.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else None
+            if name and name.startswith("_") and not name.startswith(("_cb_", "__")) and name not in overrides:
+                offenders.append(f"{path.name}:{node.lineno} .{name}")
+    assert not offenders, offenders
+    for cls in (trl.GRPOTrainer, trl.RLOOTrainer):
+        assert "self._metrics" in inspect.getsource(cls.__init__), f"{cls.__name__} no longer keeps _metrics"
+        assert callable(getattr(cls, "_tokenize_prompts", None))
 
 
 def test_trl_output_keys_we_read():

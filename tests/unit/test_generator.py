@@ -139,7 +139,9 @@ def test_engine_build_does_not_reseed_global_rng(model, tokenizer, prompts):
     gen = ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=1))
     try:
         torch.manual_seed(7)
-        gen._ensure_engine(model, _workload(prompts))  # engine creation only: no sampling consumes the RNG
+        gen._pool.ensure(
+            model, _workload(prompts), gen.generation_config
+        )  # engine creation only: no sampling consumes the RNG
         after_build = torch.rand(4)
         torch.manual_seed(7)
         assert torch.equal(torch.rand(4), after_build)
@@ -226,7 +228,7 @@ def test_training_forward_unchanged_after_generation(tokenizer, prompts, attn):
 def test_close_is_idempotent_and_context_manager_frees(model, tokenizer, prompts):
     gen = ContinuousBatchingGenerator(model, sampling_config(tokenizer))
     gen.generate(prompts[:1])
-    manager = gen._engine.manager
+    manager = gen._pool.engine.manager
     assert not manager.is_running(), "no engine thread between rounds"
     assert getattr(model, "_cached_continuous_batching_manager", None) is None, "nothing cached on the model"
     gen.generate(prompts[:1])

@@ -75,7 +75,7 @@ def test_generator_rounds_run_low_precision_on_copies(name, model, tokenizer, pr
             out = gen.generate(prompts[:3], num_generations=2)
             assert len(out.completion_ids) == 6
             assert_unchanged(model, before)
-        assert gen._precision.copy_bytes > 0, "copies are kept between rounds"
+        assert gen._model.precision.copy_bytes > 0, "copies are kept between rounds"
     spy.remove()
     assert {d for d, *_ in spy.seen} == {dtype}, "the engine's forwards must run in the generation dtype"
     assert len({ptr for _, ptr, _ in spy.seen}) == 1, "a kept copy has a stable address across rounds (CUDA graphs)"

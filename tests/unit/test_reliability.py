@@ -221,7 +221,7 @@ def test_second_ctrl_c_inside_cleanup_is_delivered_after_the_thread_stopped(ligh
         latency, _ = interrupted(lambda: gen.generate(prompts, 4, generation_config=long), [0.4])
         assert latency is not None and latency < SIGNAL_TO_CALLER_S
         assert seen_alive == [True], "the second signal must land while the engine thread still runs"
-        assert not engine_threads() and gen._engine is None
+        assert not engine_threads() and gen._pool.engine is None
     finally:
         monkeypatch.setattr(_upstream, "request_hard_stop", real_stop)
         gen.close()
@@ -337,7 +337,7 @@ def test_two_threads_on_one_model_get_exact_results(light, tokenizer, shared_gen
 
 def test_waiting_for_the_model_respects_timeout(light, tokenizer):
     from trl_cb.engine import guards as lifecycle
-    from trl_cb.rollouts.generator import plain_module
+    from trl_cb.rollouts.model_access import plain_module
 
     gen = ContinuousBatchingGenerator(light, sampling_config(tokenizer), timeout=0.3)
     lock = lifecycle.module_lock(plain_module(light))

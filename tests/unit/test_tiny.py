@@ -18,3 +18,11 @@ def test_small_model_shape_and_determinism(tokenizer):
         assert torch.equal(a, b), name
     other = small_model(tokenizer, eos_logit_bias=6.0, seed=1)
     assert not torch.equal(model.lm_head.weight, other.lm_head.weight)
+
+
+def test_offline_model_name_is_one_name_with_the_old_spelling_accepted():
+    from trl_cb.offline.data import GSM8KScriptArguments
+    from trl_cb.offline.names import TINY_MODEL, is_tiny_model_name
+
+    assert TINY_MODEL == "trl-cb/tiny" == GSM8KScriptArguments().model_name_or_path
+    assert is_tiny_model_name("trl-cb/tiny") and is_tiny_model_name("tiny") and not is_tiny_model_name("Qwen/x")

@@ -10,10 +10,10 @@ import torch
 from datasets import Dataset
 from transformers import ProcessorMixin
 
-from trl_cb import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from trl_cb import ContinuousBatchingGenerator, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trl_cb.offline.data import synthetic_gsm8k
 from trl_cb.offline.tiny import tiny_model
-from trl_cb.rollouts.generator import ContinuousBatchingGenerator
+from trl_cb.rollouts.pool import EnginePool
 
 IS_METRICS = [
     "sampling/importance_sampling_ratio/min",
@@ -66,12 +66,8 @@ def make_trainer(
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_trains_two_steps_logs_is_metrics_one_engine(kind, tokenizer, tmp_path, monkeypatch):
     builds = []
-    real_build = ContinuousBatchingGenerator._build_engine
-    monkeypatch.setattr(
-        ContinuousBatchingGenerator,
-        "_build_engine",
-        lambda self, *a, **k: builds.append(1) or real_build(self, *a, **k),
-    )
+    real_build = EnginePool._build
+    monkeypatch.setattr(EnginePool, "_build", lambda self, *a, **k: builds.append(1) or real_build(self, *a, **k))
     trainer = make_trainer(kind, tokenizer, tmp_path)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()

@@ -1,38 +1,29 @@
 """Which `GenerationConfig` fields trl_cb's CB path honours, and the check that refuses the rest up front.
 
-Why an allow-list: transformers' CB engine builds its logits processors from the generation config, drops the ones it
-cannot run per request (repetition penalty, min-length EOS suppression, ...), crashes on others (`num_beams`,
-`bad_words_ids` reach for `_eos_token_tensor`, which only `generate()` sets) and ignores fields it never reads. Each
-of those would sample from a distribution other than the one asked for, and the recorded logprobs would be of the
-wrong policy. So every field is classified here, and a field that is not in `FIELD_RULES` (a new transformers field,
-or a custom attribute) is refused when set: a new field can never be dropped silently.
+transformers' CB engine drops some logits processors, crashes on some fields and ignores others; each would sample
+from another distribution than the one asked for, with logprobs of the wrong policy. So every field is classified in
+`FIELD_RULES` (`Handling`): `EXACT` (the engine applies it as `generate()` does;
+`_upstream_sampling.check_processors_kept` re-checks at every build), `TRL_CB` (trl_cb applies it per request:
+`engine/request_processors.py`), `IRRELEVANT`, or `REFUSED` (set to a non-neutral value: `ValueError` naming the
+field and why). A field not in the table (a new
+transformers field, a custom attribute) is refused when set: a new field is never dropped silently.
 
-Classes (`Handling`):
-- `EXACT`: transformers' CB applies it exactly as `generate()` does (same processor, same order), and the logprob
-  it records is of the processed distribution. `_upstream.create_manager` re-checks at every build that the engine
-  kept every processor `generate()` would build from the config, so an upstream change that starts dropping one
-  fails loudly.
-- `TRL_CB`: CB drops it; trl_cb applies it itself per request from the request's own tokens
-  (`request_processors.py`), in `generate()`'s processor order, before the engine's own processors.
-- `IRRELEVANT`: does not change which tokens are sampled or their probabilities on this path.
-- `REFUSED`: set to anything but its neutral value, raises `ValueError` naming the field and the reason.
-
-Invariant of `engine_generation_config`: the returned copy has integer-typed lengths and token ids, in-range
-sampling parameters, no refused or unknown field set, `num_return_sequences == 1` and an explicit `top_k` when
-sampling. The engine itself is built from `without_trl_cb_fields(copy)`; the `TRL_CB` fields reach the sampler as
-`RequestProcessorSettings`.
+Invariant of `engine_generation_config`: the copy has integer lengths and token ids, in-range sampling parameters, no
+refused or unknown field set, `num_return_sequences == 1` and an explicit `top_k` when sampling. The engine is built
+from `without_trl_cb_fields(copy)`; the `TRL_CB` fields reach the sampler as `RequestProcessorSettings`.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from transformers import GenerationConfig
+from transformers import GenerationConfig, PreTrainedModel
 
 from ..engine.request_processors import RequestProcessorSettings
 
@@ -45,9 +36,12 @@ __all__ = [
     "engine_generation_config",
     "eos_token_ids",
     "request_processor_settings",
+    "resolve_eos",
     "sampling_signature",
     "without_trl_cb_fields",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 class Handling(enum.Enum):
@@ -296,3 +290,19 @@ def _hashable(value: Any) -> Any:
     if isinstance(value, dict):
         return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
     return value
+
+
+def resolve_eos(generation_config: GenerationConfig, module: PreTrainedModel) -> None:
+    """`eos_token_id=None` means the model's EOS, as in `generate()` (whose config falls back to the model's
+    generation config; the engine alone would disable EOS). Ids outside the vocabulary are refused."""
+    if generation_config.eos_token_id is None:
+        model_eos = getattr(getattr(module, "generation_config", None), "eos_token_id", None)
+        if model_eos is None:
+            model_eos = getattr(module.config.get_text_config(), "eos_token_id", None)
+        if model_eos is not None:
+            logger.info("eos_token_id is unset: using the model's EOS %s, as generate() does.", model_eos)
+            generation_config.eos_token_id = model_eos
+    vocab_size = module.config.get_text_config().vocab_size
+    outside = [t for t in eos_token_ids(generation_config) if t >= vocab_size]
+    if outside:
+        raise ValueError(f"eos_token_id {outside} is outside the model's vocabulary [0, {vocab_size}).")

@@ -1,23 +1,15 @@
-"""Which models transformers' CB engine can serve exactly — decided when the generator or trainer is built.
+"""Which models transformers' CB engine serves exactly, decided when the generator or trainer is built.
 
-Why: the engine serves a model only through transformers' attention interface, with one paged KV cache whose slots
-are sized from the config (`head_dim`, `num_key_value_heads`) and grouped by `layer_types` (full or sliding-window
-attention). A model outside that shape fails at the first request (MLA: a cache write of the wrong width), is
-refused deep inside the engine (linear-attention / mamba / conv layers), or — worse — is sampled from a different
-model than the one trained (a dropped attention soft-cap, an ignored attention sink, a window the engine does not
-apply). Here every such model is refused up front with one `ValueError` naming the model type, each reason and the
-way out.
+Allow by evidence: `check_model` runs one forward of a few tokens with a recording attention function (the probe)
+and compares what every layer hands to attention with what the engine will do (one call per layer, key/value widths
+and head counts of its cache slots, causal, the same window, no argument its attention drops); `check_config` gives
+the same verdict from the config alone for the known cases (MLA, per-layer head sizes, non-attention layers). Every
+deviation is refused with one `UnsupportedModelError` naming the model type, the reasons and the way out (details:
+docs/models.md).
 
-Design: allow by evidence. `check_model` runs one forward of a few tokens through the model with a recording
-attention function (the attention probe) and compares what every layer *actually* hands to attention with what the
-engine will do: one attention call per layer, keys and values exactly the width and head count of the engine's
-cache slots, causal attention, the same sliding window per layer, no argument the engine's attention function
-drops. A model that matches passes whatever its name; one that deviates is refused with the deviation. Config
-checks (`check_config`) give the same verdict before any weights are loaded and name the known cases precisely
-(MLA, per-layer head sizes, non-attention layer types).
-
-Invariant: a model `check_model` accepts is run by the engine through the same attention computation as its own
-forward (up to the attention kernel). `tests/unit/test_compat_matrix.py` proves it per architecture family.
+Invariant: a model `check_model` accepts runs through the same attention computation in the engine as in its own
+forward (up to the kernel); tests/unit/test_compat_matrix.py proves it per family. Accepted (model, attention) pairs
+are remembered for the model's life, so the trainer's check and its generator's probe once.
 """
 
 from __future__ import annotations
@@ -31,7 +23,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
-from ..engine import _upstream
+from ..engine import _upstream, sharding
 from ..engine import varlen_attention as attention
 
 logger = logging.getLogger(__name__)
@@ -49,7 +41,7 @@ __all__ = [
 
 WAY_OUT = (
     "Set use_transformers_continuous_batching=False (TRL's generate() path; or use vLLM) to train this model; "
-    "`python -m trl_cb.check_model MODEL` checks a model before a run."
+    "`trl-cb check-model MODEL` checks a model before a run."
 )
 
 #: Engine attention implementations whose attention function applies the `softcap` argument. transformers'
@@ -123,7 +115,7 @@ def config_problems(config: PretrainedConfig) -> list[str]:
         )
     try:
         kv_heads, head_dim = _upstream.engine_cache_geometry(cfg)
-    except Exception as err:  # e.g. Gemma-4: head_dim is a per-layer attribute
+    except (RuntimeError, ValueError, AttributeError) as err:  # e.g. Gemma-4: head_dim is a per-layer attribute
         problems.append(
             "per-layer head sizes: the engine sizes every cache slot from one head size and one KV head count "
             f"({type(err).__name__}: {_first_sentence(err)})"
@@ -161,7 +153,7 @@ def engine_attention_implementation(model: PreTrainedModel, cuda_graphs: bool = 
     """The attention implementation the engine will run `model` with: transformers' switch (eager -> paged|eager),
     then trl_cb's own engine attention in place of a dense-mask one (`attention.replaces`, the rule the engine
     applies in `_upstream._choose_attention`)."""
-    impl = model.config._attn_implementation
+    impl = _upstream.attention_implementation(model)
     impl = "paged|eager" if impl == "eager" else impl
     return attention.ATTENTION_NAME if attention.replaces(impl, cuda_graphs) else impl
 
@@ -175,17 +167,17 @@ def check_model(model: PreTrainedModel, cuda_graphs: bool = False) -> bool:
     """
     problems = config_problems(model.config)
     impl = engine_attention_implementation(model, cuda_graphs)
-    chosen = model.config._attn_implementation  # what transformers' CB accepts, before trl_cb's replacement
+    chosen = _upstream.attention_implementation(model)  # what transformers' CB accepts, before trl_cb's replacement
     if not (chosen in ("eager", "paged|eager", "sdpa", attention.ATTENTION_NAME) or "flash" in chosen):
         problems.append(
-            f"attention implementation {model.config._attn_implementation!r}: the engine runs only 'eager', 'sdpa' "
+            f"attention implementation {chosen!r}: the engine runs only 'eager', 'sdpa' "
             "or flash attention (load the model with attn_implementation='sdpa')"
         )
     if problems:
         raise UnsupportedModelError(_model_type(model.config), problems)
     if _accepted.get(model) == impl:
         return True
-    if not _materialised(model):
+    if not sharding.materialised(model):
         logger.info("Parameters are sharded or on the meta device: the attention probe runs at the first round.")
         return False
     problems = probe_problems(model, cuda_graphs=cuda_graphs)
@@ -218,7 +210,7 @@ def probe_problems(model: PreTrainedModel, num_tokens: int = 6, cuda_graphs: boo
     impl = engine_attention_implementation(model, cuda_graphs)
     try:
         calls = _record_attention_calls(model, num_tokens)
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - whatever the model's forward raises is the verdict, reported with it
         return [f"a forward with the attention probe failed ({type(err).__name__}: {_first_sentence(err)})"]
     kv_heads, head_dim = _upstream.engine_cache_geometry(cfg)
     groups = _upstream.engine_layer_groups(cfg)
@@ -296,7 +288,7 @@ def _record_attention_calls(model: PreTrainedModel, num_tokens: int) -> list[_At
     vocab = int(_get(cfg, "vocab_size", 0) or 2)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     input_ids = (torch.arange(num_tokens, device=device) % vocab)[None]  # (1, T)
-    original = model.config._attn_implementation
+    original = _upstream.attention_implementation(model)
     was_training = model.training
     with _probe_lock:
         AttentionInterface.register(_PROBE_NAME, _probe_attention)  # idempotent; used only by this forward
@@ -342,25 +334,12 @@ def _probe_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _materialised(model: torch.nn.Module) -> bool:
-    """True when every parameter is a whole, local tensor (no ZeRO-3 partition, FSDP shard or meta tensor)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        DTensor = ()  # noqa: N806
-    for p in model.parameters():
-        if p.device.type == "meta" or hasattr(p, "ds_id") or isinstance(p, DTensor):
-            return False
-        if type(p).__name__ == "FlatParameter":
-            return False
-    return True
-
-
 def _get(config: PretrainedConfig, name: str, default: Any = None) -> Any:
-    """`getattr` that also survives per-layer attributes (Gemma-4 raises on global access to them)."""
+    """`getattr` that also survives per-layer attributes (Gemma-4 raises transformers'
+    `AmbiguousGlobalPerLayerAttributeError`, a `RuntimeError`, on global access to them)."""
     try:
         return getattr(config, name, default)
-    except Exception:
+    except RuntimeError:
         return default
 
 

@@ -1,5 +1,6 @@
 """The `trl-cb` command line: `trl-cb grpo | rloo` (training, `command.py`) and `trl-cb check-model`."""
 
+from ..offline.tiny import tiny_model_path
 from .command import (
     ALGORITHMS,
     MODULE,
@@ -15,7 +16,6 @@ from .command import (
     resolve_reward,
     reward_registry,
     run_training,
-    tiny_model_path,
 )
 
 __all__ = [

@@ -1,21 +1,15 @@
-"""`python -m trl_cb.check_model MODEL`: does trl_cb's CB engine sample exactly from *this* checkpoint?
+"""`trl-cb check-model MODEL`: does trl_cb's CB engine sample exactly from *this* checkpoint?
 
-Why: the compatibility matrix (docs/models.md) covers families on tiny random instances on CPU; a user's checkpoint,
-device, dtype and attention kernel are theirs. This command answers for them in about a minute: it loads the
-checkpoint, runs trl_cb's up-front checks (`trl_cb.compat`), samples a few completions through the same
-`ContinuousBatchingGenerator` the trainers use, scores the same tokens with one teacher-forced forward of the model
-and compares the logprobs.
+Loads the checkpoint, runs the up-front checks (`checks/model.py`), samples a few completions through the same
+`ContinuousBatchingGenerator` the trainers use, scores the same tokens with one teacher-forced forward and compares
+the logprobs. Verdict on the last lines: `PASS`, or `FAIL` with the reason (a refused architecture, an engine error,
+or a logprob gap with its size and the first token where it starts). Exit status 0 on PASS, 1 on FAIL.
 
-Verdict (last lines of the output): `PASS`, or `FAIL` with what is wrong — a refused architecture and why, an engine
-error, or a logprob gap with its size and the first token where it starts (with the sequence position, so a gap
-that starts right after `sliding_window` tokens points at the window). Exit status 0 on PASS, 1 on FAIL.
+    trl-cb check-model Qwen/Qwen2.5-0.5B-Instruct --device cuda
+    trl-cb check-model ./my-checkpoint --dtype bfloat16 --tolerance 0.1 --prompt-tokens 5000
 
-    python -m trl_cb.check_model Qwen/Qwen2.5-0.5B-Instruct --device cuda
-    python -m trl_cb.check_model ./my-checkpoint --dtype bfloat16 --tolerance 0.1 --prompt-tokens 5000
-
-In float32 an exact engine matches to ~1e-5 (tolerance 1e-4). In bfloat16 / float16 kernel and batching noise alone
-reaches ~1e-2, so the default tolerance there is 0.1: it still catches structural errors (a dropped window, mask or
-soft-cap moves logprobs by far more) but not small ones — check in float32 when you can.
+Tolerance: an exact engine matches to ~1e-5 in float32 (default 1e-4); in bfloat16 / float16 kernel and batching
+noise alone reaches ~1e-2 (default 0.1: structural errors still show, small ones do not).
 """
 
 from __future__ import annotations
@@ -28,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import model as compat
+from ..checks import model as model_checks
+from ..engine import _upstream
 
 logger = logging.getLogger(__name__)
 
@@ -99,23 +94,23 @@ def main(argv: list[str] | None = None) -> int:
 
     config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     try:
-        compat.check_config(config)
-    except compat.UnsupportedModelError as err:
+        model_checks.check_config(config)
+    except model_checks.UnsupportedModelError as err:
         return _fail(f"refused architecture. {err}")
 
     t0 = time.perf_counter()
     model, tokenizer = _load(args, device, dtype)
     print(f"loaded {type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
-          f"attention {model.config._attn_implementation}) in {time.perf_counter() - t0:.1f}s")  # fmt: skip
+          f"attention {_upstream.attention_implementation(model)}) in {time.perf_counter() - t0:.1f}s")  # fmt: skip
     try:
-        compat.check_model(model)
-    except compat.UnsupportedModelError as err:
+        model_checks.check_model(model)
+    except model_checks.UnsupportedModelError as err:
         return _fail(f"refused architecture. {err}")
 
     prompts = _prompts(tokenizer, model, args.num_prompts, args.prompt_tokens)
     try:
         completions, logprobs, seconds = _sample(model, tokenizer, prompts, args)
-    except Exception as err:  # an engine failure is a verdict, not a crash
+    except Exception as err:  # noqa: BLE001 - an engine failure is a verdict (named in it), not a crash
         return _fail(f"the continuous batching round failed: {type(err).__name__}: {err}")
     G = args.num_generations
     longest = max(len(prompts[i // G]) + len(c) for i, c in enumerate(completions))
@@ -123,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{longest} tokens) in {seconds:.1f}s")  # fmt: skip
     gap = _compare(model, prompts, completions, logprobs, G, args.temperature, tolerance)
     print(f"max |CB logprob - teacher-forced| = {gap.max_abs:.2e} (mean {gap.mean_abs:.2e})")
-    window = getattr(compat.text_config(model.config), "sliding_window", None)
+    window = getattr(model_checks.text_config(model.config), "sliding_window", None)
     if window is not None and longest <= window:
         print(f"note: sliding_window={window} was not crossed; --prompt-tokens {window + 16} checks it")
     if gap.max_abs > tolerance:
@@ -152,14 +147,14 @@ def _load(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs).to(device).eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    except Exception:  # no tokenizer saved: random prompt ids are as good for this check
+    except (OSError, ValueError):  # no tokenizer saved: random prompt ids are as good for this check
         logger.warning("No tokenizer found next to the model: prompting with random token ids.")
         tokenizer = None
     return model, tokenizer
 
 
 def _prompts(tokenizer, model, num_prompts: int, prompt_tokens: int | None) -> list[list[int]]:
-    vocab = compat.text_config(model.config).vocab_size
+    vocab = model_checks.text_config(model.config).vocab_size
     prompts = []
     for i in range(num_prompts):
         if tokenizer is None:

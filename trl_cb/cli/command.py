@@ -1,37 +1,13 @@
 """`trl-cb grpo | rloo | check-model`: TRL's training command line, training with trl_cb's trainers.
 
-Why: TRL users start runs with `trl grpo --config recipe.yaml`. `trl-cb grpo` takes the same flags and recipes
-because it is built from TRL's own pieces — `TrlParser` and the dataclasses of `trl grpo` / `trl rloo`
-(`GRPOScriptArguments` / `RLOOScriptArguments`, `ModelConfig`, `DatasetMixtureConfig`) — with trl_cb's
-`GRPOConfig` / `RLOOConfig` in place of TRL's, so every trl_cb field is a flag and a recipe key too. One default
-differs from the Python API: `use_transformers_continuous_batching` is on (that is why one runs `trl-cb`).
-
-How a run starts (as with `trl grpo`):
-- Arguments no dataclass declares, on the command line or as recipe keys, must be `accelerate launch` options
-  (`--num_processes 2`, `--config_file FILE`, TRL's `--accelerate_config NAME|PATH`). Anything else is refused with
-  exit status 2, naming it — before any model is loaded.
-- Outside a launcher the command re-runs itself as `accelerate launch <launch options> -m trl_cb.cli grpo <the
-  rest>`, so the user's default `accelerate config` applies exactly as it does to `trl grpo`.
-- Under a launcher (that re-run, `accelerate launch ... -m trl_cb.cli grpo ...`, torchrun) it trains in this process.
-  Launch options found in the recipe are then the launcher's business and are ignored; on the command line they are
-  an error (they would be silently lost).
-
-Offline names, so that a first run, the tests and CI download nothing:
-- model `trl-cb/tiny`: `trl_cb.tiny`'s random tiny Qwen2 with its locally trained tokenizer, saved once under the
-  temp directory, by rank 0 first (transformers writes checkpoints from rank 0 only), atomically.
-- dataset `trl-cb/gsm8k`: the GSM8K test split shipped with trl_cb (`trl_cb.data.gsm8k_test`, chat-formatted):
-  1191 train / 128 test rows of it (a seeded split, so real prompt lengths offline).
-- dataset `trl-cb/gsm8k-synthetic`: `trl_cb.data.synthetic_gsm8k` problems, 1024 train / 128 test rows.
-A dataset with GSM8K's columns (`question`, `answer` ending in `#### N`) and no `prompt` column is mapped to
-`prompt`/`answer` records (`trl_cb.data.gsm8k_record`), which `gsm8k_reward` scores.
-
-Reward functions by name (`--reward_funcs a b`): `gsm8k_reward`, the names `trl grpo` knows (`accuracy_reward`,
-`reasoning_accuracy_reward`, `think_format_reward`, `get_soft_overlong_punishment` with TRL's CLI values), or an
-import path `module.path:function` (TRL's spelling `module.path.function` works too).
-
-TRL pieces used beyond its top-level API, pinned by tests/unit/test_contracts.py: the script-argument classes of
-`trl/scripts/grpo.py` and `rloo.py`, and from `trl/cli` `resolve_accelerate_config_argument` and
-`_subtract_subsequence` (how `trl grpo` splits launch options from script arguments).
+Built from TRL's own pieces (`TrlParser`, `trl grpo` / `trl rloo`'s script arguments, `ModelConfig`,
+`DatasetMixtureConfig`) with trl_cb's configs, so TRL's flags and recipes work and every trl_cb field is a flag too;
+`use_transformers_continuous_batching` defaults to on. Unknown arguments must be `accelerate launch` options (else exit
+status 2, before any model is loaded); outside a launcher the command re-runs itself under `accelerate launch -m
+trl_cb.cli`. Offline names (nothing downloaded): model `trl-cb/tiny` (`offline/tiny.py`, saved once under the temp
+directory, rank 0 first), datasets `trl-cb/gsm8k` (the shipped GSM8K test split) and `trl-cb/gsm8k-synthetic`.
+Rewards by name: `gsm8k_reward`, the names `trl grpo` knows, or `module.path:function`. Details: docs/index.md,
+"Command line". TRL pieces beyond its top-level API are pinned by tests/unit/test_contracts.py.
 """
 
 from __future__ import annotations
@@ -44,16 +20,15 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from ..offline.names import TINY_MODEL, is_tiny_model_name
 
 MODULE = "trl_cb.cli"  # what `accelerate launch --module` runs; `__name__` is "__main__" under `python -m`
 logger = logging.getLogger(MODULE)
 
-TINY_MODEL = "trl-cb/tiny"
 VENDORED_GSM8K = "trl-cb/gsm8k"
 VENDORED_GSM8K_TEST_ROWS = 128
 SYNTHETIC_GSM8K = "trl-cb/gsm8k-synthetic"
@@ -159,18 +134,15 @@ def resolve_reward(name: str) -> Callable[..., list[float]]:
     return func
 
 
-def tiny_model_path() -> str:
-    """Directory of the offline tiny checkpoint (`trl-cb/tiny`), built on first use (shared with the examples)."""
-    from ..offline.tiny import tiny_checkpoint
-
-    return tiny_checkpoint(Path(tempfile.gettempdir()) / "trl_cb_tiny_qwen2")
-
-
 def resolve_model(name_or_path: str | None) -> str:
-    """`trl-cb/tiny` becomes the local tiny checkpoint; hub ids and paths pass through unchanged."""
+    """`trl-cb/tiny` (or `tiny`) becomes the local tiny checkpoint; hub ids and paths pass through unchanged."""
     if not name_or_path:
         raise ValueError(f"--model_name_or_path is required (a hub id, a local path, or {TINY_MODEL!r} offline).")
-    return tiny_model_path() if name_or_path == TINY_MODEL else name_or_path
+    if not is_tiny_model_name(name_or_path):
+        return name_or_path
+    from ..offline.tiny import tiny_model_path
+
+    return tiny_model_path()
 
 
 def load_datasets(script_args: Any, dataset_args: Any) -> Any:
@@ -347,7 +319,7 @@ def run_training(name: str, argv: list[str]) -> int:
 
 
 def run_check_model(argv: list[str]) -> int:
-    """`trl-cb check-model ARGS`: `trl_cb.check_model.main(argv)`, imported only when asked for."""
+    """`trl-cb check-model ARGS`: `trl_cb.cli.check_model.main(argv)`, imported only when asked for."""
     try:
         from .check_model import main as check_model_main
     except ModuleNotFoundError as err:

@@ -1,24 +1,13 @@
-"""Engine lifecycle guards: one engine round per module at a time, interrupt-safe cleanup, engines closed at exit.
+"""Guards around the engine's thread: one round per module at a time, interrupt-safe cleanup, engines closed at exit.
 
-Why this module exists: transformers' CB engine runs forwards of the *shared* training module on its own thread.
-Three things go wrong around that thread if nothing guards it (all measured, see docs/index.md "Reliability"):
+The CB engine runs forwards of the shared training module on its own thread (why each guard exists, as measured:
+docs/architecture.md, "Guards"). `module_lock` serialises rounds on a module; `deferred_interrupts` records SIGINT
+while an engine thread may run and lets the code raise it at a safe point; `close_at_exit` closes registered objects
+before the interpreter joins non-daemon threads.
 
-- Two engines (or two rounds of one engine) running on one module at the same time corrupt each other's logprobs
-  (off by 0.2-0.6 nats, no error raised) or fail inside the engine. `module_lock` serialises them.
-- A `KeyboardInterrupt` may land anywhere, including inside the cleanup of the previous one. Landing in
-  `Thread.join` is the worst case: CPython 3.11 then marks the still-running engine thread as stopped, the handle is
-  dropped, and the orphan keeps running forwards on the module (wrong logprobs later, `terminate called` at exit).
-  `deferred_interrupts` records SIGINT while an engine thread may run and lets the code raise it at a safe point:
-  after the engine thread has really exited and the model is restored.
-- At interpreter exit, `__del__`-driven cleanup runs after module globals are torn down (tracebacks), and a paused
-  engine thread would block the interpreter's join of non-daemon threads forever. `close_at_exit` registers an
-  object whose `_close_at_exit()` runs before that join.
-
-Invariants:
-- `deferred_interrupts` only ever changes the SIGINT handler of the main thread, restores it exactly on exit, and
-  delivers what the original handler produced (the `KeyboardInterrupt`, or any exception a custom handler raised)
-  exactly once; a third SIGINT while one is pending is delivered at once (escape hatch for a wedged cleanup).
-- Shields nest: an inner `deferred_interrupts` reuses the active one.
+Invariants: `deferred_interrupts` only changes the main thread's SIGINT handler, restores it exactly, and delivers
+what the original handler produced exactly once (a third SIGINT while one is pending is delivered at once); shields
+nest (an inner one reuses the active one).
 """
 
 from __future__ import annotations
@@ -186,11 +175,20 @@ def register_before_thread_join(callback: Callable[[], None]) -> bool:
     return True
 
 
+def close_at_collection(close: Callable[[], None]) -> None:
+    """`close()` from a `__del__`: nothing can be reported there, so a stuck engine thread (`EngineDiedError`, a
+    `RuntimeError`) or a global already gone at interpreter teardown (`AttributeError`, `TypeError`) is ignored."""
+    try:
+        close()
+    except (RuntimeError, AttributeError, TypeError):
+        pass
+
+
 def _close_all() -> None:
     objects = sorted(list(_exit_registry), key=lambda o: getattr(o, "_close_priority", 1))
     for obj in objects:
         try:
             obj._close_at_exit()
-        except Exception:  # noqa: BLE001 - exit must go on; say what failed, without a traceback
-            logger.warning("Could not stop a continuous batching engine at exit.", exc_info=False)
+        except Exception:  # noqa: BLE001 - exit must go on for the other engines; the cause is logged
+            logger.warning("Could not stop a continuous batching engine at exit.", exc_info=True)
     gc.collect()  # free engine objects while modules still exist (their __del__ needs torch and gc)

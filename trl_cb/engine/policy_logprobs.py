@@ -10,9 +10,9 @@ training stops. The weight must compare like with like.
 `PolicyLogprobRecorder` runs first in the engine's logits processors (it sees the raw fp32 logits of every row about
 to be sampled and returns them unchanged) and, once the engine has sampled, gathers `log_softmax(raw / T)` at the
 sampled tokens. The result is the trainer's quantity with the sampler's numerics (its kernels, dtype and batch
-shapes): exactly what the importance weight is meant to measure. `_upstream.install_policy_logprob_recorder` wires it
-into the engine; it is used only when some processor besides temperature reshapes the distribution (otherwise the
-processed logprob already is this quantity).
+shapes): exactly what the importance weight is meant to measure. `_upstream_sampling.install_policy_logprob_recorder`
+wires it into the engine; it is used only when some processor besides temperature reshapes the distribution
+(otherwise the processed logprob already is this quantity).
 """
 
 from __future__ import annotations

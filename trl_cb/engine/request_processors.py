@@ -4,7 +4,7 @@
 `MinNewTokensLengthLogitsProcessor` read the whole `(batch, sequence)` input ids; the CB engine hands processors only
 each row's last token, so it drops them (repetition penalty) or never builds them (min length). The processors here
 compute the same thing from each request's own history — its prompt and the tokens it has generated so far — which
-`_upstream.PerRequestProcessor` reads from the engine's request states before every forward.
+`_upstream_sampling.PerRequestProcessor` reads from the engine's request states before every forward.
 
 Contract (what `_upstream` guarantees and these rely on): `prepare(histories)` is called on the engine thread right
 before the forward whose logits `__call__` then processes; row i of `scores` is the next-token row of
@@ -20,9 +20,9 @@ than `min_length`). They run first, in that order, like `generate()`'s processor
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -33,7 +33,22 @@ __all__ = [
     "RequestHistory",
     "RequestProcessorSettings",
     "build_request_processors",
+    "require_synchronous_engine",
+    "HISTORY_NEEDS_SYNC",
+    "POLICY_LOGPROBS_NEED_SYNC",
 ]
+
+#: Engine settings under which the processors cannot run: each makes the engine prepare a step before the previous
+#: step's token is known, or freezes the per-step tensors (accelerator graphs, compilation).
+ASYNCHRONOUS_ENGINE_SETTINGS = (
+    "use_cuda_graph",
+    "use_async_batching",
+    "varlen_compile_config",
+    "decode_compile_config",
+    "default_compile_level",
+)
+#: What an engine running the processors is built with where the user left these unset (transformers' `None`: auto).
+SYNCHRONOUS_ENGINE = {"use_cuda_graph": False, "use_async_batching": False}
 
 
 @dataclass
@@ -167,3 +182,26 @@ def build_request_processors(
     if (settings.min_new_tokens > 0 or settings.min_length > 0) and eos_token_ids:
         processors.append(MinLengthEosSuppression(eos_token_ids, settings.min_new_tokens, settings.min_length))
     return processors
+
+
+#: Why the per-request processors need a synchronous engine (the default reason `require_synchronous_engine` gives).
+HISTORY_NEEDS_SYNC = "repetition_penalty / min_new_tokens / min_length are applied from each request's history"
+#: Why the policy-logprob recorder (`engine/policy_logprobs.py`) needs one.
+POLICY_LOGPROBS_NEED_SYNC = (
+    "the sampling settings truncate or penalise the distribution, so each token's trainer-comparable logprob is "
+    "recorded on the host"
+)
+
+
+def require_synchronous_engine(settings: Mapping[str, Any], why: str = HISTORY_NEEDS_SYNC) -> None:
+    """`ValueError` naming every setting in `settings` (engine kwargs, or a resolved engine config's values) that
+    would make the engine asynchronous or compiled, which what reads each step on the host (`why`) cannot run under."""
+    conflicting = {
+        key: settings[key] for key in ASYNCHRONOUS_ENGINE_SETTINGS if settings.get(key) not in (None, False)
+    }
+    if conflicting:
+        raise ValueError(
+            f"{why} at every step, which needs the engine's synchronous, uncompiled path; unset (or set to False) "
+            f"{', '.join(f'{k}={v!r}' for k, v in sorted(conflicting.items()))} in the continuous batching config, or "
+            "drop those generation settings."
+        )

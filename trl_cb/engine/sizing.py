@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import varlen_attention as attention
+from . import debug
 
 #: Upper bound on tokens per forward; larger batches buy nothing on CPU and little on GPU.
 MAX_BATCH_TOKENS_CAP = 8192
-#: Token budget per forward on CPU when the user sets none, with trl_cb's attention (`trl_cb.attention`: each query
+#: Token budget per forward on CPU when the user sets none, with trl_cb's attention (`varlen_attention.py`: each query
 #: attends to its own request's keys, so a step costs ~ tokens x own length and larger batches amortise the per-step
 #: CPU work). Measured (docs/benchmarks.md, "Attention path"; CPU seconds per round, one thread, interleaved):
 #: benchmark default N=64: 64 -> 0.77, 128 -> 0.77, 256 -> 0.73, 512 -> 0.74 s; N=32: 0.52 / 0.45 / 0.45 / 0.49 s;
@@ -85,7 +85,7 @@ def size_cache(workload: Workload, page_size: int, device: torch.device | None =
     # chunked by the engine). A power of two keeps the shape stable while prompt lengths jitter between steps.
     wanted = max(workload.num_requests, workload.prefill_tokens, 64)
     if device is not None and device.type == "cpu":
-        cap = CPU_MAX_BATCH_TOKENS if attention.enabled() else CPU_DENSE_MASK_MAX_BATCH_TOKENS
+        cap = CPU_MAX_BATCH_TOKENS if debug.varlen_attention_enabled() else CPU_DENSE_MASK_MAX_BATCH_TOKENS
     else:
         cap = MAX_BATCH_TOKENS_CAP
     max_batch_tokens = min(cap, 1 << (wanted - 1).bit_length())

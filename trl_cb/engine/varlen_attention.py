@@ -1,37 +1,21 @@
 """`trl_cb_varlen`: the engine's attention — each query against its own request's paged keys, exact.
 
-Why: without flash attention (every CPU, GPUs without flash-attn/`kernels`), transformers' CB engine runs `sdpa` or
-`paged|eager` over one dense mask spanning every key of every request in the forward: a decode step of R requests
-does R x (all keys of the batch) work instead of R x (own keys), grows with the batch, and builds that mask on the
-host every step. `paged|eager` also drops the `softcap` argument, so Gemma-2 was sampled without its attention logit
-soft-cap. This implementation reads the engine's varlen inputs (`cu_seq_lens_q` / `cu_seq_lens_k`) instead:
+Without flash attention, transformers' CB engine runs `sdpa` or `paged|eager` over one dense mask spanning every key
+of every request in a forward (work grows with the batch, and `paged|eager` drops `softcap`). This implementation reads
+the engine's varlen inputs (`cu_seq_lens_q` / `cu_seq_lens_k`) instead: decode rows run as one batched call over a
+padded [requests, keys] batch (length-bucketed), prefill chunks per request with a bottom-right-aligned causal (and
+window) mask. Design and measurements: docs/index.md, "The engine's attention".
 
-- decode rows (one query token per request) run as ONE batched attention call over a padded [requests, keys] batch
-  (each request's keys gathered from the packed KV the cache returns; padding masked). With a sliding window only the
-  last `window` keys are gathered, so work is requests x min(own length, window);
-- multi-token rows (prefill chunks) run per request with a bottom-right-aligned causal (and window) mask.
-
-Exactness (what the tests pin): causal masking with the request's past, sliding windows (also when a completion
-crosses the window, per-layer sliding/full mixes), `softcap` (tanh capping before the mask, as Gemma-2's eager),
-`scaling`, GQA, and attention sinks (`s_aux` / `module.sinks`, GPT-OSS: one extra logit per head inside the softmax).
-
-Scope: registered under the public `AttentionInterface` / `AttentionMaskInterface` as `ATTENTION_NAME`, a new key —
-no existing implementation is changed. `trl_cb._upstream.switch_to_generation_attention` puts it on the model only
-while the engine is built and generating (flash, when CB picks it, is kept: it is varlen and honours softcap). A
-forward without a paged cache (a training forward that shares the config with an async engine) with a padding mask
-runs exactly as `sdpa` (same mask function, same attention function; sdpa's own errors, e.g. softcap, apply there);
-without one, no mask is built and causality, the window and packed sequences (`position_ids`) are rebuilt here.
-
-Upstream surface used (pinned in tests/unit/test_contracts.py): the engine's attention kwargs (`cache`,
-`cu_seq_lens_q`, per-layer-type `cu_seq_lens_k`) and `PagedAttentionCache.update(key_states, value_states,
-layer_idx, kwargs)`, the call every transformers paged integration makes.
-
-`TRL_CB_ATTENTION=upstream` in the environment keeps transformers' own choice (for A/B measurements).
+Exact (tests pin it): causal masking with the request's past, sliding windows, `softcap`, `scaling`, GQA, attention
+sinks. Outside an engine (no paged cache) it runs as `sdpa`. `_upstream.switch_to_generation_attention` puts it on the
+model only while an engine is built and generating; `TRL_CB_ATTENTION=upstream` (`debug.py`) keeps transformers'
+choice. Upstream surface (pinned in tests/unit/test_contracts.py): the engine's attention kwargs (`cache`,
+`cu_seq_lens_q`, per-layer-type `cu_seq_lens_k`) and `PagedAttentionCache.update(...)`.
 """
 
 from __future__ import annotations
 
-import os
+import functools
 import threading
 from dataclasses import dataclass, field
 
@@ -41,7 +25,9 @@ from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-__all__ = ["ATTENTION_NAME", "enabled", "packed_varlen_attention", "register", "varlen_paged_attention"]
+from . import debug
+
+__all__ = ["ATTENTION_NAME", "packed_varlen_attention", "register", "replaces", "varlen_paged_attention"]
 
 #: The public name this implementation is registered under (`model.set_attn_implementation(ATTENTION_NAME)`).
 ATTENTION_NAME = "trl_cb_varlen"
@@ -52,22 +38,22 @@ _local = threading.local()  # per engine thread: the last few batch plans (layer
 _PLAN_CACHE_SIZE = 4
 
 
-def enabled() -> bool:
-    """False when `TRL_CB_ATTENTION=upstream` asks for transformers' own CB attention (A/B measurements)."""
-    return os.environ.get("TRL_CB_ATTENTION", "varlen").lower() != "upstream"
-
-
 def replaces(implementation: str, cuda_graphs: bool = False) -> bool:
     """Whether an engine built on `implementation` runs `ATTENTION_NAME` instead: the one rule shared by the engine
-    (`_upstream._choose_attention`) and the compatibility check (`compat.engine_attention_implementation`).
+    (`_upstream._choose_attention`) and the compatibility check (`checks.model.engine_attention_implementation`).
 
     Only dense-mask implementations are replaced, not under `TRL_CB_ATTENTION=upstream`, and not with accelerator
     graphs (the plan reads host-side lengths)."""
-    return implementation in DENSE_MASK_IMPLEMENTATIONS and enabled() and not cuda_graphs
+    return implementation in DENSE_MASK_IMPLEMENTATIONS and debug.varlen_attention_enabled() and not cuda_graphs
 
 
+@functools.cache
 def register() -> None:
-    """Register `ATTENTION_NAME` (idempotent). Adds a key; never replaces an existing implementation."""
+    """Register `ATTENTION_NAME` with transformers, once per process.
+
+    Process-wide on purpose: transformers' attention interfaces are global registries keyed by name and a model picks
+    its implementation by name. This adds a trl_cb-only key (it never replaces one), and it stays registered because
+    any model may switch to it later (every engine build does)."""
     AttentionInterface.register(ATTENTION_NAME, varlen_paged_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, _mask)
 

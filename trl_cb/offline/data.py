@@ -20,6 +20,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from .names import TINY_MODEL
+
 _NAMES = ("Ava", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena")
 _ITEMS = ("apples", "marbles", "books", "pencils", "stickers", "cookies", "coins", "shells", "cards", "eggs")
 _PROMPT_SUFFIX = "\nAnswer with the final number after '####'."
@@ -152,8 +154,8 @@ class GSM8KScriptArguments:
     """
 
     model_name_or_path: str = field(
-        default="tiny",
-        metadata={"help": "Hub id or local path of the policy; 'tiny' builds a random tiny Qwen2 offline."},
+        default=TINY_MODEL,
+        metadata={"help": f"Hub id or local path of the policy; {TINY_MODEL!r} builds a random tiny Qwen2 offline."},
     )
     data_file: str | None = field(
         default=None,

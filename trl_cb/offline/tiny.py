@@ -191,3 +191,9 @@ def tiny_checkpoint(directory: str | Path, eos_logit_bias: float | None = 4.0, s
             if not all((directory / name).is_file() for name in complete):
                 raise
     return str(directory)
+
+
+def tiny_model_path() -> str:
+    """Directory of the offline tiny checkpoint, built on first use under the temp directory (shared by the CLI and
+    the examples; under torch.distributed call it on rank 0 first, see `tiny_checkpoint`)."""
+    return tiny_checkpoint(Path(tempfile.gettempdir()) / "trl_cb_tiny_qwen2")

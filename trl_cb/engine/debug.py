@@ -1,0 +1,17 @@
+"""Debug switches read from the environment: for A/B measurements and bisecting, not settings of a training run.
+
+`TRL_CB_ATTENTION=upstream`: engines keep transformers' own attention choice (without flash, a dense mask over every
+key of the batch) instead of `varlen_attention`, and CPU batches are sized for that choice (`sizing.py`). Read at
+every engine build, model check and sizing, so a test can set it for one call (`TRL_CB_OPENMP_GUARD`: `openmp.py`).
+"""
+
+from __future__ import annotations
+
+import os
+
+ATTENTION_ENV = "TRL_CB_ATTENTION"
+
+
+def varlen_attention_enabled() -> bool:
+    """False when `TRL_CB_ATTENTION=upstream` asks for transformers' own CB attention."""
+    return os.environ.get(ATTENTION_ENV, "varlen").lower() != "upstream"

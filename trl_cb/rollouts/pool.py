@@ -1,0 +1,198 @@
+"""The generator's engine, kept across rounds: built on demand, grown when a workload needs more cache, rebuilt when
+the sampling settings or the module change, hard-stopped (never flushed) when a round is abandoned.
+
+Invariants: at most one engine is live; it is reused only when its signature (module, dtype, block sharing, sampling
+settings) matches, it is not `busy` (a round or async rollouts own it) and its cache holds the workload; a stopped
+engine is forgotten only once its thread has exited, and freed later (`free_retired`), outside the abort path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation import ContinuousBatchingConfig
+
+from ..checks import model as model_checks
+from ..checks.generation_settings import (
+    eos_token_ids,
+    request_processor_settings,
+    resolve_eos,
+    sampling_signature,
+    without_trl_cb_fields,
+)
+from ..engine import _upstream, _upstream_sampling
+from ..engine.request_processors import (
+    HISTORY_NEEDS_SYNC,
+    POLICY_LOGPROBS_NEED_SYNC,
+    SYNCHRONOUS_ENGINE,
+    build_request_processors,
+    require_synchronous_engine,
+)
+from ..engine.sizing import CacheSize, Workload, default_page_size, size_cache
+from ..errors import EngineDiedError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Engine", "EnginePool"]
+
+
+@dataclass
+class Engine:
+    manager: _upstream.ContinuousBatchingManager
+    module: PreTrainedModel  # held so that `id(module)` in `signature` cannot be reused by another object
+    signature: tuple[Any, ...]
+    workload: Workload
+    size: CacheSize
+    #: A round owns the engine (thread running, requests possibly in flight); cleared once it is suspended clean.
+    busy: bool = False
+
+
+class EnginePool:
+    """Builds, keeps and stops the engine of one generator; `cb_kwargs` are the user's checked engine settings.
+
+    `stable_weights`: whether the weights the engine reads sit at the same addresses every round
+    (`ModelAccess.stable_weights`); when not, accelerator graphs, which replay the addresses they were captured
+    with, are off (an explicit `use_cuda_graph=True` is refused)."""
+
+    def __init__(self, cb_kwargs: dict[str, Any], stable_weights: bool = True) -> None:
+        self.cb_kwargs = cb_kwargs
+        self.stable_weights = stable_weights
+        self.engine: Engine | None = None
+        #: Engines stopped by an aborted round, freed later (`free_retired`): freeing runs upstream's
+        #: `gc.collect()`, which must not delay the exception on its way to the caller.
+        self._retired: list[_upstream.ContinuousBatchingManager] = []
+        #: Engines built so far (a persistent engine keeps this at 1 across training steps).
+        self.num_builds = 0
+
+    @property
+    def holds_resources(self) -> bool:
+        return self.engine is not None or bool(self._retired)
+
+    def ensure(self, module: PreTrainedModel, workload: Workload, generation_config: GenerationConfig) -> Engine:
+        """An idle engine for `module` that serves `generation_config` and holds `workload` (no thread running)."""
+        resolve_eos(generation_config, module)
+        sharing = self.cb_kwargs.get("allow_block_sharing", True)
+        signature = (id(module), module.dtype, sharing, sampling_signature(generation_config))
+        engine = self.engine
+        if engine is not None and engine.busy:
+            # An earlier round was cut short (or async rollouts own it): requests may still be in flight.
+            logger.info("The continuous batching engine was left mid-round: stopping it and building a new one.")
+            self.stop()
+            engine = None
+        if engine is not None and engine.signature == signature:
+            if engine.size.holds(self.cache_size(module, workload)):
+                return engine
+            workload = workload.union(engine.workload)
+            logger.info(
+                "Workload grew to %d requests of up to %d tokens: re-sizing the continuous batching engine.",
+                workload.num_requests,
+                workload.max_prompt_len + workload.max_new_tokens,
+            )
+        elif engine is not None:
+            logger.info("Generation settings or model changed: rebuilding the continuous batching engine.")
+        self.stop()
+        self.engine = self._build(module, workload, signature, generation_config)
+        self.num_builds += 1
+        return self.engine
+
+    def cache_size(self, module: PreTrainedModel, workload: Workload) -> CacheSize:
+        """The cache geometry for `workload`: the user's settings where given, else sized from the workload."""
+        page_size = self.cb_kwargs.get("page_size") or default_page_size(module.device)
+        if page_size is None:
+            page_size = ContinuousBatchingConfig().page_size
+        sized = size_cache(workload, page_size, module.device)
+        return CacheSize(
+            page_size=page_size,
+            num_blocks=self.cb_kwargs.get("num_blocks") or sized.num_blocks,
+            max_batch_tokens=self.cb_kwargs.get("max_batch_tokens") or sized.max_batch_tokens,
+        )
+
+    def stop(self) -> None:
+        """Hard-stop the engine's thread, give the model its attention back, and retire the engine (not yet freed).
+        The engine is forgotten only once its thread has exited."""
+        engine = self.engine
+        if engine is None:
+            return
+        manager = engine.manager
+        if not _upstream.stop_now(manager):
+            raise EngineDiedError("The continuous batching engine thread did not stop within 60 s; it is kept.")
+        _upstream.restore_training_attention(manager)
+        self.engine = None
+        self._retired.append(manager)
+
+    def free_retired(self) -> None:
+        while self._retired:
+            _upstream.release(self._retired.pop())
+
+    def _build(
+        self,
+        module: PreTrainedModel,
+        workload: Workload,
+        signature: tuple[Any, ...],
+        generation_config: GenerationConfig,
+    ) -> Engine:
+        self.free_retired()  # before allocating a new cache
+        kwargs = dict(self.cb_kwargs)
+        settings = request_processor_settings(generation_config)
+        request_processors = build_request_processors(settings, eos_token_ids(generation_config))
+        engine_config = without_trl_cb_fields(generation_config)
+        # Truncating or penalising settings: record the trainer-comparable logprob beside the processed one.
+        record_policy = bool(request_processors) or _upstream_sampling.reshapes_distribution(module, engine_config)
+        if record_policy:  # both read per-step state on the host: synchronous, uncompiled engine only
+            require_synchronous_engine(
+                self.cb_kwargs, HISTORY_NEEDS_SYNC if settings.needs_history else POLICY_LOGPROBS_NEED_SYNC
+            )
+            kwargs.update(SYNCHRONOUS_ENGINE)
+        if not self.stable_weights:
+            if self.cb_kwargs.get("use_cuda_graph"):
+                raise ValueError(
+                    "use_cuda_graph=True needs the weights at the same addresses every round, but they are gathered "
+                    "(ZeRO-3/FSDP) or copied per round (cb_keep_generation_weights=False) here: unset "
+                    "use_cuda_graph, or keep the generation copies (unsharded models)."
+                )
+            kwargs["use_cuda_graph"] = False
+        size = self.cache_size(module, workload)
+        kwargs.update(
+            page_size=size.page_size,
+            num_blocks=size.num_blocks,
+            max_batch_tokens=size.max_batch_tokens,
+            return_logprobs=True,
+        )
+        hints = _upstream.WorkloadHints(
+            max_prompt_length=workload.max_prompt_len,
+            max_generated_length=workload.max_new_tokens,
+            num_requests=workload.num_requests,
+        )
+        # No `module.eval()` here: the manager's constructor does it, and `create_manager` puts the mode (and the
+        # attention implementation) back if construction fails.
+        t0 = time.perf_counter()
+        try:
+            manager = _upstream.create_manager(
+                module,
+                engine_config,
+                ContinuousBatchingConfig(**kwargs),
+                hints,
+                request_processors,
+                record_policy,
+                check_model=model_checks.check_model,
+            )
+        except MemoryError as err:
+            raise MemoryError(
+                f"The continuous batching cache for this workload ({workload.num_requests} requests of up to "
+                f"{workload.max_prompt_len + workload.max_new_tokens} tokens: {size.num_blocks} blocks of "
+                f"{size.page_size} tokens) exceeds max_memory_percent={kwargs.get('max_memory_percent')} of free "
+                "memory. Lower the per-step batch or max_completion_length, or raise max_memory_percent."
+            ) from err
+        logger.info(
+            "Continuous batching engine ready in %.2fs: %d blocks x %d tokens, max %d tokens per batch.",
+            time.perf_counter() - t0,
+            size.num_blocks,
+            size.page_size,
+            size.max_batch_tokens,
+        )
+        _upstream.restore_training_attention(manager)
+        return Engine(manager=manager, module=module, signature=signature, workload=workload, size=size)

@@ -1,0 +1,141 @@
+"""Async rollout groups in flight: all G samples of a prompt, submitted together, handed out whole and in order.
+
+Invariants: a group is ready only when every one of its requests has finished; groups become ready in submission
+order (FIFO, so short completions are not favoured); every token carries the policy version that sampled it (a
+request in flight across a weight update gets the new version from the token count recorded at that update on).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine import _upstream, _upstream_sampling
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["InFlightGroups", "RolloutGroup"]
+
+
+@dataclass
+class RolloutGroup:
+    """All samples of one prompt, in submission order, with per-token behaviour logprobs and policy versions.
+
+    `logprobs` are of the processed distribution each token was sampled from, `policy_logprobs` of the same
+    sampler's `log_softmax(logits / T)` (TRL's training quantity; what IS compares): see `GenerationResult`."""
+
+    row: Any  # the dataset row the prompt came from (rewards need its other fields)
+    prompt_ids: list[int]
+    completion_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    policy_logprobs: list[list[float]] = field(default_factory=list)
+    versions: list[list[int]] = field(default_factory=list)
+    submitted_version: int = 0
+
+    @property
+    def oldest_version(self) -> int:
+        return min((v[0] for v in self.versions if v), default=self.submitted_version)
+
+
+@dataclass
+class _Pending:
+    group: RolloutGroup
+    request_ids: list[str]
+    # per request: generated-token counts at each weight update while it was in flight, as (count, new version)
+    boundaries: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    outputs: dict[str, Any] = field(default_factory=dict)
+
+
+class InFlightGroups:
+    """The groups submitted to one engine and not yet handed out (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.pending: deque[_Pending] = deque()  # submission order
+        self.ready: deque[RolloutGroup] = deque()
+        self._by_request: dict[str, _Pending] = {}
+        self._next_id = 0
+        #: Tokens received since the last `take_token_count`.
+        self._tokens = 0
+
+    def __len__(self) -> int:
+        return len(self.pending) + len(self.ready)
+
+    @property
+    def inflight_requests(self) -> int:
+        return sum(len(p.request_ids) - len(p.outputs) for p in self.pending)
+
+    def submit(
+        self,
+        manager: _upstream.ContinuousBatchingManager,
+        row: Any,
+        prompt_ids: list[int],
+        num_samples: int,
+        max_new_tokens: int,
+        version: int,
+    ) -> None:
+        request_id = f"a{self._next_id}"
+        self._next_id += 1
+        rids = _upstream.add_forked_request(manager, prompt_ids, request_id, num_samples, max_new_tokens)
+        pending = _Pending(RolloutGroup(row=row, prompt_ids=prompt_ids, submitted_version=version), rids)
+        self.pending.append(pending)
+        for rid in rids:
+            self._by_request[rid] = pending
+
+    def mark_weight_update(self, generated_lengths: dict[str, int], new_version: int) -> None:
+        """Tokens generated from here on by each unfinished request are sampled by `new_version`."""
+        for rid, pending in self._by_request.items():
+            if rid not in pending.outputs:  # finished requests keep their (older) versions
+                pending.boundaries.setdefault(rid, []).append((generated_lengths.get(rid, 0), new_version))
+
+    def collect(self, manager: _upstream.ContinuousBatchingManager) -> None:
+        """Take every result the engine has now (no waiting) and move finished groups, in order, to `ready`."""
+        while (result := manager.get_result(timeout=0)) is not None:
+            self._accept(result)
+        while self.pending and len(self.pending[0].outputs) == len(self.pending[0].request_ids):
+            self.ready.append(self._finish(self.pending.popleft()))
+
+    def wait(self, manager: _upstream.ContinuousBatchingManager, timeout: float) -> None:
+        """Wait up to `timeout` s for one result; `EngineDiedError` if the engine stopped meanwhile."""
+        result = manager.get_result(timeout=timeout)
+        if result is not None:
+            self._accept(result)
+            return
+        _upstream.check_alive(manager, "during async generation")
+
+    def take_token_count(self) -> int:
+        """Tokens received since the previous call."""
+        tokens, self._tokens = self._tokens, 0
+        return tokens
+
+    def clear(self) -> None:
+        self.pending.clear()
+        self.ready.clear()
+        self._by_request.clear()
+
+    def _accept(self, result: Any) -> None:
+        pending = self._by_request.get(result.request_id)
+        if pending is None:
+            logger.warning("Dropping a result for unknown request %s.", result.request_id)
+            return
+        if _upstream.finished_output(result) is None:
+            return
+        pending.outputs[result.request_id] = result
+        self._tokens += len(result.generated_tokens)
+
+    def _finish(self, pending: _Pending) -> RolloutGroup:
+        group = pending.group
+        for rid in pending.request_ids:
+            out = pending.outputs[rid]
+            del self._by_request[rid]
+            processed, policy = _upstream_sampling.output_logprobs(out)
+            versions = [group.submitted_version] * len(out.generated_tokens)
+            for count, version in pending.boundaries.get(rid, []):
+                for i in range(count, len(versions)):
+                    versions[i] = version
+            group.completion_ids.append(list(out.generated_tokens))
+            group.logprobs.append(processed)
+            group.policy_logprobs.append(policy)
+            group.versions.append(versions)
+        return group

@@ -1,0 +1,249 @@
+"""Async rollouts on the trainers' side: an `AsyncRolloutController` fed from the training dataset, its groups in
+place of TRL's sampled rows, weight updates fenced by callbacks, and the prompt stream's position in checkpoints.
+
+Invariants: the controller is built at the first training step that needs it, sized for the dataset's longest prompt
+(every row validated first, naming the row); each `take` returns exactly `groups_per_step` groups whose rows replace
+the sampler's; a resumed run restarts the stream at the checkpoint's saved position (no trained prompt replayed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from ..engine import sharding
+from ..rollouts.async_controller import AsyncRolloutController
+from ..rollouts.generator import ContinuousBatchingGenerator
+from ..rollouts.model_access import plain_module
+from ..rollouts.prompt_stream import PromptStream
+from ..rollouts.rollout_groups import RolloutGroup
+from . import trl_internals
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ASYNC_STATE_FILE", "AsyncRolloutsMixin", "default_max_staleness"]
+
+#: Per-process async state saved in each checkpoint directory (the prompt stream's resume position).
+ASYNC_STATE_FILE = "trl_cb_async_state-rank{rank}.json"
+#: Prompts tokenized per batch when the dataset is scanned for its longest prompt.
+_SCAN_BATCH = 256
+
+
+def default_max_staleness(prefetch_depth: int, optimizer_steps_per_take: float) -> int:
+    """The staleness bound that drops nothing by construction when the trainer takes rollouts once every
+    `optimizer_steps_per_take` (k) optimizer steps.
+
+    Why: groups are consumed FIFO and the queue holds `prefetch_depth + 1` takes' worth, so a group submitted during
+    take j is consumed by take j + prefetch_depth + 1 at the latest, and its first token was sampled at take j or
+    later: its staleness is at most (prefetch_depth + 1) * k weight updates. A bound of 2 with k = 4 (GA=1,
+    steps_per_generation=4) dropped 43% of the groups.
+    """
+    return (prefetch_depth + 1) * max(1, math.ceil(optimizer_steps_per_take))
+
+
+class _PauseEngineForOptimizerStep(TrainerCallback):
+    """The optimizer mutates weights in place: the engine must not run a forward meanwhile."""
+
+    def __init__(self, trainer: AsyncRolloutsMixin) -> None:
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, *a: Any, **k: Any) -> None:
+        if self.trainer._cb_async is not None:
+            self.trainer._cb_async.begin_weight_update()
+
+    def on_optimizer_step(self, *a: Any, **k: Any) -> None:
+        if self.trainer._cb_async is not None:
+            self.trainer._cb_async.end_weight_update()
+
+
+class _SaveAsyncState(TrainerCallback):
+    """Write the prompt stream's position into each checkpoint (`Trainer` calls `on_save` right after
+    `_save_checkpoint` has written `checkpoint-<global_step>`)."""
+
+    def __init__(self, trainer: AsyncRolloutsMixin) -> None:
+        self.trainer = trainer
+
+    def on_save(self, args: Any, state: Any, control: Any, **k: Any) -> None:
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        self.trainer._cb_save_async_state(os.path.join(args.output_dir, folder))
+
+
+class AsyncRolloutsMixin:
+    """The async part of `ContinuousBatchingTrainerMixin` (state: the controller, the stream position, the groups of
+    the current step and the dataset's longest prompt)."""
+
+    _cb_async: AsyncRolloutController | None = None
+    _cb_async_groups: list[RolloutGroup] | None = None
+    #: Stream position the next async controller starts from (advanced when a controller stops; set on resume).
+    _cb_async_start: int = 0
+    _cb_async_longest: int | None = None
+
+    def _cb_async_setup(self) -> None:
+        """Called at the end of `__init__`: refuse unsupported setups early and hook weight updates."""
+        args = self.args
+        if not getattr(args, "async_generation", False):
+            return
+        if sharding.is_sharded(self.model, self.accelerator):
+            raise ValueError(
+                "async_generation runs the engine on local, unsharded parameters: use a single process or DDP "
+                "(ZeRO-3 and FSDP shard parameters between steps)."
+            )
+        if getattr(self, "tools", None):
+            raise ValueError("async_generation does not support tool calling (multi-turn rollouts).")
+        self.add_callback(_PauseEngineForOptimizerStep(self))
+        self.add_callback(_SaveAsyncState(self))
+
+    def _cb_async_position(self) -> int:
+        """Stream position of the first prompt no finished step has consumed (see `PromptStream`)."""
+        controller = self._cb_async
+        return self._cb_async_start + (controller.consumed_groups if controller is not None else 0)
+
+    def _cb_save_async_state(self, checkpoint_dir: str) -> None:
+        if not os.path.isdir(checkpoint_dir):
+            logger.warning("No checkpoint directory %s: async rollout state not saved.", checkpoint_dir)
+            return
+        state = {"stream_position": self._cb_async_position(), "seed": self._cb_stream_seed()}
+        path = os.path.join(checkpoint_dir, ASYNC_STATE_FILE.format(rank=self.accelerator.process_index))
+        with open(path, "w") as f:
+            json.dump(state, f)
+
+    def _cb_load_async_state(self, checkpoint_dir: str) -> None:
+        path = os.path.join(checkpoint_dir, ASYNC_STATE_FILE.format(rank=self.accelerator.process_index))
+        if not os.path.isfile(path):
+            logger.warning(
+                "Resuming async rollouts from %s without saved stream state: the prompt stream restarts.",
+                checkpoint_dir,
+            )
+            self._cb_async_start = 0
+            return
+        with open(path) as f:
+            state = json.load(f)
+        if state.get("seed") != self._cb_stream_seed():
+            logger.warning("The checkpoint's prompt stream used another seed: its position is applied as is.")
+        self._cb_async_start = int(state["stream_position"])
+        logger.info("Async rollouts resume the prompt stream at item %d.", self._cb_async_start)
+
+    def _cb_stream_seed(self) -> int:
+        return self.args.seed * 1000 + self.accelerator.process_index
+
+    def _cb_prompt_stream(self, start: int) -> PromptStream:
+        """Endless shuffled stream of (dataset row, prompt ids), distinct per process, reproducible from the seed,
+        starting at item `start` (a resumed run continues where the checkpoint left off)."""
+        dataset = self.train_dataset
+
+        def fetch(index: int) -> tuple[Any, list[int]]:
+            row = dataset[index]
+            return row, trl_internals.tokenize_prompts(self, [row["prompt"]])[0]
+
+        return PromptStream(len(dataset), self._cb_stream_seed(), fetch, start=start)
+
+    def _cb_scan_prompts(self, generator: ContinuousBatchingGenerator, module: torch.nn.Module) -> int:
+        """Tokenize and validate every prompt of `train_dataset` (the synchronous checks, naming the row) and return
+        the longest prompt's length: the async engine is sized for it, so no row can fail to be scheduled later."""
+        dataset = self.train_dataset
+        t0 = time.perf_counter()
+        longest = 0
+        for begin in range(0, len(dataset), _SCAN_BATCH):
+            rows = [dataset[i]["prompt"] for i in range(begin, min(begin + _SCAN_BATCH, len(dataset)))]
+            ids = trl_internals.tokenize_prompts(self, rows)
+            try:
+                generator.validate_prompts(ids, module)
+            except ValueError as err:
+                raise ValueError(f"train_dataset rows {begin}..{begin + len(ids) - 1}: {err}") from None
+            longest = max(longest, max(len(p) for p in ids))
+        logger.info(
+            "Scanned %d prompts in %.2fs: the longest has %d tokens.", len(dataset), time.perf_counter() - t0, longest
+        )
+        return longest
+
+    def _cb_async_controller(self) -> AsyncRolloutController:
+        """The async controller, built (and its engine filled) the first time a training step needs it."""
+        if self._cb_async is None:
+            args = self.args
+            generator = ContinuousBatchingGenerator(
+                self.model_wrapped,
+                self.generation_config,
+                continuous_batching_config=args.transformers_continuous_batching_config,
+                timeout=args.cb_generation_timeout,
+                **self._cb_generator_kwargs(),
+            )
+            rows_per_step = args.generation_batch_size // self.accelerator.num_processes
+            module = plain_module(self.model_wrapped)
+            if self._cb_async_longest is None:
+                self._cb_async_longest = self._cb_scan_prompts(generator, module)
+            controller = AsyncRolloutController(
+                generator,
+                module,
+                self._cb_prompt_stream(self._cb_async_start),
+                num_generations=self.num_generations,
+                groups_per_step=rows_per_step // self.num_generations,
+                prefetch_depth=args.prefetch_depth,
+                max_staleness=self._cb_max_staleness(),
+                keep_stale=args.async_keep_stale,
+                timeout=args.cb_generation_timeout,
+            )
+            controller.start(max_prompt_len=self._cb_async_longest)
+            self._cb_async = controller
+        return self._cb_async
+
+    def _cb_max_staleness(self) -> int:
+        """`args.max_staleness`, or (unset) the bound that drops nothing for this schedule: rollouts are taken once
+        every `steps_per_generation * num_iterations / gradient_accumulation_steps` optimizer steps."""
+        args = self.args
+        if args.max_staleness is not None:
+            return args.max_staleness
+        steps_per_take = args.steps_per_generation * self.num_iterations / args.gradient_accumulation_steps
+        return default_max_staleness(args.prefetch_depth, steps_per_take)
+
+    def _cb_async_take(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Replace the sampler's rows by those of finished groups; stash the groups for `_generate_single_turn`."""
+        controller = self._cb_async_controller()
+        num_groups = len(inputs) // self.num_generations
+        if num_groups != controller.groups_per_step:
+            raise RuntimeError(
+                f"Async rollouts expected {controller.groups_per_step} groups per step, got {num_groups}."
+            )
+        with trl_internals.profiling_context(self, "trl_cb.async_wait"):
+            groups, metrics = controller.take(num_groups)
+        for name, value in metrics.as_dict().items():
+            trl_internals.log_metric(self, "train", name, value)
+        self._cb_async_groups = groups
+        return [group.row for group in groups for _ in range(self.num_generations)]
+
+    def _cb_async_completions(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        groups, G = self._cb_async_groups, self.num_generations
+        expected = [g.prompt_ids for g in groups for _ in range(G)]
+        if [list(p) for p in prompt_ids] != expected:
+            raise RuntimeError("Async rollouts are out of step with the prompts TRL tokenized (multi-turn?).")
+        completion_ids = [c for g in groups for c in g.completion_ids]
+        logprobs = [lp for g in groups for lp in g.policy_logprobs]
+        self._cb_last_logprobs = logprobs
+        return completion_ids, logprobs
+
+    def _cb_async_active(self) -> bool:
+        return bool(getattr(self.args, "async_generation", False) and self.model.training)
+
+    def _cb_async_resume(self, resume_from_checkpoint: str | bool | None) -> None:
+        """Before `train`: continue the prompt stream from the checkpoint training resumes from."""
+        if getattr(self.args, "async_generation", False) and resume_from_checkpoint:
+            checkpoint = resume_from_checkpoint
+            if isinstance(checkpoint, bool):  # as `Trainer.train` resolves it
+                checkpoint = get_last_checkpoint(self.args.output_dir)
+            if checkpoint is not None:
+                self._cb_load_async_state(checkpoint)
+
+    def _cb_async_stop(self) -> None:
+        """Hard-stop the controller (in-flight groups are abandoned); the next one continues the stream."""
+        controller = self._cb_async
+        if controller is not None:
+            controller.stop()
+            self._cb_async_start = self._cb_async_position()
+            self._cb_async = None

@@ -1,0 +1,180 @@
+"""Importance-sampling (IS) correction on the trainers' CB path: the sampler's logprobs against the policy's.
+
+How the weight reaches the loss: TRL multiplies its loss by an IS ratio only on the vLLM path. Both trainers' policy
+terms are linear in the advantage A (`-min(c * A, clip(c) * A)` and the like), so for a weight w >= 0,
+`w * term(A) == term(w * A)`: w is folded into the advantages, which TRL accepts as (B, T) for this kind of extension;
+VESPO, which consumes the ratio itself, gets it as `importance_sampling_ratio`. The KL term is not weighted (as in
+TRL). When the weights cannot change between scoring and the loss, the old-policy logprobs are those of TRL's own loss
+forward (no extra forward; `_cb_can_defer_is`). The ratio itself: `trl_cb/importance_sampling.py`.
+
+Invariant: TRL's five IS metrics are logged once per generation batch with TRL's reduction, whatever the
+micro-batching: a deferred correction merges each micro-batch's stats and logs them after the batch's last one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..importance_sampling import (
+    IS_METRIC_NAMES,
+    ImportanceSamplingStats,
+    importance_sampling_ratio,
+    importance_sampling_stats,
+)
+from . import trl_internals
+
+__all__ = ["IS_METRIC_NAMES", "ImportanceSamplingMixin"]
+
+#: Key of the (B, T) sampling logprobs in a scored batch whose IS correction waits for the loss forward.
+_DEFERRED_IS_KEY = "cb_deferred_sampling_per_token_logps"
+#: Key of the 0-dim id of the generation batch a deferred micro-batch belongs to (TRL's split keeps 0-dim tensors).
+_DEFERRED_IS_BATCH = "cb_deferred_is_batch"
+
+
+class ImportanceSamplingMixin:
+    """The IS part of `ContinuousBatchingTrainerMixin`. Reads `_cb_last_logprobs` (the last round's sampler-side
+    policy logprobs, set by the generation side) and `_cb_per_token_loss` (GRPO: (B, T) weights; RLOO: (B,))."""
+
+    _cb_last_logprobs: list[list[float]] | None = None
+    _cb_per_token_loss: bool
+    #: Generation batches scored so far whose correction was deferred (ids of `_cb_is_pending`).
+    _cb_is_batches: int = 0
+
+    def _cb_correct(self, output: dict[str, Any]) -> None:
+        """Apply the IS correction to a scored batch now, or defer it to the loss forward when that is exact."""
+        if not self._cb_uses_is():
+            return
+        mode = "train" if self.model.training else "eval"
+        if self._cb_can_defer_is(output):
+            # The loss forward computes these same logprobs with the same weights; the ratio is applied there, per
+            # micro-batch, and the stats are logged once the generation batch's last micro-batch is done. TRL splits
+            # a training generation batch into `steps_per_generation` micro-batch dicts (reused, not re-split, for
+            # `num_iterations`; the keys are popped at first use); eval uses it whole.
+            batch_id = self._cb_is_batches
+            self._cb_is_batches += 1
+            parts = self.args.steps_per_generation if mode == "train" else 1
+            self._cb_is_pending()[batch_id] = [mode, parts, None]
+            output[_DEFERRED_IS_KEY] = self._cb_sampling_logps(output)
+            output[_DEFERRED_IS_BATCH] = torch.tensor(batch_id)
+        else:
+            stats = self._cb_importance_sampling(output, per_token_loss=self._cb_per_token_loss)
+            self._cb_log_is_stats(stats, mode)
+
+    def _cb_is_pending(self) -> dict[int, list[Any]]:
+        """Deferred IS stats per generation batch id: [mode, micro-batches still to come, stats merged so far]."""
+        return self.__dict__.setdefault("_cb_is_pending_batches", {})
+
+    def _cb_sampling_logps(self, output: dict[str, Any]) -> torch.Tensor:
+        """(B, T) sampling logprobs aligned with `output["completion_ids"]`."""
+        if "sampling_per_token_logps" in output:  # GRPO pads them itself (tool turns included)
+            return output["sampling_per_token_logps"]
+        if self._cb_last_logprobs is None:
+            raise RuntimeError("The CB path produced no sampling logprobs for this batch.")
+        width = output["completion_ids"].size(1)
+        rows = [torch.tensor(lp, dtype=torch.float32) for lp in self._cb_last_logprobs]
+        padded = trl_internals.pad(rows, padding_value=0.0, padding_side="right")
+        padded = torch.nn.functional.pad(padded, (0, width - padded.size(1)))
+        return padded.to(output["completion_ids"].device)
+
+    def _cb_old_logps(self, output: dict[str, Any]) -> torch.Tensor:
+        """(B, T) training-policy logprobs of the sampled tokens (reused when TRL computed them)."""
+        if output.get("old_per_token_logps") is not None:
+            return output["old_per_token_logps"]
+        return trl_internals.policy_logps(self, output)
+
+    def _cb_can_defer_is(self, output: dict[str, Any]) -> bool:
+        """Whether the IS ratio may use the loss forward's logprobs instead of an extra no-grad forward now.
+
+        Valid exactly when TRL itself treats the loss forward's detached logprobs as the old policy's (GRPO leaves
+        `old_per_token_logps` unset then): every micro-batch of this generation batch is trained on before the next
+        optimizer step, i.e. gradient_accumulation_steps is a multiple of steps_per_generation x num_iterations, so
+        the weights at loss time are the weights at scoring time. RLOO always runs the extra forward itself but keeps
+        only the sequence sums; the same condition makes its per-token values equal the loss forward's. Not with
+        Liger's fused loss, which never calls `_get_per_token_logps_and_entropies`.
+        """
+        args = self.args
+        if output.get("old_per_token_logps") is not None or getattr(args, "use_liger_kernel", False):
+            return False
+        generate_every = args.steps_per_generation * getattr(args, "num_iterations", 1)
+        return args.gradient_accumulation_steps % generate_every == 0
+
+    def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        """TRL's loss; a deferred IS correction (`_cb_can_defer_is`) is applied to `inputs` as soon as TRL's loss
+        forward has produced the policy's logprobs, before TRL reads the advantages (pinned by test_contracts)."""
+        sampling = inputs.pop(_DEFERRED_IS_KEY, None)
+        batch = inputs.pop(_DEFERRED_IS_BATCH, None)
+        if sampling is None:
+            return super()._compute_loss(model, inputs)
+
+        def correct(old: torch.Tensor) -> None:
+            stats = self._cb_importance_sampling(
+                inputs, per_token_loss=self._cb_per_token_loss, old=old, sampling=sampling
+            )
+            self._cb_add_deferred_is_stats(int(batch), stats)
+
+        return trl_internals.with_policy_logps_hook(
+            self, lambda: super(ImportanceSamplingMixin, self)._compute_loss(model, inputs), correct
+        )
+
+    def _cb_importance_sampling(
+        self,
+        output: dict[str, Any],
+        per_token_loss: bool,
+        old: torch.Tensor | None = None,
+        sampling: torch.Tensor | None = None,
+    ) -> ImportanceSamplingStats:
+        """Weight `output`'s advantages by the IS ratio (see module docstring); return the batch's IS stats.
+
+        `old` / `sampling`: the training policy's and the sampler's logprobs of the sampled tokens, (B, T); computed
+        from `output` when not given."""
+        args = self.args
+        mask = output["completion_mask"]
+        if output.get("tool_mask") is not None:
+            mask = mask * output["tool_mask"]
+        sampling = self._cb_sampling_logps(output) if sampling is None else sampling
+        old = self._cb_old_logps(output) if old is None else old
+        mode_name = args.cb_importance_sampling_mode
+        ratio = importance_sampling_ratio(
+            old, sampling, mask, mode_name, args.cb_importance_sampling_clip_min, args.cb_importance_sampling_clip_max
+        )  # (B, T) or (B, 1)
+        output["importance_sampling_ratio"] = ratio
+        if getattr(args, "loss_type", None) != "vespo":
+            advantages = output["advantages"]
+            if per_token_loss:
+                output["advantages"] = advantages.unsqueeze(1) * ratio  # (B, T) or (B, 1)
+            else:
+                output["advantages"] = advantages * ratio.squeeze(1)  # sequence modes only: (B,)
+        return importance_sampling_stats(ratio, old, sampling, mask)
+
+    def _cb_add_deferred_is_stats(self, batch_id: int, stats: ImportanceSamplingStats) -> None:
+        """Merge one micro-batch's stats into its generation batch's; log them once the batch's last part is in."""
+        pending = self._cb_is_pending()
+        entry = pending.get(batch_id)
+        if entry is None:  # pragma: no cover - every deferred batch is registered by `_cb_correct`
+            raise RuntimeError(f"trl_cb: IS stats for unknown generation batch {batch_id}.")
+        entry[1] -= 1
+        entry[2] = stats if entry[2] is None else entry[2].merge(stats)
+        if entry[1] == 0:
+            del pending[batch_id]
+            self._cb_log_is_stats(entry[2], entry[0])
+
+    def _cb_log_is_stats(self, stats: ImportanceSamplingStats, mode: str) -> None:
+        """Append TRL's five IS metrics for one generation batch, reduced across processes as TRL reduces them
+        (mean of means, max of maxima, NaN-aware min/mean/max of the weights). One collective, one host sync."""
+        ranks = self.accelerator.gather(stats.local_values()[None]).reshape(-1, len(IS_METRIC_NAMES))
+        reduced = torch.stack(
+            [
+                ranks[:, 0].mean(),
+                ranks[:, 1].max(),
+                trl_internals.nanmin(ranks[:, 2]),
+                ranks[:, 3].nanmean(),
+                trl_internals.nanmax(ranks[:, 4]),
+            ]
+        ).tolist()
+        for name, value in zip(IS_METRIC_NAMES, reduced, strict=True):
+            trl_internals.log_metric(self, mode, name, value)
+
+    def _cb_uses_is(self) -> bool:
+        return bool(self.args.use_transformers_continuous_batching and self.args.cb_importance_sampling_correction)

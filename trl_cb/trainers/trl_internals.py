@@ -1,0 +1,93 @@
+"""The only place trl_cb's trainers touch TRL beyond its public API (as `engine/_upstream.py` is for transformers).
+
+Each private attribute or helper is reached through one function here, pinned by tests/unit/test_contracts.py:
+`_tokenize_prompts`, `_metrics`, `_get_per_token_logps_and_entropies` (called, and wrapped for one `_compute_loss`),
+`trl.models.utils.disable_gradient_checkpointing`, `trl.trainer.utils.pad/nanmin/nanmax`, `profiling_context`. The
+trainers also override TRL's `_generate_single_turn`, `_generate_and_score_completions` and `_compute_loss`
+(`mixin.py`, `is_correction.py`); their signatures and call order are pinned there too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from trl.extras.profiling import profiling_context
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import nanmax, nanmin, pad
+
+__all__ = [
+    "log_metric",
+    "nanmax",
+    "nanmin",
+    "pad",
+    "policy_logps",
+    "profiling_context",
+    "tokenize_prompts",
+    "with_policy_logps_hook",
+]
+
+_LOGPS = "_get_per_token_logps_and_entropies"
+
+
+def tokenize_prompts(trainer: Any, prompts: list[Any]) -> list[list[int]]:
+    """Prompt token ids exactly as TRL's trainer builds them for generation (chat template included)."""
+    return [list(ids) for ids in trainer._tokenize_prompts(prompts)[0]]
+
+
+def log_metric(trainer: Any, mode: str, name: str, value: float) -> None:
+    """Append `value` to the trainer's logged metric `name` (`mode`: "train" or "eval")."""
+    trainer._metrics[mode][name].append(value)
+
+
+def policy_logps(trainer: Any, output: dict[str, Any]) -> torch.Tensor:
+    """(B, T) training-policy logprobs of `output`'s completion tokens: one no-grad forward, as TRL computes
+    `old_per_token_logps`."""
+    prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+    attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+    args = trainer.args
+    batch_size = args.per_device_train_batch_size if trainer.model.training else args.per_device_eval_batch_size
+    with torch.no_grad(), disable_gradient_checkpointing(trainer.model, args.gradient_checkpointing_kwargs):
+        logps, _, _ = getattr(trainer, _LOGPS)(
+            trainer.model, prompt_completion_ids, attention_mask, output["completion_ids"].size(1), batch_size
+        )
+    return logps
+
+
+def with_policy_logps_hook(
+    trainer: Any, compute_loss: Callable[[], torch.Tensor], on_logps: Callable[[torch.Tensor], None]
+) -> torch.Tensor:
+    """Run TRL's `compute_loss()` and call `on_logps(detached policy logprobs)` right after its loss forward (TRL's
+    first `_get_per_token_logps_and_entropies` call there), before TRL reads anything else of the batch.
+
+    `RuntimeError` if the loss never made that call: a correction must never be skipped silently."""
+    applied = False
+    original = getattr(trainer, _LOGPS)
+    shadowed = trainer.__dict__.get(_LOGPS)  # an instance attribute already there (a user's patch) is put back
+
+    def restore() -> None:
+        if shadowed is None:
+            trainer.__dict__.pop(_LOGPS, None)
+        else:
+            trainer.__dict__[_LOGPS] = shadowed
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        nonlocal applied
+        restore()  # one call only: the loss forward is TRL's first call in `_compute_loss`
+        result = original(*args, **kwargs)
+        on_logps(result[0].detach())
+        applied = True
+        return result
+
+    trainer.__dict__[_LOGPS] = hooked
+    try:
+        loss = compute_loss()
+    finally:
+        restore()
+    if not applied:
+        raise RuntimeError(
+            f"trl_cb: TRL's loss did not compute the policy's logprobs through `{_LOGPS}`; the deferred "
+            "importance-sampling correction could not be applied."
+        )
+    return loss
