@@ -21,7 +21,7 @@ from tests.conftest import sampling_config
 from trl_cb import ContinuousBatchingGenerator
 from trl_cb.engine import openmp
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 _PROBE = r"""
 import gc, json, resource, time
