@@ -8,8 +8,8 @@ deviation is refused with one `UnsupportedModelError` naming the model type, the
 docs/models.md).
 
 Invariant: a model `check_model` accepts runs through the same attention computation in the engine as in its own
-forward (up to the kernel); tests/unit/checks/test_compat_matrix.py proves it per family. Accepted (model, attention) pairs
-are remembered for the model's life, so the trainer's check and its generator's probe once.
+forward (up to the kernel); tests/unit/checks/test_compat_matrix.py proves it per family. Accepted (model, attention)
+pairs are remembered for the model's life, so the trainer's check and its generator's probe once.
 """
 
 from __future__ import annotations
