@@ -4,7 +4,7 @@
     python benchmarks/precision_memory.py --quick                      # 2-layer model, smoke test (~1 minute)
     python benchmarks/precision_memory.py --cases fp32-bf16 --backends generate trl_cb
 
-What it answers: how much memory trl_cb's bf16/fp16 generation copies (`trl_cb/precision.py`) cost, kept between
+What it answers: how much memory trl_cb's bf16/fp16 generation copies (`trl_cb/engine/precision.py`) cost, kept between
 rounds (`cb_keep_generation_weights` unset or `True`) or made per round (`False`), against TRL's own `generate()`
 path (CB flag off: no copy, generation under accelerate's autocast).
 

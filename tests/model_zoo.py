@@ -60,7 +60,7 @@ class Arch:
         return self.model_type
 
 
-#: Families the engine serves exactly (tests/unit/test_compat_matrix.py).
+#: Families the engine serves exactly (tests/unit/checks/test_compat_matrix.py).
 SUPPORTED: list[Arch] = [
     Arch("llama", "tied embeddings", dict(tie_word_embeddings=True)),
     Arch(

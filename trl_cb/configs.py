@@ -67,7 +67,7 @@ class ContinuousBatchingArguments:
         prefetch_depth (`int`, *optional*, defaults to `1`):
             Async: steps of prompts submitted ahead of the current step.
         cb_openmp_guard (`bool`, *optional*):
-            While the CB generator lives, make parked OpenMP workers sleep instead of spin (`trl_cb/openmp.py`):
+            While the CB generator lives, make parked OpenMP workers sleep instead of spin (`trl_cb/engine/openmp.py`):
             CPU training stays fast on a loaded machine (5-9x faster steps under two busy processes), at 5-10% of a
             quiet step. Process-wide. Unset: on for a CPU model with a multi-threaded OpenMP torch, off otherwise.
         async_keep_stale (`bool`, *optional*, defaults to `False`):

@@ -21,6 +21,7 @@ REMOVAL_VERSION = "1.0.0"
 
 #: Old module path -> the module(s) its names live in now (earlier ones win a name clash). Removed in REMOVAL_VERSION.
 MOVED_MODULES: dict[str, tuple[str, ...]] = {
+    "trl_cb._upstream": ("trl_cb.engine._upstream", "trl_cb.engine.sharding"),
     "trl_cb.async_rollouts": (
         "trl_cb.rollouts.async_controller",
         "trl_cb.rollouts.rollout_groups",

@@ -148,7 +148,7 @@ def test_eval_during_training(tmp_path, checkpoint, tokenizer):
 def test_generation_kwargs(kind, tmp_path, checkpoint, tokenizer):
     """TRL's `test_train_with_generation_kwargs` through the CB path, on both trainers, with its kwargs less
     `num_beams=2` (beam search has no per-token sampling policy; trl_cb refuses it at construction, tested in
-    tests/unit/test_generation_settings.py) and a smaller top_k:
+    tests/unit/checks/test_generation_settings.py) and a smaller top_k:
     it trains, logs TRL's metrics (finite), and the sampler honours the kwargs — top_k=5 truncates the sampling
     distribution, so every IS weight is <= 1 (docs/index.md: sampling logprobs renormalise over the kept tokens,
     TRL's training logprobs do not)."""

@@ -8,12 +8,13 @@ deviation is refused with one `UnsupportedModelError` naming the model type, the
 docs/models.md).
 
 Invariant: a model `check_model` accepts runs through the same attention computation in the engine as in its own
-forward (up to the kernel); tests/unit/test_compat_matrix.py proves it per family. Accepted (model, attention) pairs
-are remembered for the model's life, so the trainer's check and its generator's probe once.
+forward (up to the kernel); tests/unit/checks/test_compat_matrix.py proves it per family. Accepted (model, attention)
+pairs are remembered for the model's life, so the trainer's check and its generator's probe once.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
@@ -291,7 +292,7 @@ def _record_attention_calls(model: PreTrainedModel, num_tokens: int) -> list[_At
     original = _upstream.attention_implementation(model)
     was_training = model.training
     with _probe_lock:
-        AttentionInterface.register(_PROBE_NAME, _probe_attention)  # idempotent; used only by this forward
+        _register_probe()
         _probe_state.calls = []
         try:
             model.set_attn_implementation(_PROBE_NAME)
@@ -303,6 +304,14 @@ def _record_attention_calls(model: PreTrainedModel, num_tokens: int) -> list[_At
             model.set_attn_implementation(original)
             model.train(was_training)
             _probe_state.calls = []
+
+
+@functools.cache
+def _register_probe() -> None:
+    """Register the probe with transformers' attention interface, once per process: that registry is global and
+    keyed by name, and this adds a trl_cb-only key (never replacing one) that only `_record_attention_calls` selects,
+    for the one forward it runs."""
+    AttentionInterface.register(_PROBE_NAME, _probe_attention)
 
 
 def _probe_attention(

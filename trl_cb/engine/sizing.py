@@ -24,16 +24,13 @@ from . import debug
 MAX_BATCH_TOKENS_CAP = 8192
 #: Token budget per forward on CPU when the user sets none, with trl_cb's attention (`varlen_attention.py`: each query
 #: attends to its own request's keys, so a step costs ~ tokens x own length and larger batches amortise the per-step
-#: CPU work). Measured (docs/benchmarks.md, "Attention path"; CPU seconds per round, one thread, interleaved):
-#: benchmark default N=64: 64 -> 0.77, 128 -> 0.77, 256 -> 0.73, 512 -> 0.74 s; N=32: 0.52 / 0.45 / 0.45 / 0.49 s;
-#: 256-wide 4-layer model, 256 requests: 7.96 (64) -> 6.87 (256, 512) s; GRPO-step rounds: 0.131 -> 0.120 s.
+#: CPU work; measurements: docs/benchmarks.md, "Attention path").
 CPU_MAX_BATCH_TOKENS = 256
 #: The same with transformers' dense-mask attention (`TRL_CB_ATTENTION=upstream`), whose step costs
-#: ~ (requests in batch)^2 x length: 2.6M-param Qwen2 at 256 requests 25.9 s (256) -> 17.2 s (64) per round.
+#: ~ (requests in batch)^2 x length: smaller forwards are faster there.
 CPU_DENSE_MASK_MAX_BATCH_TOKENS = 64
-#: Page size used on CPU when the user sets none: small pages waste less cache (one partial page per request). With
-#: trl_cb's attention the page size no longer changes the speed (N=64 CPU s/round, max_batch_tokens 256: pages of 16 /
-#: 32 / 64 / 128 tokens: 0.76 / 0.73 / 0.71 / 0.73); 32 keeps prompt pages shareable between a prompt's samples.
+#: Page size used on CPU when the user sets none: small pages waste less cache (one partial page per request); with
+#: trl_cb's attention the page size does not change the speed, and 32 keeps prompt pages shareable between samples.
 CPU_PAGE_SIZE = 32
 
 

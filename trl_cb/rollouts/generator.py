@@ -145,6 +145,11 @@ class ContinuousBatchingGenerator:
         return self._model.model
 
     @property
+    def accelerator(self) -> Accelerator | None:
+        """The training `Accelerator` given, if any."""
+        return self._model.accelerator
+
+    @property
     def num_engine_builds(self) -> int:
         """Engines built so far (a persistent engine keeps this at 1 across training steps)."""
         return self._pool.num_builds

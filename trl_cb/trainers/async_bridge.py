@@ -43,8 +43,7 @@ def default_max_staleness(prefetch_depth: int, optimizer_steps_per_take: float) 
 
     Why: groups are consumed FIFO and the queue holds `prefetch_depth + 1` takes' worth, so a group submitted during
     take j is consumed by take j + prefetch_depth + 1 at the latest, and its first token was sampled at take j or
-    later: its staleness is at most (prefetch_depth + 1) * k weight updates. A bound of 2 with k = 4 (GA=1,
-    steps_per_generation=4) dropped 43% of the groups.
+    later: its staleness is at most (prefetch_depth + 1) * k weight updates; a smaller bound drops groups every step.
     """
     return (prefetch_depth + 1) * max(1, math.ceil(optimizer_steps_per_take))
 

@@ -16,7 +16,7 @@ from datasets import Dataset
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from tests.conftest import sampling_config
-from tests.unit.test_trainers import PAIRS, length_reward
+from tests.unit.trainers.test_trainers import PAIRS, length_reward
 from trl_cb import ContinuousBatchingGenerator
 from trl_cb.engine.precision import GenerationPrecision
 from trl_cb.offline.data import synthetic_gsm8k

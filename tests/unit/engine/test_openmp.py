@@ -1,4 +1,4 @@
-"""The OpenMP guard (`trl_cb/openmp.py`): while a generator lives, parked OpenMP workers sleep instead of spinning.
+"""The OpenMP guard (`trl_cb/engine/openmp.py`): while a generator lives, parked OpenMP workers sleep instead of spinning.
 
 The behaviour is observed directly: after a parallel torch op, a spinning libgomp worker burns ~1-2 ms of CPU before
 it sleeps; a throttled one ~0.03 ms. Measured in a fresh interpreter, because another test's live torch thread would
@@ -23,7 +23,7 @@ from tests.conftest import sampling_config
 from trl_cb import ContinuousBatchingGenerator
 from trl_cb.engine import openmp
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 _PROBE = r"""
 import gc, json, resource, time
@@ -127,7 +127,7 @@ def test_on_by_default_only_where_it_helps(model, tokenizer):
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_trainer_config_field_reaches_the_generator(kind, tokenizer, tmp_path):
-    from tests.unit.test_trainers import make_trainer
+    from tests.unit.trainers.test_trainers import make_trainer
 
     off = make_trainer(kind, tokenizer, tmp_path, cb_openmp_guard=False)
     assert off._cb_generator_kwargs()["openmp_guard"] is False

@@ -340,7 +340,7 @@ def test_trainer_sampling_fields_and_generation_kwargs_reach_the_sampler(
     kind, tokenizer, prompts, tmp_path, monkeypatch
 ):
     """TRL's `min_p` / `repetition_penalty` fields and `generation_kwargs` flow into the generator and are obeyed."""
-    from tests.unit.test_trainers import IS_METRICS, make_trainer
+    from tests.unit.trainers.test_trainers import IS_METRICS, make_trainer
 
     trainer = make_trainer(
         kind,
@@ -379,7 +379,7 @@ def test_trainer_sampling_fields_and_generation_kwargs_reach_the_sampler(
 def test_trainer_refuses_beam_generation_kwargs_at_construction(kind, tokenizer, tmp_path):
     """TRL's own `test_train_with_generation_kwargs` asks for beam sampling (`num_beams=2`), which has no per-token
     sampling policy: refused with the reason when the trainer is built (it crashed with an AttributeError before)."""
-    from tests.unit.test_trainers import make_trainer
+    from tests.unit.trainers.test_trainers import make_trainer
 
     kwargs = {"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty": -0.1}
     with pytest.raises(ValueError, match="num_beams=2: beam search"):
@@ -392,7 +392,7 @@ def test_docs_field_table_matches_the_code():
 
     from trl_cb.checks.generation_settings import FIELD_RULES, Handling
 
-    docs = (Path(__file__).parents[2] / "docs" / "index.md").read_text()
+    docs = (Path(__file__).parents[3] / "docs" / "index.md").read_text()
     section = docs.split("## Sampling settings", 1)[1].split("\n## ", 1)[0]
     for name, rule in FIELD_RULES.items():
         if rule.handling is Handling.IRRELEVANT:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import sampling_config
-from tests.unit.test_trainers import make_trainer
+from tests.unit.trainers.test_trainers import make_trainer
 from trl_cb import ContinuousBatchingGenerator, EngineDiedError, GenerationError, GRPOConfig
 from trl_cb.offline.data import synthetic_gsm8k
 from trl_cb.rollouts.async_controller import AsyncMetrics, AsyncRolloutController
@@ -219,7 +219,7 @@ def test_trainer_async_learns_with_updates(tokenizer, tmp_path):
 
 def heavy_controller(tokenizer, **kwargs) -> tuple[AsyncRolloutController, torch.nn.Module]:
     """A controller whose in-flight groups take many seconds to generate (the old `stop` generated them all)."""
-    from tests.unit.test_reliability import far_from_uniform
+    from tests.unit.rollouts.test_reliability import far_from_uniform
     from trl_cb.offline.tiny import tiny_model
 
     model = far_from_uniform(tiny_model(tokenizer, hidden_size=128, num_layers=4), tokenizer)
@@ -234,7 +234,7 @@ def heavy_controller(tokenizer, **kwargs) -> tuple[AsyncRolloutController, torch
 
 
 def test_stop_with_rollouts_in_flight_returns_within_2s(tokenizer):
-    from tests.unit.test_reliability import engine_threads
+    from tests.unit.rollouts.test_reliability import engine_threads
 
     ctl, model = heavy_controller(tokenizer, groups_per_step=4)
     ctl.timeout = 0.5
@@ -249,7 +249,7 @@ def test_stop_with_rollouts_in_flight_returns_within_2s(tokenizer):
 
 
 def test_ctrl_c_in_take_reaches_the_caller_within_2s(tokenizer):
-    from tests.unit.test_reliability import engine_threads, interrupted
+    from tests.unit.rollouts.test_reliability import engine_threads, interrupted
 
     ctl, model = heavy_controller(tokenizer)
     try:
@@ -287,7 +287,7 @@ def test_prompts_are_validated_before_submission(model, tokenizer, bad, message)
 def test_async_round_and_sync_round_on_one_model_take_turns(tokenizer):
     """The controller holds the model's round lock while its engine may run: a synchronous generator on the same
     model from another thread waits (old code: both engines ran forwards at once, logprobs off by ~0.4)."""
-    from tests.unit.test_reliability import far_from_uniform, max_logprob_error
+    from tests.unit.rollouts.test_reliability import far_from_uniform, max_logprob_error
     from trl_cb.offline.tiny import tiny_model
 
     model = far_from_uniform(tiny_model(tokenizer), tokenizer)

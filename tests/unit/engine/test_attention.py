@@ -27,7 +27,7 @@ from transformers import (
 )
 
 from tests.model_zoo import SHAPE
-from tests.unit.test_generator import teacher_forced_logprobs
+from tests.unit.rollouts.test_generator import teacher_forced_logprobs
 from trl_cb import ContinuousBatchingGenerator
 from trl_cb.engine import varlen_attention as attention
 from trl_cb.offline.data import synthetic_gsm8k

@@ -76,7 +76,7 @@ def test_refused_architecture_exits_nonzero_before_loading_weights(tokenizer, tm
     """Only config.json and the tokenizer exist: the refusal comes from the config, through the module entry point."""
     arch, reason = next((a, r) for a, r in REFUSED if a.model_type == "deepseek_v3")
     path = _save(tmp_path, tokenizer, config=tiny_config(arch, len(tokenizer)))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     proc = subprocess.run(
         [sys.executable, "-m", "trl_cb.cli.check_model", path, "--device", "cpu"],
         capture_output=True, text=True, timeout=300, env=env,

@@ -16,8 +16,8 @@ import torch
 from transformers import TrainerCallback
 
 from tests.conftest import sampling_config
-from tests.unit.test_precision import WeightDtypeSpy, q_proj
-from tests.unit.test_trainers import make_trainer
+from tests.unit.engine.test_precision import WeightDtypeSpy, q_proj
+from tests.unit.trainers.test_trainers import make_trainer
 from trl_cb import ContinuousBatchingGenerator, GRPOConfig, RLOOConfig
 from trl_cb import generator as generator_module
 from trl_cb.engine.precision import GenerationPrecision

@@ -6,7 +6,7 @@ an error — the same completions scored after another prompt, with the sliding 
 soft-cap or without the attention sinks, each differ by >= 0.1. Slow: a 2-step GRPO run per family logs
 `sampling/sampling_logp_difference/max` <= 1e-4. Per refused family: `ValueError` at construction, with the reason.
 
-`python -m pytest tests/unit/test_compat_matrix.py -k logprobs -s` prints the measured figures (docs/models.md).
+`python -m pytest tests/unit/checks/test_compat_matrix.py -k logprobs -s` prints the measured figures (docs/models.md).
 """
 
 from __future__ import annotations

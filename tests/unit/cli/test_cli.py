@@ -19,7 +19,7 @@ import trl_cb
 from trl_cb.cli import command as cli
 from trl_cb.offline.data import gsm8k_reward
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 RECIPES = ROOT / "examples" / "recipes"
 
 
