@@ -5,7 +5,7 @@
 
 Conditions, each in a fresh interpreter (libgomp reads its environment once, at load), interleaved over `--rounds`:
 - `spin`:    a plain torch process, one thread pool: libgomp's default (parked workers spin ~300,000 iterations).
-- `guard`:   the same while trl_cb's guard thread is alive (`trl_cb/engine/openmp.py`: throttled, 1,000 spins then sleep).
+- `guard`:   the same while trl_cb's guard thread is alive (`engine/openmp.py`: throttled, 1,000 spins then sleep).
 - `passive`: `OMP_WAIT_POLICY=PASSIVE` (no spinning at all; needs the variable set before torch is imported).
 - `one_thread`: `torch.set_num_threads(1)` (no OpenMP teams).
 

@@ -1,4 +1,4 @@
-"""The OpenMP guard (`trl_cb/engine/openmp.py`): while a generator lives, parked OpenMP workers sleep instead of spinning.
+"""The OpenMP guard (`engine/openmp.py`): while a generator lives, parked OpenMP workers sleep instead of spinning.
 
 The behaviour is observed directly: after a parallel torch op, a spinning libgomp worker burns ~1-2 ms of CPU before
 it sleeps; a throttled one ~0.03 ms. Measured in a fresh interpreter, because another test's live torch thread would
