@@ -1,22 +1,13 @@
 """Importance-sampling (IS) correction between the CB sampler and the training policy.
 
-What is compared: for every completion token t,
+For every completion token t, `log w_t = log pi_old(y_t) - log mu(y_t)`, both `log_softmax(logits / T)` over the
+whole vocabulary: `pi_old` from the trainer's forward, `mu` from the sampler's own logits when it sampled y_t (the
+design and why not the processed logprob: docs/index.md, "Importance-sampling correction"). Modes (TRL's semantics):
+`token_*` one ratio per token, `sequence_*` one per sequence (exp of the summed log-ratios); `*_truncate` clamps to
+[clip_min, clip_max], `*_mask` zeroes ratios outside the bounds. Tokens whose sampling logprob is NaN get ratio 1.
 
-    log w_t = log pi_old(y_t | x, y_<t) - log mu(y_t | x, y_<t)
-
-- `pi_old` is TRL's training logprob: the trainer's model, logits divided by `temperature`, log-softmax over the
-  *whole* vocabulary (no top-k/top-p renormalisation), computed in a no-grad forward after generation.
-- `mu` is the behaviour policy: the logprob the CB engine recorded when it sampled y_t — log-softmax of the
-  *processed* logits (temperature, then top-k/top-p filtering and renormalisation), fp32.
-
-With top-k = 0 and top-p = 1 the two differ only by numerics (kernels, dtype, batch shape): w ~ 1. With truncated
-sampling mu puts all its mass on the kept tokens, so log mu >= log pi and w <= 1: IS then reweights the samples
-towards the untruncated policy being trained. Modes (TRL's semantics, applied to the CB path):
-
-- `token_*`: one ratio per token; `sequence_*`: one per sequence, exp of the summed log-ratios.
-- `*_truncate`: clamp to [clip_min, clip_max]; `*_mask`: ratios outside the bounds become 0 (sample ignored).
-
-Tokens whose sampling logprob is NaN get ratio 1 (no correction), never NaN.
+`ImportanceSamplingStats` are mergeable: the stats of a batch's row splits, merged, are the batch's, so metrics logged
+per generation batch match TRL's whatever the micro-batching (`IS_METRIC_NAMES`, in `local_values` order).
 """
 
 from __future__ import annotations

@@ -29,6 +29,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 MAX_MODULE_LINES = 400
 MAX_CLASS_LINES = 250
+#: Module docstrings state purpose and invariants; essays go to docs/.
+MAX_DOCSTRING_LINES = 15
 
 
 def module_name(path: Path) -> str:
@@ -145,6 +147,8 @@ def test_module_and_class_sizes(module):
         if isinstance(node, ast.ClassDef):
             size = node.end_lineno - node.lineno + 1
             assert size <= MAX_CLASS_LINES, f"{module}.{node.name}: {size} lines > {MAX_CLASS_LINES}"
+    doc = ast.get_docstring(ast.parse(source), clean=False) or ""
+    assert len(doc.splitlines()) <= MAX_DOCSTRING_LINES, f"{module}: module docstring over {MAX_DOCSTRING_LINES} lines"
 
 
 # ------------------------------------------------------------------------------------ moved modules (one release)

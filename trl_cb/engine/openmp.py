@@ -1,31 +1,15 @@
 """Keep CPU training fast on a loaded machine: make OpenMP threads sleep, not spin, while they wait for work.
 
-Mechanism (torch's CPU wheels use GNU OpenMP, libgomp; measured on 2 cores, docs/benchmarks.md "Threads and load"):
-every OS thread that runs a parallelised torch op owns an OpenMP team whose workers stay parked between ops. After
-each parallel region a parked worker *spins* (up to `GOMP_SPINCOUNT`, 300,000 iterations, ~1-2 ms of CPU) before it
-sleeps, unless libgomp counts more team threads in the process than CPUs it may use; then it spins only 1,000
-iterations ("throttled"). A plain torch process with one thread pool (torch threads = cores) is therefore in spin
-mode. That wins on an idle machine (fine-grained ops find their workers awake) and loses badly as soon as other
-processes want the cores: spinning workers burn the time slices the busy thread needs, and each region's barrier
-waits for a descheduled teammate. Measured: a tiny forward+backward 16 ms idle, but 0.8-4 s per step under two
-busy processes in spin mode, against 37-45 ms throttled (`OMP_WAIT_POLICY=PASSIVE`, or any extra idle torch thread).
+Why (mechanism and figures: docs/index.md "CPU threads", docs/benchmarks.md "Threads and load"): libgomp's parked
+workers spin ~300,000 iterations after each parallel region unless the process has more OpenMP team threads than
+CPUs; spinning is fast on an idle machine and up to 20x slower when other processes want the cores. While a holder
+lives (a generator with `openmp_guard` / `cb_openmp_guard`; unset: on only where `guard_helps`), one parked thread of
+ours owns a 2-thread team and blocks on a queue (no CPU), so every team in the process waits politely. Process-wide.
 
-Design: while any `ContinuousBatchingGenerator` that asked for it is alive, one parked thread of ours owns a
-2-thread team (it ran one 2-way parallel op, then blocks on a queue: no CPU). libgomp then counts more team threads
-than CPUs and every team in the process waits politely, whatever the engine thread does. It changes the wait policy
-of all of the process's torch work, so it is opt-in by engine: `cb_openmp_guard` (trainer config) /
-`openmp_guard` (generator); unset means on only for a CPU engine with an OpenMP torch using more than one thread
-(`guard_helps`). Cost on an idle machine: sub-millisecond ops wait for a woken worker (5-10% of a quiet tiny step).
-`OMP_WAIT_POLICY` / `GOMP_SPINCOUNT` set by the user are read by libgomp at load and still win where they make
-waiting passive.
-
-Deadlock-freedom: a holder's release may run inside a garbage-collection finalizer, on any thread, at any
-allocation — also while that thread holds `_lock`. Releases therefore never take a lock: they `put` on a
-`queue.SimpleQueue` (whose `put` is reentrant by contract), and the guard thread itself applies them under `_lock`
-and exits when the count reaches zero.
-
-Scope: only libgomp has this managed-thread throttle; with Intel's OpenMP (`KMP_BLOCKTIME`) or a torch built
-without OpenMP the guard is a harmless parked thread. With one torch thread there are no teams and nothing to do.
+Invariants: reference counted (the guard lives while any holder does); a release never takes a lock, so a release
+from a garbage-collection finalizer cannot deadlock whatever the collecting thread holds: it is queued
+(`queue.SimpleQueue.put` is reentrant) and applied by the guard thread, which exits when the count reaches zero.
+With Intel's OpenMP or a torch without OpenMP the guard is a harmless parked thread.
 """
 
 from __future__ import annotations

@@ -1,32 +1,16 @@
 """Generation precision: run a round in bf16/fp16 on *copies* of the weights; the training module is never cast.
 
-Why: TRL casts the unwrapped model to bf16/fp16 in place before a CB round (`unwrapped_model.to(torch.bfloat16)`)
-and never casts it back. With TRL's defaults (`bf16=True`, a model loaded in fp32) the first round silently turns
-the fp32 master weights, the frozen base and the LoRA parameters into bf16 for the rest of training. Here every
-floating-point parameter whose dtype differs from the generation dtype gets its `.data` pointed at a low-precision
-copy for the round, and at the original tensor again afterwards.
+Why: TRL's CB path casts the model in place and never back, so with TRL's defaults (`bf16=True`, an fp32 model) the
+first round turns the fp32 master weights into bf16 for the rest of training. Here each floating-point parameter's
+`.data` points at a low-precision copy for the round and at its own tensor again afterwards. Buffers keep their dtype,
+as under the trainer's `torch.autocast` (a bf16-rounded rotary `inv_freq` moves logprobs by ~1 nat at 1500 tokens).
 
-Buffers are never cast: the trainer (TRL under `torch.autocast`) keeps them in the dtype they were loaded in, and
-the rotary `inv_freq` rounded to bf16 puts every position's angle off by up to 0.4% — at 1500 tokens that moved
-logprobs by ~1.4 nats on a std-0.2 model, against ~0.2 for bf16 weights alone (docs/index.md, "Precision").
-
-Invariants:
-- After `applied()` exits (normally or by an exception), every parameter of the module holds the very
-  tensor it held before (same object, same storage, so same dtype and bit-identical values), and the module's
-  attributes (tied weights included) are the objects they were. Gradients and optimizer state are never touched.
-- Inside `applied()`, the generation forwards see parameters in `dtype` (the LM head in fp32 when
-  `lm_head_fp32`) and buffers in their own dtype, and `module.dtype` — which sizes the CB engine's KV cache — is the
-  generation dtype.
-- Copies are kept between rounds (`keep_copies`) and refreshed in place with `copy_`, so their addresses are stable:
-  an engine that captured CUDA graphs over them keeps replaying valid pointers, and no allocation happens per round.
-  Cost: one set of weights in the generation dtype held alongside the training weights (2 bytes per fp32 parameter
-  for bf16). Sharded setups (ZeRO-3, FSDP) pass `keep_copies=False`: a kept copy would be the *full* model per rank.
-
-Tied embeddings with `lm_head_fp32` (Gemma-2): the LM head weight is the embedding weight, which must be fp32 for
-the head and in the generation dtype for the embedding (otherwise `module.dtype` is fp32 and the engine builds an fp32
-KV cache that bf16 keys cannot be written to: `index_copy_ ... Float and BFloat16`). For the round the embedding gets
-its own low-precision Parameter (restored afterwards) and its output is cast to the generation dtype (TRL's own hook
-casts it back to the dtype the model had at init).
+Invariants: after `applied()` exits (also by an exception) every parameter holds the very tensor it held before, and
+the module's attributes (tied weights included) are the objects they were; gradients and optimizer state are never
+touched. Inside, parameters are in `dtype` (the LM head in fp32 with `lm_head_fp32`, tied embeddings untied for the
+round), buffers in their own dtype, and `module.dtype` (which sizes the KV cache) is the generation dtype. Kept
+copies (`keep_copies`) are refreshed in place with `copy_`: stable addresses, no allocation per round, one copy held
+(2 bytes per fp32 parameter for bf16); per-round copies are freed after each round. Costs: docs/distributed.md.
 """
 
 from __future__ import annotations

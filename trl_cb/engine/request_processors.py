@@ -1,20 +1,13 @@
 """Logits processors trl_cb applies per request, because transformers' CB engine drops them.
 
-`generate()`'s `RepetitionPenaltyLogitsProcessor`, `MinLengthLogitsProcessor` and
-`MinNewTokensLengthLogitsProcessor` read the whole `(batch, sequence)` input ids; the CB engine hands processors only
-each row's last token, so it drops them (repetition penalty) or never builds them (min length). The processors here
-compute the same thing from each request's own history — its prompt and the tokens it has generated so far — which
-`_upstream_sampling.PerRequestProcessor` reads from the engine's request states before every forward.
+`generate()`'s repetition penalty and min-length processors read the whole `(batch, sequence)` input ids; the engine
+hands processors only each row's last token, so it drops or never builds them. These compute the same thing from each
+request's own history (prompt and completion so far), which `_upstream_sampling.PerRequestProcessor` reads from the
+engine's request states before every forward. Semantics are `generate()`'s, per request, applied first, in its order.
 
-Contract (what `_upstream` guarantees and these rely on): `prepare(histories)` is called on the engine thread right
-before the forward whose logits `__call__` then processes; row i of `scores` is the next-token row of
-`histories[i]`; rows past `len(histories)` belong to no request and are left alone. Both run in the engine's
-synchronous mode only (no CUDA graphs, no async batching: those prepare step n+1 before step n's token is known).
-
-Semantics are `generate()`'s, per request (no padding): the repetition penalty divides positive and multiplies
-negative logits of every token id present in prompt + completion so far; EOS gets `-inf` while fewer than
-`min_new_tokens` tokens have been generated (or, when only `min_length` is set, while prompt + completion is shorter
-than `min_length`). They run first, in that order, like `generate()`'s processors before its warpers.
+Contract: `prepare(histories)` runs on the engine thread right before the forward whose logits `__call__` processes;
+row i of `scores` is `histories[i]`'s; rows past `len(histories)` are left alone. Everything that reads per-step
+state on the host needs the engine's synchronous, uncompiled path (`require_synchronous_engine`, with its reason).
 """
 
 from __future__ import annotations
