@@ -8,8 +8,6 @@ logprob gradient), so it fails here even where TRL's on-policy loss *value* is ~
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForSequenceClassification
@@ -145,13 +143,23 @@ def test_eval_during_training(tmp_path, checkpoint, tokenizer):
 
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
-def test_generation_kwargs(kind, tmp_path, checkpoint, tokenizer):
+def test_generation_kwargs(kind, tmp_path, checkpoint, tokenizer, monkeypatch):
     """TRL's `test_train_with_generation_kwargs` through the CB path, on both trainers, with its kwargs less
     `num_beams=2` (beam search has no per-token sampling policy; trl_cb refuses it at construction, tested in
     tests/unit/checks/test_generation_settings.py) and a smaller top_k:
-    it trains, logs TRL's metrics (finite), and the sampler honours the kwargs — top_k=5 truncates the sampling
-    distribution, so every IS weight is <= 1 (docs/index.md: sampling logprobs renormalise over the kept tokens,
-    TRL's training logprobs do not)."""
+    it trains, logs TRL's metrics (finite), and the sampler honours the kwargs — top_k=5 truncates the sampled
+    distribution, so every processed logprob is >= the trainer-comparable one and some are larger — while the IS
+    weight, which compares like with like (docs/index.md), stays 1."""
+    from trl_cb import ContinuousBatchingGenerator
+
+    results = []
+    real = ContinuousBatchingGenerator.generate
+
+    def spy(self, *args, **kwargs):
+        results.append(real(self, *args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(ContinuousBatchingGenerator, "generate", spy)
     cb = run_cb(
         kind, tmp_path, lambda: checkpoint,
         {**ARGS, "generation_kwargs": {"do_sample": True, "top_k": 5, "length_penalty": -0.1},
@@ -160,5 +168,9 @@ def test_generation_kwargs(kind, tmp_path, checkpoint, tokenizer):
         reward_funcs=length_reward, train_dataset=prompt_dataset(), processing_class=tokenizer,
     )  # fmt: skip
     assert_finite(cb, ("loss", "grad_norm", "reward", "sampling/importance_sampling_ratio/max"))
-    assert cb.logs[0]["sampling/importance_sampling_ratio/max"] < 1.0 - 1e-3
-    assert not math.isclose(cb.logs[0]["sampling/sampling_logp_difference/max"], 0.0, abs_tol=1e-3)
+    assert cb.logs[0]["sampling/importance_sampling_ratio/max"] == pytest.approx(1.0, abs=1e-3)
+    assert cb.logs[0]["sampling/sampling_logp_difference/max"] <= 1e-4
+    processed = torch.tensor([lp for r in results for row in r.logprobs for lp in row])
+    policy = torch.tensor([lp for r in results for row in r.policy_logprobs for lp in row])
+    assert bool((processed >= policy - 1e-5).all()), "top_k renormalises over the kept tokens"
+    assert (processed - policy).max() > 1e-3, "top_k=5 must show in the processed logprobs"
