@@ -35,6 +35,7 @@ from . import compat, lifecycle
 from .async_rollouts import AsyncRolloutController, PromptStream, RolloutGroup, default_max_staleness
 from .generator import ContinuousBatchingGenerator, plain_module, validate_generation_settings, validate_prompts
 from .importance_sampling import importance_sampling_ratio, importance_sampling_stats
+from .upstream_warnings import quiet_trl_gradient_checkpointing
 
 logger = logging.getLogger(__name__)
 
@@ -341,6 +342,7 @@ class ContinuousBatchingTrainerMixin:
     def _cb_async_active(self) -> bool:
         return bool(getattr(self.args, "async_generation", False) and self.model.training)
 
+    @quiet_trl_gradient_checkpointing()  # TRL's generation/scoring helpers call transformers' deprecated names
     def _cb_score(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's scoring of `inputs` (or, in async mode, of finished groups), then IS correction."""
         self._cb_last_logprobs = None
