@@ -17,7 +17,8 @@ Backends (same prompts, same sampling settings, `top_k` set explicitly because `
 
 Each (backend, N) point runs in its own subprocess (see benchmarks/common.py): one warm-up round, then `--repeats`
 timed rounds, each on a fresh slice of P prompts. Outputs: a table on stdout, a JSON file and a PNG under `--out`
-(default benchmarks/results/), and the JSON document as the last stdout line. `benchmarks/plot.py` redraws the PNG.
+(default runs/benchmarks/ at the repository root, git-ignored; the results the docs cite are recorded with
+`--out benchmarks/results`), and the JSON document as the last stdout line. `benchmarks/plot.py` redraws the PNG.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     CPU_PRESETS,
+    DEFAULT_OUT,
     EOS_BIAS,
-    RESULTS_DIR,
+    OUT_HELP,
     cpu_preset,
     environment,
     format_table,
@@ -196,7 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--eos-logit-bias", type=float, default=None, help="random presets: EOS logit boost (default: per preset)"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for the JSON and PNG")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     p.add_argument("--quick", action="store_true", help="tiny sweep in seconds (smoke test; not for numbers)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
