@@ -18,14 +18,17 @@ How a run starts (as with `trl grpo`):
 
 Offline names, so that a first run, the tests and CI download nothing:
 - model `trl-cb/tiny`: `trl_cb.tiny`'s random tiny Qwen2 with its locally trained tokenizer, saved once under the
-  temp directory, by rank 0 first (transformers writes checkpoints from rank 0 only), atomically.
+  temp directory, by rank 0 first (transformers writes checkpoints from rank 0 only), atomically. Its EOS logit is
+  biased so completions stop at varied lengths; `trl-cb/tiny-no-eos-bias` is the same model without the bias (the
+  offline recipes train it on `char_share_reward`, which it learns; the biased one learns to stop at once instead).
 - dataset `trl-cb/gsm8k`: the GSM8K test split shipped with trl_cb (`trl_cb.data.gsm8k_test`, chat-formatted):
   1191 train / 128 test rows of it (a seeded split, so real prompt lengths offline).
 - dataset `trl-cb/gsm8k-synthetic`: `trl_cb.data.synthetic_gsm8k` problems, 1024 train / 128 test rows.
 A dataset with GSM8K's columns (`question`, `answer` ending in `#### N`) and no `prompt` column is mapped to
 `prompt`/`answer` records (`trl_cb.data.gsm8k_record`), which `gsm8k_reward` scores.
 
-Reward functions by name (`--reward_funcs a b`): `gsm8k_reward`, the names `trl grpo` knows (`accuracy_reward`,
+Reward functions by name (`--reward_funcs a b`): `gsm8k_reward`, `char_share_reward` (`trl_cb.data`; the offline
+recipes' reward, which a random tiny model learns), the names `trl grpo` knows (`accuracy_reward`,
 `reasoning_accuracy_reward`, `think_format_reward`, `get_soft_overlong_punishment` with TRL's CLI values), or an
 import path `module.path:function` (TRL's spelling `module.path.function` works too).
 
@@ -54,6 +57,11 @@ MODULE = "trl_cb.cli"  # what `accelerate launch --module` runs; `__name__` is "
 logger = logging.getLogger(MODULE)
 
 TINY_MODEL = "trl-cb/tiny"
+TINY_MODEL_NO_EOS_BIAS = "trl-cb/tiny-no-eos-bias"
+#: Offline model name -> (checkpoint directory under the temp directory, EOS logit bias; see `trl_cb.tiny`).
+#: `trl-cb/tiny` stops at varied lengths like real rollouts; `trl-cb/tiny-no-eos-bias` is the plain random init (its
+#: completions run to `max_completion_length`), which learns `char_share_reward` (the offline recipes' task).
+TINY_MODELS = {TINY_MODEL: ("trl_cb_tiny_qwen2", 4.0), TINY_MODEL_NO_EOS_BIAS: ("trl_cb_tiny_qwen2_no_eos_bias", None)}
 VENDORED_GSM8K = "trl-cb/gsm8k"
 VENDORED_GSM8K_TEST_ROWS = 128
 SYNTHETIC_GSM8K = "trl-cb/gsm8k-synthetic"
@@ -63,8 +71,8 @@ LAUNCHED_ENV = "TRL_CB_LAUNCHED"
 ALGORITHMS = ("grpo", "rloo")
 _EPILOG = (
     "Any other option is passed to `accelerate launch` (e.g. --num_processes 2, --config_file FILE, or TRL's "
-    "--accelerate_config NAME|PATH). Offline names: --model_name_or_path trl-cb/tiny, --dataset_name "
-    "trl-cb/gsm8k-synthetic. See docs/index.md, 'Command line'."
+    "--accelerate_config NAME|PATH). Offline names: --model_name_or_path trl-cb/tiny | trl-cb/tiny-no-eos-bias, "
+    "--dataset_name trl-cb/gsm8k | trl-cb/gsm8k-synthetic. See docs/index.md, 'Command line'."
 )
 
 
@@ -115,13 +123,14 @@ def make_parser(name: str, prog: str | None = None) -> Any:
 
 
 def reward_registry() -> dict[str, Callable[..., list[float]]]:
-    """Reward functions known by bare name: trl_cb's GSM8K reward and the names `trl grpo` / `trl rloo` accept."""
+    """Reward functions known by bare name: trl_cb's two rewards and the names `trl grpo` / `trl rloo` accept."""
     from trl import rewards
 
-    from .data import gsm8k_reward
+    from .data import char_share_reward, gsm8k_reward
 
     return {
         "gsm8k_reward": gsm8k_reward,
+        "char_share_reward": char_share_reward(),  # share of "a", at least 20 chars: what a random tiny model learns
         "accuracy_reward": rewards.accuracy_reward,
         "reasoning_accuracy_reward": rewards.reasoning_accuracy_reward,
         "think_format_reward": rewards.think_format_reward,
@@ -158,18 +167,20 @@ def resolve_reward(name: str) -> Callable[..., list[float]]:
     return func
 
 
-def tiny_model_path() -> str:
-    """Directory of the offline tiny checkpoint (`trl-cb/tiny`), built on first use (shared with the examples)."""
+def tiny_model_path(name: str = TINY_MODEL) -> str:
+    """Directory of an offline tiny checkpoint (`TINY_MODELS`), built on first use (`trl-cb/tiny`'s is shared with
+    the examples)."""
     from .tiny import tiny_checkpoint
 
-    return tiny_checkpoint(Path(tempfile.gettempdir()) / "trl_cb_tiny_qwen2")
+    directory, eos_logit_bias = TINY_MODELS[name]
+    return tiny_checkpoint(Path(tempfile.gettempdir()) / directory, eos_logit_bias=eos_logit_bias)
 
 
 def resolve_model(name_or_path: str | None) -> str:
-    """`trl-cb/tiny` becomes the local tiny checkpoint; hub ids and paths pass through unchanged."""
+    """`trl-cb/tiny` (and `trl-cb/tiny-no-eos-bias`) become local tiny checkpoints; hub ids and paths pass through."""
     if not name_or_path:
         raise ValueError(f"--model_name_or_path is required (a hub id, a local path, or {TINY_MODEL!r} offline).")
-    return tiny_model_path() if name_or_path == TINY_MODEL else name_or_path
+    return tiny_model_path(name_or_path) if name_or_path in TINY_MODELS else name_or_path
 
 
 def load_datasets(script_args: Any, dataset_args: Any) -> Any:
