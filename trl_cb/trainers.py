@@ -74,7 +74,8 @@ class ContinuousBatchingTrainerMixin:
         processor) and after (generation settings, built model) it, and the async hooks installed."""
         self._cb_check_processing_class(kwargs.get("args"), kwargs.get("processing_class"))
         self._cb_check_model_config(kwargs.get("model", args[0] if args else None), kwargs.get("args"))
-        super().__init__(*args, **kwargs)
+        with quiet_trl_gradient_checkpointing():  # PEFT's wrapping (LoRA) reads transformers' deprecated name
+            super().__init__(*args, **kwargs)
         self._cb_check_generation_settings()
         self._cb_check_model()
         self._cb_async_setup()

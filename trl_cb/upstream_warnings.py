@@ -5,16 +5,18 @@ Why: transformers 5.x renamed gradient checkpointing to activation checkpointing
 use of the old names. TRL 1.16 still uses them: its configs declare `gradient_checkpointing=True` as a default
 (transformers' `TrainingArguments.__post_init__` warns once per config), and `unwrap_model_for_generation` /
 `disable_gradient_checkpointing` call `is_gradient_checkpointing`, `gradient_checkpointing_disable` and
-`gradient_checkpointing_enable` (several warnings per training step). None of it is the user's doing, and a user
-cannot act on it.
+`gradient_checkpointing_enable` (several warnings per training step); PEFT's `get_peft_model`, which TRL's trainers
+call for a `peft_config`, reads `is_gradient_checkpointing`. None of it is the user's doing, and a user cannot act
+on it.
 
 Guarantees:
 - Only those four messages, only `FutureWarning`, only when raised from `transformers.training_args` /
   `transformers.modeling_utils`, and only inside the `with` block (`warnings.catch_warnings`): a user's own use of
   the old names elsewhere still warns, and so does a `gradient_checkpointing` value the user changed from TRL's
   default.
-- Call sites: the configs' call into TRL's `__post_init__` (`trl_config_post_init`) and the trainers' call into
-  TRL's scoring step (`quiet_trl_gradient_checkpointing`, which covers generation, scoring and the IS forward).
+- Call sites: the configs' call into TRL's `__post_init__` (`trl_config_post_init`), and the trainers' calls into
+  TRL's `__init__` (PEFT's LoRA wrapping reads `is_gradient_checkpointing`) and into TRL's scoring step
+  (`quiet_trl_gradient_checkpointing`; generation, scoring and the IS forward run inside it).
 - `warnings.catch_warnings` swaps the process-wide filter list; it is used on the trainer's thread only (no other
   trl_cb or transformers thread enters one), so the list is restored as it was.
 

@@ -43,9 +43,17 @@ def test_upstream_still_warns(tokenizer, tmp_path):
     assert any(m.startswith("`is_gradient_checkpointing` is deprecated") for m in found), found
 
 
-@pytest.mark.parametrize(("kind", "cb"), [("grpo", True), ("rloo", True), ("grpo", False)])
-def test_training_run_emits_no_gradient_checkpointing_warning(kind, cb, tokenizer, tmp_path):
+RUNS = [("grpo", True, False), ("rloo", True, False), ("grpo", False, False), ("grpo", True, True)]  # kind, CB, LoRA
+
+
+@pytest.mark.parametrize(("kind", "cb", "lora"), RUNS)
+def test_training_run_emits_no_gradient_checkpointing_warning(kind, cb, lora, tokenizer, tmp_path):
     config_cls, trainer_cls = PAIRS[kind]
+    extra = {}
+    if lora:  # PEFT's get_peft_model, called by TRL's __init__, reads `is_gradient_checkpointing`
+        from peft import LoraConfig
+
+        extra["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     filters_before = list(warnings.filters)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -56,7 +64,7 @@ def test_training_run_emits_no_gradient_checkpointing_warning(kind, cb, tokenize
         )  # fmt: skip
         trainer = trainer_cls(
             model=tiny_model(tokenizer, eos_logit_bias=4.0), reward_funcs=length_reward, args=args,
-            train_dataset=Dataset.from_list(synthetic_gsm8k(8, seed=5)), processing_class=tokenizer,
+            train_dataset=Dataset.from_list(synthetic_gsm8k(8, seed=5)), processing_class=tokenizer, **extra,
         )  # fmt: skip
         trainer.train()
     assert trainer.state.global_step == 2
