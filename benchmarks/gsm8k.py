@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"trl_cb GSM8K rollout benchmark: model={args.model} device={args.device} N={args.num_generations} "
         f"prompts/round={args.prompts_per_round} max_new_tokens={args.max_new_tokens} backends={args.backends}"
-        + (" — 3 to 5 minutes on 2 quiet CPU cores, up to 15 on a busy machine." if default_run else ""),
+        + (" — 3 to 5 minutes on 2 quiet CPU cores, 5 to 15 on a busy machine." if default_run else ""),
         flush=True,
     )
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"}
