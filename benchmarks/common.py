@@ -19,8 +19,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-#: Random-init CPU presets (offline): `tiny` (64 wide, 2 layers) and `small` (256 wide, 8 layers; trl_cb/tiny.py).
+#: Where a run writes its JSON and PNG unless `--out` says otherwise: `runs/benchmarks/` at the repository root, which
+#: git ignores (`/runs/`), so a user's run never changes the checkout. The results the docs cite are tracked in
+#: `benchmarks/results/`; maintainers record them there with `--out benchmarks/results` (docs/benchmarks.md).
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "runs" / "benchmarks"
+OUT_HELP = "directory for the result files (default: runs/benchmarks/, git-ignored; cited results: benchmarks/results)"
+#: Random-init CPU presets (offline): `tiny` (64 wide, 2 layers) and `small` (256 wide, 8 layers; offline/tiny.py).
 CPU_PRESETS = ("tiny", "small")
 #: EOS logit bias per random preset (`--eos-logit-bias` default): long-tailed completion lengths on GSM8K-style
 #: prompts (tiny at 4.0: p50 ~30, p90 ~90 tokens). `small`'s deeper stack needs more for a similar tail.

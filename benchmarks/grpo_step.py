@@ -17,14 +17,15 @@ benchmarks/common.py):
 Besides step times it reports samples/s (completions per step / median step time) and, for the trl_cb backends, the
 trainer's wait for rollouts per step (sync: the generation call; async: the wait for finished groups).
 
-Prompts: the GSM8K test split shipped with trl_cb (`trl_cb.data.gsm8k_test`), chat-formatted.
+Prompts: the GSM8K test split shipped with trl_cb (`trl_cb.offline.data.gsm8k_test`), chat-formatted.
 
 `--background-load 0 2` runs every (trainer, backend) once per value, with that many busy-looping processes running
 alongside (started before the run, stopped after it; benchmarks/common.py `background_load`), and reports each
 loaded median against the same backend's median at the smallest load ("x quiet").
 
 Each run trains `--warmup + --steps` steps; step times come from a `TrainerCallback` (step begin to step end, which
-includes generation, scoring and the optimizer step). Table on stdout, JSON under `--out`, JSON as the last line.
+includes generation, scoring and the optimizer step). Table on stdout, JSON under `--out` (default runs/benchmarks/,
+git-ignored), JSON as the last line.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     CPU_PRESETS,
+    DEFAULT_OUT,
     EOS_BIAS,
-    RESULTS_DIR,
+    OUT_HELP,
     background_load,
     cpu_preset,
     environment,
@@ -145,7 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-staleness", type=int, default=2, help="trl_cb_async: max_staleness")
     p.add_argument("--prefetch-depth", type=int, default=1, help="trl_cb_async: prefetch_depth")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     p.add_argument("--quick", action="store_true", help="2 timed steps of a tiny workload (smoke test)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -1,12 +1,12 @@
 """GSM8K-shaped rollout benchmark: continuous batching (trl_cb, TRL's native CB call) vs plain `generate()`.
 
-    pip install -e . && python benchmarks/gsm8k.py            # offline default: tiny Qwen2, CPU, ~3 min, 2 cores
+    pip install -e . && python benchmarks/gsm8k.py            # offline default: tiny Qwen2, CPU, 3-5 min, 2 cores
     python benchmarks/gsm8k.py --quick                        # seconds, for smoke tests
     python benchmarks/gsm8k.py --model small --num-generations 32 64   # 8 layers x 256 wide, CPU: compute-heavier
     python benchmarks/gsm8k.py --model llama-1b-random --device cuda --max-new-tokens 2048 --num-generations 8 32 64
     python benchmarks/gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --data-file gsm8k/test.jsonl --device cuda
 
-Prompts: the GSM8K test split shipped with trl_cb (`trl_cb.data.gsm8k_test`, a seeded sample), chat-formatted when
+Prompts: the GSM8K test split shipped with trl_cb (`offline.data.gsm8k_test`, a seeded sample), chat-formatted when
 the tokenizer has a chat template; `--data-file` / `--dataset` replace it.
 
 Backends (same prompts, same sampling settings, `top_k` set explicitly because `generate()` adds top_k=50 if unset):
@@ -17,7 +17,8 @@ Backends (same prompts, same sampling settings, `top_k` set explicitly because `
 
 Each (backend, N) point runs in its own subprocess (see benchmarks/common.py): one warm-up round, then `--repeats`
 timed rounds, each on a fresh slice of P prompts. Outputs: a table on stdout, a JSON file and a PNG under `--out`
-(default benchmarks/results/), and the JSON document as the last stdout line. `benchmarks/plot.py` redraws the PNG.
+(default runs/benchmarks/ at the repository root, git-ignored; the results the docs cite are recorded with
+`--out benchmarks/results`), and the JSON document as the last stdout line. `benchmarks/plot.py` redraws the PNG.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     CPU_PRESETS,
+    DEFAULT_OUT,
     EOS_BIAS,
-    RESULTS_DIR,
+    OUT_HELP,
     cpu_preset,
     environment,
     format_table,
@@ -196,7 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--eos-logit-bias", type=float, default=None, help="random presets: EOS logit boost (default: per preset)"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for the JSON and PNG")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     p.add_argument("--quick", action="store_true", help="tiny sweep in seconds (smoke test; not for numbers)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -238,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"trl_cb GSM8K rollout benchmark: model={args.model} device={args.device} N={args.num_generations} "
         f"prompts/round={args.prompts_per_round} max_new_tokens={args.max_new_tokens} backends={args.backends}"
-        + (" — about 3 minutes on 2 quiet CPU cores, longer on a busy machine." if default_run else ""),
+        + (" — 3 to 5 minutes on 2 quiet CPU cores, 5 to 15 on a busy machine." if default_run else ""),
         flush=True,
     )
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"}

@@ -4,7 +4,7 @@ for plain `generate()`, trl_cb and trl_cb async, several seeds each.
     pip install -e . && python benchmarks/learning.py     # offline default: tiny Qwen2, CPU, ~5 min on 2 quiet cores
     python benchmarks/learning.py --quick                 # seconds: schema smoke test (learns nothing)
     python benchmarks/learning.py --trainers grpo --seeds 0 1 2 3 4 --steps 60
-    python benchmarks/plot_learning.py benchmarks/results/learning-YYYYmmdd-HHMMSS.json   # redraw the PNG
+    python benchmarks/plot_learning.py runs/benchmarks/learning-YYYYmmdd-HHMMSS.json      # redraw the PNG
     # a real model, GSM8K accuracy as the reward (needs the hub and, to be practical, a GPU):
     python benchmarks/learning.py --model Qwen/Qwen2.5-0.5B-Instruct --reward gsm8k --device cuda \\
         --data-file gsm8k/train.jsonl --max-completion-length 256 --num-generations 8 --prompts-per-step 16 \\
@@ -12,12 +12,12 @@ for plain `generate()`, trl_cb and trl_cb async, several seeds each.
 
 Task (default): prompts are GSM8K test problems (shipped with trl_cb, chat-formatted); the reward is the share of one
 character (`--char`, default "a") in the completion's text, dividing by at least `--min-chars` characters so that
-stopping early never pays. The tiny random model (no EOS bias: completions run to the 24-token cap) starts near 0.04
-and reaches 0.5-0.7 in 40 steps of 2 prompts x 8 samples at a constant learning rate of 5e-3 on every backend, so the
-benchmark finishes offline, while the curve still depends on everything that matters for RL correctness: sampling,
-logprobs, IS correction, partial rollouts, staleness. (With the throughput benchmarks' EOS bias of 4.0, or at
-lr 1e-2, one large update can teach the random model to stop at once; all-empty groups carry no gradient and such a
-run never recovers, whatever the backend.)
+stopping early never pays (`offline.data.char_share_reward`, also the offline recipes' reward). The tiny random model
+(no EOS bias: completions run to the 24-token cap) starts near 0.04 and reaches 0.5-0.7 in 40 steps of 2 prompts x 8
+samples at a constant learning rate of 5e-3 on every backend, so the benchmark finishes offline, while the curve
+still depends on everything that matters for RL correctness: sampling, logprobs, IS correction, partial rollouts,
+staleness. (With the throughput benchmarks' EOS bias of 4.0, or at lr 1e-2, one large update can teach the random
+model to stop at once; all-empty groups carry no gradient and such a run never recovers, whatever the backend.)
 
 On a shared machine, run with `OMP_NUM_THREADS=1`: two torch threads per process spin against other load and
 stretch wall-clock unevenly. The JSON also records process CPU seconds per step, which a loaded machine disturbs less.
@@ -30,8 +30,8 @@ Backends, each (trainer, backend, seed) in its own subprocess with the same seed
 Recorded every optimizer step: the mean reward of the batch trained on, wall-clock since `train()` began (engine
 start-up included), samples trained on so far, and for async the staleness, dropped groups, trainer wait and engine
 occupancy. Output: a table on stdout (time-to-threshold per backend and its ratio to generate()), a JSON file and a
-PNG (reward vs wall-clock, reward vs samples; mean over seeds with a min-max band) under `--out`, and the JSON
-document as the last stdout line.
+PNG (reward vs wall-clock, reward vs samples; mean over seeds with a min-max band) under `--out` (default
+runs/benchmarks/, git-ignored), and the JSON document as the last stdout line.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, environment, format_table, record_call_times, run_worker, write_json  # noqa: E402
+from common import DEFAULT_OUT, OUT_HELP, environment, format_table, record_call_times, run_worker, write_json  # noqa: E402
 
 BACKENDS = ("generate", "trl_cb", "trl_cb_async")
 TRAINERS = ("grpo", "rloo")
@@ -54,22 +54,6 @@ REWARDS = ("char", "gsm8k")
 
 
 # ------------------------------------------------------------------------------------------------------ worker
-
-
-def char_share_reward(char: str, min_chars: int) -> Any:
-    """A TRL reward function: the share of `char` among a completion's characters, counting at least `min_chars`.
-
-    Why the floor: with a plain share, a very short completion is a lottery ticket ("a" scores 1.0, "" scores 0), so
-    one large update can teach the policy to stop at once; an all-empty group has zero reward variance, hence no
-    gradient, and the run never recovers. Dividing by at least `min_chars` makes stopping early never pay.
-    """
-
-    def reward(completions: list[Any], **kwargs: Any) -> list[float]:
-        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-        return [t.count(char) / max(len(t), min_chars) for t in texts]
-
-    reward.__name__ = f"share_of_{char!r}"
-    return reward
 
 
 def _model_and_tokenizer(spec: dict[str, Any]) -> tuple[Any, Any]:
@@ -96,7 +80,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import PrinterCallback, TrainerCallback
 
     import trl_cb
-    from trl_cb.offline.data import GSM8K_TEST_SIZE, gsm8k_reward, gsm8k_test, load_gsm8k_jsonl
+    from trl_cb.offline.data import GSM8K_TEST_SIZE, char_share_reward, gsm8k_reward, gsm8k_test, load_gsm8k_jsonl
 
     kind, backend = spec["trainer"], spec["backend"]
     package = trl_cb if backend.startswith("trl_cb") else trl
@@ -344,7 +328,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-staleness", type=int, default=2, help="trl_cb_async: max_staleness")
     p.add_argument("--prefetch-depth", type=int, default=1, help="trl_cb_async: prefetch_depth")
     p.add_argument("--band-share", type=float, default=0.8, help="share of steps that must lie inside a seed band")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for the JSON and PNG")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     p.add_argument("--quick", action="store_true", help="3 steps of a tiny workload, seeds 0 1: schema smoke test")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

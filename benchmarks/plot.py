@@ -1,6 +1,6 @@
 """Render a benchmark JSON (from benchmarks/gsm8k.py) to a PNG: time per round and speedup vs N, one line per backend.
 
-    python benchmarks/plot.py benchmarks/results/gsm8k-YYYYmmdd-HHMMSS.json [--out plot.png]
+    python benchmarks/plot.py runs/benchmarks/gsm8k-YYYYmmdd-HHMMSS.json [--out plot.png]
 
 Needs no model and no GPU: plots can be redrawn anywhere from the JSON.
 """

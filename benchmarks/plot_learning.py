@@ -2,7 +2,7 @@
 one row per trainer, the mean over seeds per backend with its min-max band and the threshold line; a third panel shows
 what off-policy correction does per step (the IS ratio's batch mean for the trl_cb backends, async staleness).
 
-    python benchmarks/plot_learning.py benchmarks/results/learning-YYYYmmdd-HHMMSS.json [--out plot.png]
+    python benchmarks/plot_learning.py runs/benchmarks/learning-YYYYmmdd-HHMMSS.json [--out plot.png]
 
 Needs no model and no GPU: plots can be redrawn anywhere from the JSON.
 """

@@ -26,6 +26,7 @@ from .checks.engine_config import DEFAULT_MAX_MEMORY_PERCENT, cb_kwargs
 from .deprecation import warn_deprecated
 from .importance_sampling import IS_MODES, validate_mode
 from .rollouts.async_controller import validate_async_bounds
+from .trainers.upstream_warnings import trl_config_post_init
 
 
 @dataclass
@@ -225,7 +226,8 @@ class GRPOConfig(ContinuousBatchingArguments, trl.GRPOConfig):
 
     def __post_init__(self) -> None:
         self._post_init_continuous_batching()
-        super().__post_init__()
+        with trl_config_post_init(self):  # TRL's own `gradient_checkpointing` default warns otherwise
+            super().__post_init__()
         if (
             self.use_transformers_continuous_batching
             and self.cb_importance_sampling_correction
@@ -249,7 +251,8 @@ class RLOOConfig(ContinuousBatchingArguments, trl.RLOOConfig):
 
     def __post_init__(self) -> None:
         self._post_init_continuous_batching()
-        super().__post_init__()
+        with trl_config_post_init(self):  # TRL's own `gradient_checkpointing` default warns otherwise
+            super().__post_init__()
         if not self.cb_importance_sampling_mode.startswith("sequence"):
             raise ValueError(
                 "RLOO's loss is per sequence, so its importance-sampling weight is too: set "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,36 @@ def test_gsm8k_quick_writes_table_json_png(tmp_path):
     redraw = tmp_path / "again.png"
     proc = run(str(ROOT / "benchmarks" / "plot.py"), str(json_files[0]), "--out", str(redraw))
     assert proc.returncode == 0 and redraw.stat().st_size > 10_000
+
+
+def git(*args: str, cwd: Path) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (ROOT / ".git").exists() or not shutil.which("git"), reason="not a git checkout")
+def test_default_output_leaves_the_checkout_clean(tmp_path):
+    """The newcomer path: the main job with its default output, then the repository checks, in a copy of this checkout
+    (tracked and not-ignored files, committed): the results land in git-ignored `runs/benchmarks/`, the checks pass and
+    `git status` stays clean. The smallest `--quick` sweep (one backend, one N): the output path is the same."""
+    repo = tmp_path / "repo"
+    for name in git("ls-files", "-z", "--cached", "--others", "--exclude-standard", cwd=ROOT).split("\0"):
+        if name and (ROOT / name).is_file():
+            (repo / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, repo / name)
+    git("init", "-q", cwd=repo)
+    git("add", "-A", cwd=repo)
+    git("-c", "user.name=test", "-c", "user.email=test@example.com", "commit", "-q", "-m", "snapshot", cwd=repo)
+
+    bench = [sys.executable, "benchmarks/gsm8k.py", "--quick", "--backends", "trl_cb", "--num-generations", "2"]
+    proc = subprocess.run(bench, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checks = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/test_repository.py"]
+    proc = subprocess.run(checks, cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert git("status", "--porcelain", "--untracked-files=all", cwd=repo) == ""
+    written = sorted(p.name for p in (repo / "runs" / "benchmarks").iterdir())
+    assert [Path(n).suffix for n in written] == [".json", ".png"] and written[0].startswith("gsm8k-"), written
 
 
 @pytest.mark.parametrize(

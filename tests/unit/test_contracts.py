@@ -538,7 +538,7 @@ def test_suspend_resume_keeps_the_engine(model, tokenizer, prompts):
 
 
 def test_trl_cli_pieces_used_by_trl_cb_cli():
-    """`trl_cb/cli.py` builds `trl-cb grpo|rloo` from `trl grpo|rloo`'s own pieces (see its docstring)."""
+    """`trl_cb/cli/command.py` builds `trl-cb grpo|rloo` from `trl grpo|rloo`'s own pieces (see its docstring)."""
     from trl.cli.accelerate_config import resolve_accelerate_config_argument
     from trl.cli.commands.training import _subtract_subsequence
     from trl.scripts import grpo, rloo

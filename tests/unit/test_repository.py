@@ -54,9 +54,23 @@ def test_no_build_output_is_tracked_and_all_is_ignored():
     assert ignored == probes
 
 
+def result_files() -> set[str]:
+    """Names of the result files in `benchmarks/results/`: the tracked ones in a git checkout (a user's untracked
+    output is no part of the repository), else (an export) whatever the directory holds."""
+    results = ROOT / "benchmarks" / "results"
+    if (ROOT / ".git").exists() and shutil.which("git"):
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--", "benchmarks/results"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.split("\0")
+        paths = [ROOT / name for name in listed if name]
+    else:
+        paths = list(results.iterdir())
+    return {p.name for p in paths if p.parent == results and p.suffix in (".json", ".png")}
+
+
 def test_result_files_the_docs_cite_exist():
-    """Every `benchmarks/results/...` file README.md and docs/ cite is in the tree (`name.{json,png}` expanded), and no
-    result file sits there uncited: figures in the docs must point at the run that produced them."""
+    """Every `benchmarks/results/...` file README.md and docs/ cite is tracked and on disk (`name.{json,png}`
+    expanded), and no tracked result file is uncited: figures in the docs must point at the run that produced them."""
     cited: set[str] = set()
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for stem, exts in re.findall(r"benchmarks/results/([\w.-]+?)(?:\.\{([\w,]+)\}|(?=[`)\s,;]))", doc.read_text()):
@@ -65,7 +79,8 @@ def test_result_files_the_docs_cite_exist():
     # a bare `learning-...json` (no directory) next to a cited directory also counts as cited
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         cited.update(re.findall(r"`((?:gsm8k|grpo_step|learning)-\d{8}-\d{6}\.(?:json|png))`", doc.read_text()))
-    present = {p.name for p in (ROOT / "benchmarks" / "results").iterdir() if p.suffix in (".json", ".png")}
+    present = result_files()
     assert cited, "the docs cite no benchmark result"
-    assert cited <= present, f"cited but missing: {sorted(cited - present)}"
+    assert cited <= present, f"cited but not tracked: {sorted(cited - present)}"
+    assert not [n for n in cited if not (ROOT / "benchmarks" / "results" / n).is_file()], "cited files missing on disk"
     assert present <= cited, f"result files no doc cites: {sorted(present - cited)}"

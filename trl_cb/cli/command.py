@@ -4,10 +4,11 @@ Built from TRL's own pieces (`TrlParser`, `trl grpo` / `trl rloo`'s script argum
 `DatasetMixtureConfig`) with trl_cb's configs, so TRL's flags and recipes work and every trl_cb field is a flag too;
 `use_transformers_continuous_batching` defaults to on. Unknown arguments must be `accelerate launch` options (else exit
 status 2, before any model is loaded); outside a launcher the command re-runs itself under `accelerate launch -m
-trl_cb.cli`. Offline names (nothing downloaded): model `trl-cb/tiny` (`offline/tiny.py`, saved once under the temp
-directory, rank 0 first), datasets `trl-cb/gsm8k` (the shipped GSM8K test split) and `trl-cb/gsm8k-synthetic`.
-Rewards by name: `gsm8k_reward`, the names `trl grpo` knows, or `module.path:function`. Details: docs/index.md,
-"Command line". TRL pieces beyond its top-level API are pinned by tests/unit/test_contracts.py.
+trl_cb.cli`. Offline names (nothing downloaded): models `trl-cb/tiny` and `trl-cb/tiny-no-eos-bias` (`offline/`,
+saved once under the temp directory, rank 0 first), datasets `trl-cb/gsm8k` (the shipped GSM8K test split) and
+`trl-cb/gsm8k-synthetic`. Rewards by name: `gsm8k_reward`, `char_share_reward` (what a random tiny model learns),
+the names `trl grpo` knows, or `module.path:function`. Details: docs/index.md, "Command line". TRL pieces beyond its
+top-level API are pinned by tests/unit/test_contracts.py.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ LAUNCHED_ENV = "TRL_CB_LAUNCHED"
 ALGORITHMS = ("grpo", "rloo")
 _EPILOG = (
     "Any other option is passed to `accelerate launch` (e.g. --num_processes 2, --config_file FILE, or TRL's "
-    "--accelerate_config NAME|PATH). Offline names: --model_name_or_path trl-cb/tiny, --dataset_name "
-    "trl-cb/gsm8k-synthetic. See docs/index.md, 'Command line'."
+    "--accelerate_config NAME|PATH). Offline names: --model_name_or_path trl-cb/tiny | trl-cb/tiny-no-eos-bias, "
+    "--dataset_name trl-cb/gsm8k | trl-cb/gsm8k-synthetic. See docs/index.md, 'Command line'."
 )
 
 
@@ -91,13 +92,14 @@ def make_parser(name: str, prog: str | None = None) -> Any:
 
 
 def reward_registry() -> dict[str, Callable[..., list[float]]]:
-    """Reward functions known by bare name: trl_cb's GSM8K reward and the names `trl grpo` / `trl rloo` accept."""
+    """Reward functions known by bare name: trl_cb's two rewards and the names `trl grpo` / `trl rloo` accept."""
     from trl import rewards
 
-    from ..offline.data import gsm8k_reward
+    from ..offline.data import char_share_reward, gsm8k_reward
 
     return {
         "gsm8k_reward": gsm8k_reward,
+        "char_share_reward": char_share_reward(),  # share of "a", at least 20 chars: what a random tiny model learns
         "accuracy_reward": rewards.accuracy_reward,
         "reasoning_accuracy_reward": rewards.reasoning_accuracy_reward,
         "think_format_reward": rewards.think_format_reward,
@@ -135,14 +137,15 @@ def resolve_reward(name: str) -> Callable[..., list[float]]:
 
 
 def resolve_model(name_or_path: str | None) -> str:
-    """`trl-cb/tiny` (or `tiny`) becomes the local tiny checkpoint; hub ids and paths pass through unchanged."""
+    """An offline name (`trl-cb/tiny`, `trl-cb/tiny-no-eos-bias`) becomes the local tiny checkpoint; hub ids and paths
+    pass through unchanged."""
     if not name_or_path:
         raise ValueError(f"--model_name_or_path is required (a hub id, a local path, or {TINY_MODEL!r} offline).")
     if not is_tiny_model_name(name_or_path):
         return name_or_path
     from ..offline.tiny import tiny_model_path
 
-    return tiny_model_path()
+    return tiny_model_path(name_or_path)
 
 
 def load_datasets(script_args: Any, dataset_args: Any) -> Any:

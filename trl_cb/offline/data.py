@@ -1,9 +1,11 @@
-"""GSM8K prompts and a reward, with no download.
+"""GSM8K prompts and rewards, with no download.
 
 Why: benchmarks and examples must run offline on real prompt lengths. The GSM8K *test* split (MIT, OpenAI) ships
 with the package (`trl_cb/resources/gsm8k/`, its licence next to it) and is the default prompt source
 (`gsm8k_test`); a user's JSONL file or the hub dataset replace it on request. Tests that only need prompt-shaped text
-use `synthetic_gsm8k`, which generates GSM8K-style problems deterministically from a seed.
+use `synthetic_gsm8k`, which generates GSM8K-style problems deterministically from a seed. Rewards: `gsm8k_reward`
+(accuracy, for real models) and `char_share_reward` (a task a random tiny model learns offline, so that an offline
+run shows learning).
 
 Every path returns the same record shape: `{"prompt": str | list[message], "answer": str}`, where `answer` is the
 final number as a string, and `prompt` is either plain text or, chat-formatted (`conversational=True`), one user
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -137,6 +140,29 @@ def gsm8k_reward(completions: list[str], answer: list[str], **kwargs: object) ->
         match = _NUMBER_AFTER_MARK.search(text)
         rewards.append(1.0 if match and match.group(1).replace(",", "") == ref else 0.0)
     return rewards
+
+
+def char_share_reward(char: str = "a", min_chars: int = 20) -> Callable[..., list[float]]:
+    """A TRL reward function a random tiny model can learn offline: the share of `char` among a completion's
+    characters, dividing by at least `min_chars`.
+
+    Why: a random model earns no GSM8K reward, so a GSM8K run on it shows reward 0 and loss 0 and proves nothing. The
+    share of one character starts low (about 0.04 for the tiny model and "a") and rises within tens of steps, through
+    everything RL correctness depends on (sampling, logprobs, IS correction). Why the floor: with a
+    plain share, a very short completion is a lottery ticket ("a" scores 1.0, "" scores 0), so one large update can
+    teach the policy to stop at once; an all-empty group has zero reward variance, hence no gradient, and the run
+    never recovers. Dividing by at least `min_chars` makes stopping early never pay.
+
+    The task of `benchmarks/learning.py` and of the offline recipes (`--reward_funcs char_share_reward` is this
+    function with the defaults). Completions may be plain strings or chat messages (the last message is scored).
+    """
+
+    def reward(completions: list[Any], **kwargs: object) -> list[float]:
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        return [t.count(char) / max(len(t), min_chars) for t in texts]
+
+    reward.__name__ = f"share_of_{char!r}"
+    return reward
 
 
 def corpus_for_tokenizer(num_examples: int = 400, seed: int = 1234) -> list[str]:

@@ -25,9 +25,10 @@ from transformers import (
 )
 
 from .data import corpus_for_tokenizer
+from .names import TINY_MODEL, TINY_MODELS
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")
-# A minimal plain-text chat template, so chat-formatted prompts (the default data, see trl_cb.data) work offline.
+# A minimal plain-text chat template, so chat-formatted prompts (the default data, see offline/data.py) work offline.
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
@@ -193,7 +194,8 @@ def tiny_checkpoint(directory: str | Path, eos_logit_bias: float | None = 4.0, s
     return str(directory)
 
 
-def tiny_model_path() -> str:
-    """Directory of the offline tiny checkpoint, built on first use under the temp directory (shared by the CLI and
-    the examples; under torch.distributed call it on rank 0 first, see `tiny_checkpoint`)."""
-    return tiny_checkpoint(Path(tempfile.gettempdir()) / "trl_cb_tiny_qwen2")
+def tiny_model_path(name: str = TINY_MODEL) -> str:
+    """Directory of an offline tiny checkpoint (`offline/names.py`), built on first use under the temp directory
+    (shared by the CLI and the examples; under torch.distributed call it on rank 0 first, see `tiny_checkpoint`)."""
+    directory, eos_logit_bias = TINY_MODELS[name]
+    return tiny_checkpoint(Path(tempfile.gettempdir()) / directory, eos_logit_bias=eos_logit_bias)

@@ -22,6 +22,7 @@ from ..rollouts.model_access import plain_module
 from . import trl_internals
 from .async_bridge import ASYNC_STATE_FILE, AsyncRolloutsMixin
 from .is_correction import IS_METRIC_NAMES, ImportanceSamplingMixin
+from .upstream_warnings import quiet_trl_gradient_checkpointing
 
 __all__ = ["ASYNC_STATE_FILE", "IS_METRIC_NAMES", "ContinuousBatchingTrainerMixin", "GRPOTrainer", "RLOOTrainer"]
 
@@ -40,7 +41,8 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
         processor) and after (generation settings, built model) it, and the async hooks installed."""
         self._cb_check_processing_class(kwargs.get("args"), kwargs.get("processing_class"))
         self._cb_check_model_config(kwargs.get("model", args[0] if args else None), kwargs.get("args"))
-        super().__init__(*args, **kwargs)
+        with quiet_trl_gradient_checkpointing():  # PEFT's wrapping (LoRA) reads transformers' deprecated name
+            super().__init__(*args, **kwargs)
         self._cb_check_generation_settings()
         self._cb_check_model()
         self._cb_async_setup()
@@ -138,6 +140,7 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
                 generator.close()
                 self._cb_generator = None
 
+    @quiet_trl_gradient_checkpointing()  # TRL's generation/scoring helpers call transformers' deprecated names
     def _cb_score(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's scoring of `inputs` (or, in async mode, of finished groups), then IS correction."""
         self._cb_last_logprobs = None

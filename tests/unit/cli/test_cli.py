@@ -35,8 +35,8 @@ def test_recipe_parses_into_trl_cb_classes(name, config_cls, trainer_cls):
     assert type(training) is config_cls and training.use_transformers_continuous_batching
     assert training.max_steps == 3 and training.cb_importance_sampling_clip_max == 2.0  # command line beats recipe
     assert training.transformers_continuous_batching_config == {"max_memory_percent": 0.5}  # our __post_init__ ran
-    assert (model.model_name_or_path, script.dataset_name) == (cli.TINY_MODEL, cli.VENDORED_GSM8K)
-    assert script.reward_funcs == ["gsm8k_reward"] and data.datasets == []
+    assert (model.model_name_or_path, script.dataset_name) == (cli.TINY_MODEL_NO_EOS_BIAS, cli.VENDORED_GSM8K)
+    assert script.reward_funcs == ["char_share_reward"] and data.datasets == []
 
 
 @pytest.mark.parametrize("name", ["grpo", "rloo"])
@@ -138,6 +138,8 @@ def test_reward_names():
     assert cli.resolve_reward("trl_cb.offline.data:gsm8k_reward") is gsm8k_reward
     assert cli.resolve_reward("trl_cb.offline.data.gsm8k_reward") is gsm8k_reward  # TRL's spelling
     assert cli.resolve_reward("accuracy_reward") is accuracy_reward
+    share = cli.resolve_reward("char_share_reward")  # trl_cb.offline.data.char_share_reward() with its defaults
+    assert share(["a" * 10, "ab" * 15, ""]) == [0.5, 0.5, 0.0] and share.__name__ == "share_of_'a'"
     assert cli.resolve_reward("think_format_reward") is think_format_reward
     overlong = cli.resolve_reward("get_soft_overlong_punishment")  # TRL's CLI values: 1280 tokens, 256 of slack
     assert overlong(completion_ids=[[0] * 1000, [0] * 1280 + [0] * 5]) == [0.0, -1.0]
@@ -160,6 +162,13 @@ def test_tiny_model_name(tmp_path, monkeypatch):
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     path = Path(cli.resolve_model(cli.TINY_MODEL))
     assert path.parent == tmp_path and (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
+    plain = Path(cli.resolve_model(cli.TINY_MODEL_NO_EOS_BIAS))
+    assert plain.parent == tmp_path and plain != path and (plain / "config.json").is_file()
+    from safetensors.torch import load_file
+
+    eos = json.loads((path / "config.json").read_text())["eos_token_id"]
+    biased, unbiased = (load_file(p / "model.safetensors")["lm_head.weight"][eos] for p in (path, plain))
+    assert biased.norm() > 5 * unbiased.norm()  # only the EOS row differs (bias_eos replaces it)
     assert cli.resolve_model("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
     with pytest.raises(ValueError, match="--model_name_or_path is required"):
         cli.resolve_model(None)
