@@ -1,5 +1,6 @@
 """The `trl-cb` command line: `trl-cb grpo | rloo` (training, `command.py`) and `trl-cb check-model`."""
 
+from ..offline.names import TINY_MODEL_NO_EOS_BIAS
 from ..offline.tiny import tiny_model_path
 from .command import (
     ALGORITHMS,
@@ -8,7 +9,6 @@ from .command import (
     SYNTHETIC_GSM8K,
     SYNTHETIC_GSM8K_ROWS,
     TINY_MODEL,
-    TINY_MODEL_NO_EOS_BIAS,
     VENDORED_GSM8K,
     VENDORED_GSM8K_TEST_ROWS,
     Algorithm,

@@ -17,6 +17,7 @@ from trl import DatasetMixtureConfig, ScriptArguments
 
 import trl_cb
 from trl_cb.cli import command as cli
+from trl_cb.offline import names
 from trl_cb.offline.data import gsm8k_reward
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -35,7 +36,7 @@ def test_recipe_parses_into_trl_cb_classes(name, config_cls, trainer_cls):
     assert type(training) is config_cls and training.use_transformers_continuous_batching
     assert training.max_steps == 3 and training.cb_importance_sampling_clip_max == 2.0  # command line beats recipe
     assert training.transformers_continuous_batching_config == {"max_memory_percent": 0.5}  # our __post_init__ ran
-    assert (model.model_name_or_path, script.dataset_name) == (cli.TINY_MODEL_NO_EOS_BIAS, cli.VENDORED_GSM8K)
+    assert (model.model_name_or_path, script.dataset_name) == (names.TINY_MODEL_NO_EOS_BIAS, cli.VENDORED_GSM8K)
     assert script.reward_funcs == ["char_share_reward"] and data.datasets == []
 
 
@@ -162,7 +163,7 @@ def test_tiny_model_name(tmp_path, monkeypatch):
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     path = Path(cli.resolve_model(cli.TINY_MODEL))
     assert path.parent == tmp_path and (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
-    plain = Path(cli.resolve_model(cli.TINY_MODEL_NO_EOS_BIAS))
+    plain = Path(cli.resolve_model(names.TINY_MODEL_NO_EOS_BIAS))
     assert plain.parent == tmp_path and plain != path and (plain / "config.json").is_file()
     from safetensors.torch import load_file
 
