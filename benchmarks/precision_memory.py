@@ -46,10 +46,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, format_table, run_worker, write_json  # noqa: E402
+from common import DEFAULT_OUT, OUT_HELP, environment, format_table, run_worker, write_json  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "runs" / "benchmarks"
 CASES = ("fp32-bf16", "bf16-bf16", "fp32-fp32")
 BACKENDS = ("generate", "trl_cb", "trl_cb_async")
 KEEPS = ("auto", "false", "true")
@@ -224,7 +222,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-completion-length", type=int, default=32)
     p.add_argument("--steps", type=int, default=3, help="training steps (optimizer state exists from step 1 on)")
     p.add_argument("--eos-logit-bias", type=float, default=4.0)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory (default: runs/benchmarks/)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     p.add_argument("--quick", action="store_true", help="2-layer 128-wide model, 2 steps (smoke test)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
