@@ -169,7 +169,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         def on_step_end(self, *a: Any, **k: Any) -> None:
             self.held.append(live_rss_bytes())
             self.rounds.append(copies["round"])
-            copies["kept"] = max([copies["kept"], *(g._precision.copy_bytes for g in _generators(trainer))])
+            copies["kept"] = max([copies["kept"], *(g.generation_copy_bytes for g in _generators(trainer))])
 
     probe = Probe()
 

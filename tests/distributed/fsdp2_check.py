@@ -106,7 +106,7 @@ def main() -> None:
             report["rounds"].append(
                 {
                     "max_diff": diff, "sharded_after": sharded, "n": len(result.completion_ids),
-                    "engine_dtypes": engine_dtypes, "copy_bytes_between_rounds": gen._precision.copy_bytes,
+                    "engine_dtypes": engine_dtypes, "copy_bytes_between_rounds": gen.generation_copy_bytes,
                     "copy_bytes_in_round": copied[-1],
                     "param_bytes_bf16": 2 * sum(p.numel() for p in model.parameters()),
                     "shard_dtypes": sorted({str(p.to_local().dtype) for p in model.parameters()}),

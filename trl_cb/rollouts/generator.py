@@ -89,12 +89,10 @@ class ContinuousBatchingGenerator:
         cast_lm_head_to_fp32: Run the LM head in fp32 during generation (TRL's `cast_lm_head_to_fp32`; tied
             embeddings supported).
         timeout: Seconds a round may take before it is abandoned with `TimeoutError` (`None`: no limit).
-        openmp_guard: Make the process's parked OpenMP workers sleep instead of spin while this generator lives
-            (`engine/openmp.py`): much faster CPU training on a loaded machine, 5-10% slower on an idle one. `None`:
-            on for a CPU model with a multi-threaded OpenMP torch, off otherwise (GPU engines).
-        keep_generation_weights: Keep the `cast_dtype` copies of the weights between rounds (`True`: refreshed in
-            place, stable addresses, held all the time) or make and free them every round (`False`). `None`: keep
-            unless the parameters are sharded (ZeRO-3, FSDP), where a kept copy would be the full model per rank.
+        openmp_guard: Parked OpenMP workers sleep instead of spin while this generator lives (`engine/openmp.py`).
+            `None`: on for a CPU model with a multi-threaded OpenMP torch, off otherwise (GPU engines).
+        keep_generation_weights: Keep the `cast_dtype` copies between rounds (`True`), or make and free them every
+            round (`False`). `None`: keep unless the parameters are sharded (ZeRO-3, FSDP). docs/distributed.md.
 
     Raises:
         checks.model.UnsupportedModelError: (a `ValueError`) at construction, for a model the engine cannot sample from
@@ -244,6 +242,11 @@ class ContinuousBatchingGenerator:
 
     def __del__(self, _close_at_collection=guards.close_at_collection) -> None:  # bound now: globals go at exit
         _close_at_collection(self.close)
+
+    @property
+    def generation_copy_bytes(self) -> int:
+        """Bytes held between rounds by the generation-dtype copies of the weights (0 when made per round)."""
+        return self._model.precision.copy_bytes
 
     @property
     def cache_size(self) -> CacheSize | None:

@@ -297,7 +297,7 @@ def test_weights_that_move_between_rounds_turn_accelerator_graphs_off(model, tok
             generator.generate(prompts[:1])
     with ContinuousBatchingGenerator(model, cfg, **per_round) as generator:
         generator.generate(prompts[:1])
-        assert not any(generator._engine.manager.continuous_batching_config.cuda_graph_booleans)
+        assert not any(generator._pool.engine.manager.continuous_batching_config.cuda_graph_booleans)
     kept = dict(cast_dtype=torch.bfloat16, keep_generation_weights=True)
     with ContinuousBatchingGenerator(model, cfg, {"use_cuda_graph": True}, **kept) as generator:
-        assert generator._stable_weights, "control: kept copies are refreshed in place and may be captured"
+        assert generator._pool.stable_weights, "control: kept copies are refreshed in place and may be captured"

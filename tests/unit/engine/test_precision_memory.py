@@ -19,7 +19,7 @@ from tests.conftest import sampling_config
 from tests.unit.engine.test_precision import WeightDtypeSpy, q_proj
 from tests.unit.trainers.test_trainers import make_trainer
 from trl_cb import ContinuousBatchingGenerator, GRPOConfig, RLOOConfig
-from trl_cb import generator as generator_module
+from trl_cb.engine import sharding
 from trl_cb.engine.precision import GenerationPrecision
 from trl_cb.offline.tiny import tiny_model
 
@@ -62,24 +62,24 @@ def test_generator_keeps_or_frees_copies_between_rounds(keep, kept, model, token
             held = []
             for _ in range(2):
                 gen.generate(prompts[:2], num_generations=2)
-                held.append(gen._precision.copy_bytes)
+                held.append(gen.generation_copy_bytes)
             spy.remove()
     assert {d for d, *_ in spy.seen} == {torch.bfloat16}, "rounds run on bf16 copies in every mode"
     assert len(rounds) == 2 and rounds[0] == rounds[1] >= bf16_param_bytes(model) // 2, rounds
     # Kept: the copies of the round stay allocated (exactly those bytes); per round: nothing is held between rounds.
     assert held == ([rounds[0]] * 2 if kept else [0, 0]), (held, rounds)
-    assert gen._precision.copy_bytes == 0, "close frees kept copies"
+    assert gen.generation_copy_bytes == 0, "close frees kept copies"
 
 
 @pytest.mark.parametrize(("keep", "kept"), [(None, False), (True, True), (False, False)], ids=str)
 def test_sharded_default_makes_copies_per_round(keep, kept, model, tokenizer, prompts, monkeypatch):
-    """Auto (None) with sharded parameters (ZeRO-3/FSDP, as `_is_sharded` reports them): per-round copies, since a
-    kept one would be the full model on every rank; `True` forces keeping anyway."""
-    monkeypatch.setattr(generator_module, "_is_sharded", lambda model, accelerator: True)
+    """Auto (None) with sharded parameters (ZeRO-3/FSDP, as `engine.sharding.is_sharded` reports them): per-round
+    copies, since a kept one would be the full model on every rank; `True` forces keeping anyway."""
+    monkeypatch.setattr(sharding, "is_sharded", lambda model, accelerator: True)
     cfg = sampling_config(tokenizer, max_new_tokens=4)
     with ContinuousBatchingGenerator(model, cfg, cast_dtype=torch.bfloat16, keep_generation_weights=keep) as gen:
         gen.generate(prompts[:1], num_generations=2)
-        assert (gen._precision.copy_bytes >= bf16_param_bytes(model) // 2) is kept
+        assert (gen.generation_copy_bytes >= bf16_param_bytes(model) // 2) is kept
 
 
 def _live_rss() -> int:
@@ -121,7 +121,7 @@ class CopyBytesAtStepEnd(TrainerCallback):
     def on_step_end(self, *args, **kwargs) -> None:
         controller = self.trainer._cb_async
         gens = [self.trainer._cb_generator, getattr(controller, "generator", None)]
-        self.held.append(sum(g._precision.copy_bytes for g in gens if g is not None))
+        self.held.append(sum(g.generation_copy_bytes for g in gens if g is not None))
 
 
 @pytest.mark.parametrize(
