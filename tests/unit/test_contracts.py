@@ -645,3 +645,35 @@ def test_trl_generation_schedule_and_prompt_tokenizer():
         assert {"steps_per_generation", "num_iterations", "gradient_accumulation_steps"} <= {
             f.name for f in dataclasses.fields(cls)
         }
+
+
+def test_paged_cache_internals_the_fast_reads_use(model, tokenizer):
+    """`engine/_upstream_cache.py` and `_upstream.install_step_threads` rely on these names and signatures; their
+    behaviour (same rows, same logprobs) is tested in tests/unit/engine/test_upstream_cache.py and test_attention."""
+    from transformers.generation.continuous_batching.cache_allocators.full_attention import (
+        FullAttentionCacheAllocator,
+    )
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+
+    assert params(ContinuousBatchingIOs.prepare_batch_tensors) == [
+        "self", "requests_in_batch", "logits_processors", "use_decode_fast_path", "num_q_tokens", "max_kv_read",
+        "use_padding",
+    ]  # fmt: skip
+    assert params(ModelRunner.compute_batch) == ["self", "model", "batch_data"]
+    read_params = ["self", "request_id", "past_length", "query_length"]
+    assert params(FullAttentionCacheAllocator.get_read_indices) == read_params
+    manager = _manager(model, tokenizer, 4, 8, 64, 1)
+    try:
+        processor = manager.batch_processor
+        ios, cache = processor.inputs_and_outputs, processor.cache
+        for name in ("read_index_storage", "true_read_sizes", "requests_in_batch", "block_table"):
+            assert hasattr(ios, name), name
+        allocator = cache.layer_to_allocator[0]
+        assert type(allocator) is FullAttentionCacheAllocator
+        for name in ("index", "layer_type", "block_table", "tokens_per_page", "block_physical_stride"):
+            assert hasattr(allocator, name), name
+        k_view, v_view = allocator._kv_token_views[0]
+        assert k_view.dim() == 3 and k_view.shape[1] == model.config.num_key_value_heads
+    finally:
+        manager.destroy()

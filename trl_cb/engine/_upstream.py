@@ -25,6 +25,7 @@ from transformers.generation.continuous_batching import ContinuousBatchingManage
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from ..errors import EngineDiedError, GenerationError
+from . import _upstream_cache, openmp
 from . import _upstream_sampling as _sampling
 from . import varlen_attention as attention
 from .guards import deferred_interrupts
@@ -76,12 +77,38 @@ def create_manager(
             manager.warmup()
             if recorder is not None:
                 _sampling.install_policy_logprob_recorder(manager, recorder)
+            install_step_threads(manager, model)
+            _upstream_cache.install_read_index_rows(manager)
     except BaseException:
         if attention_implementation(model) != attn_before:
             model.set_attn_implementation(attn_before)
         model.train(training_before)
         raise
     return manager
+
+
+def install_step_threads(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
+    """CPU engines with more than one intra-op thread: set each step's threads (`openmp.step_threads`) on the engine's
+    own thread before its forward. That changes the engine thread's OpenMP team size, not the caller's (the
+    trainer's); threads started while a round runs would take the engine's count, so `suspend` republishes the
+    caller's (`republish_threads`).
+
+    Internal (pinned by tests/unit/test_contracts.py): `batch_processor.model_runner.compute_batch(model, batch_data)`
+    runs one step's forward and sampling; `batch_data["input_ids"]` is `(1, query_tokens)`."""
+    threads = torch.get_num_threads()
+    hidden_size = getattr(model.config.get_text_config(), "hidden_size", None)
+    if model.device.type != "cpu" or threads <= 1 or not isinstance(hidden_size, int):
+        return
+    runner = manager.batch_processor.model_runner
+    compute = runner.compute_batch
+
+    def compute_with_step_threads(module: torch.nn.Module, batch_data: dict) -> None:
+        wanted = openmp.step_threads(batch_data["input_ids"].shape[-1], hidden_size, threads)
+        if torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)
+        compute(module, batch_data)
+
+    runner.compute_batch = compute_with_step_threads
 
 
 def attention_implementation(model: PreTrainedModel) -> str:
@@ -135,6 +162,15 @@ def suspend(manager: ContinuousBatchingManager) -> None:
         manager._wake_up_loop.set()  # end the idle loop's 100 ms poll now rather than at its timeout
         if not wait_for_thread_exit(manager, timeout=None):  # pragma: no cover - unbounded wait
             raise EngineDiedError("The continuous batching engine thread did not stop.")
+    republish_threads()
+
+
+def republish_threads() -> None:
+    """Make the caller's intra-op thread count the default of threads started from now on again.
+
+    `torch.set_num_threads` on the engine thread (`install_step_threads`) also sets the count a new thread takes at its
+    first parallel op; once the engine thread is gone, the caller's own count (unchanged) is published back."""
+    torch.set_num_threads(torch.get_num_threads())
 
 
 def request_hard_stop(manager: ContinuousBatchingManager) -> None:

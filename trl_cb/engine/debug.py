@@ -3,6 +3,8 @@
 `TRL_CB_ATTENTION=upstream`: engines keep transformers' own attention choice (without flash, a dense mask over every
 key of the batch) instead of `varlen_attention`, and CPU batches are sized for that choice (`sizing.py`). Read at
 every engine build, model check and sizing, so a test can set it for one call (`TRL_CB_OPENMP_GUARD`: `openmp.py`).
+`TRL_CB_DIRECT_READS=0`: `varlen_attention` reads keys through `cache.update`'s packed copy (the path before one-gather
+reads from the cache storage, `_upstream_cache.py`); read at every layer call.
 """
 
 from __future__ import annotations
@@ -15,3 +17,11 @@ ATTENTION_ENV = "TRL_CB_ATTENTION"
 def varlen_attention_enabled() -> bool:
     """False when `TRL_CB_ATTENTION=upstream` asks for transformers' own CB attention."""
     return os.environ.get(ATTENTION_ENV, "varlen").lower() != "upstream"
+
+
+DIRECT_READS_ENV = "TRL_CB_DIRECT_READS"
+
+
+def direct_reads_enabled() -> bool:
+    """False when `TRL_CB_DIRECT_READS=0` asks for the packed-copy read path."""
+    return os.environ.get(DIRECT_READS_ENV, "1") != "0"

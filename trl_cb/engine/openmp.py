@@ -10,6 +10,8 @@ Invariants: reference counted (the guard lives while any holder does); a release
 from a garbage-collection finalizer cannot deadlock whatever the collecting thread holds: it is queued
 (`queue.SimpleQueue.put` is reentrant) and applied by the guard thread, which exits when the count reaches zero.
 With Intel's OpenMP or a torch without OpenMP the guard is a harmless parked thread.
+Small CPU engine steps (decode) run on one intra-op thread (`step_threads`): with polite waits every parallel region
+pays a wake-up, which costs more than a small step's parallel work gains (docs/benchmarks.md, "Per-token cost").
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["guard_helps", "hold_polite_waits", "hold_polite_waits_while_alive", "polite_waits_held"]
+__all__ = [
+    "SINGLE_THREAD_STEP_WORK",
+    "guard_helps",
+    "hold_polite_waits",
+    "hold_polite_waits_while_alive",
+    "polite_waits_held",
+    "step_threads",
+]
 
 #: Elements of the op the guard runs: between one and two of ATen's 32,768-element grains, so `parallel_for` forks
 #: exactly a 2-thread team (one parked worker) whatever the machine's core count.
@@ -46,6 +55,19 @@ def guard_helps(device: torch.device) -> bool:
         and torch.get_num_threads() > 1
         and "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
     )
+
+
+#: An engine step whose work (query tokens x hidden size) is below this runs on one intra-op thread. Measured on
+#: 2 cores (engine thread, polite waits): a 32-row decode forward of the 64-wide model takes 1.8-2.0 ms on one thread
+#: vs 3.5-5.9 ms on two, of the 256-wide 8-layer one 20 vs 21-28 ms; an 800-token prefill of the latter 235-245 vs
+#: 150-167 ms.
+SINGLE_THREAD_STEP_WORK = 65_536
+
+
+def step_threads(num_tokens: int, hidden_size: int, threads: int) -> int:
+    """Intra-op threads for a CPU engine step of `num_tokens` query tokens: 1 below `SINGLE_THREAD_STEP_WORK`, else
+    `threads` (the process's setting)."""
+    return 1 if num_tokens * hidden_size < SINGLE_THREAD_STEP_WORK else threads
 
 
 def _guard(ready: threading.Event) -> None:

@@ -25,7 +25,7 @@ from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import debug
+from . import _upstream_cache, debug
 
 __all__ = ["ATTENTION_NAME", "packed_varlen_attention", "register", "replaces", "varlen_paged_attention"]
 
@@ -201,6 +201,20 @@ def _plan_for(cu_q: torch.Tensor, cu_k: torch.Tensor, window: int | None, device
     return plan
 
 
+def _bucket_keys(plan: _Plan, key_index: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each bucket's flat key rows in `key`: its packed positions, composed with `key_index` when given. Layers of one
+    forward share `key_index` (same tensor, same version): composed once per forward, like the plan."""
+    if key_index is None:
+        return [bucket.keys.reshape(-1) for bucket in plan.buckets]
+    stamp = (key_index._version, plan)
+    last = getattr(_local, "last_keys", None)
+    if last is not None and last[0] is key_index and last[1] == stamp:
+        return last[2]
+    composed = [key_index[bucket.keys.reshape(-1)] for bucket in plan.buckets]
+    _local.last_keys = (key_index, stamp, composed)  # strong reference: the id cannot be reused while memoised
+    return composed
+
+
 def _attend(
     query: torch.Tensor,  # (B, Hkv, R, D): R = n_rep x query rows, GQA-packed
     key: torch.Tensor,  # (B, Hkv, L, D)
@@ -265,17 +279,22 @@ def varlen_paged_attention(
         )
     if kwargs.get("block_table") is not None:
         raise ValueError(f"{ATTENTION_NAME} does not read block tables (flash-only decode fast path).")
-    key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+    direct = debug.direct_reads_enabled()
+    layer = _upstream_cache.paged_layer(cache, module.layer_idx, key, value, kwargs) if direct else None
+    if layer is None:  # transformers' own update (sliding-window layers): packed keys, gathered once more below
+        key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+        layer = _upstream_cache.PagedLayer(key[0].transpose(0, 1), value[0].transpose(0, 1), None)
     out = packed_varlen_attention(
         query[0].transpose(0, 1),
-        key[0].transpose(0, 1),
-        value[0].transpose(0, 1),
+        layer.key_storage,
+        layer.value_storage,
         kwargs["cu_seq_lens_q"],  # type: ignore[arg-type]
-        kwargs["cu_seq_lens_k"],  # type: ignore[arg-type]  (this layer's group: `cache.update` picked it)
+        kwargs["cu_seq_lens_k"],  # type: ignore[arg-type]  (this layer's group, selected by the update)
         sliding_window=window,
         scaling=scaling,
         softcap=softcap,
         sinks=sinks,
+        key_index=layer.read_index,
     )
     return out.unsqueeze(0), None
 
@@ -320,19 +339,22 @@ def packed_varlen_attention(
     scaling: float | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # (H,) one extra logit per head inside the softmax
+    key_index: torch.Tensor | None = None,  # (Tk,): packed key i is key[key_index[i]] (the paged storage's rows)
 ) -> torch.Tensor:  # (T, H, Dv)
-    """Causal attention of each request's queries over its own keys only (bottom-right aligned, window-limited)."""
+    """Causal attention of each request's queries over its own keys only (bottom-right aligned, window-limited).
+
+    With `key_index`, `key` and `value` are the cache's storage and every read is one gather from it."""
     plan = _plan(cu_seq_lens_q, cu_seq_lens_k, sliding_window, query.device)
+    bucket_keys = _bucket_keys(plan, key_index)
     num_heads, head_dim = query.shape[1], query.shape[-1]
     num_kv, value_dim = key.shape[1], value.shape[-1]
     n_rep = num_heads // num_kv
     sinks = None if sinks is None else sinks.reshape(num_kv, n_rep)
     out = query.new_empty(query.shape[0], num_heads, value_dim)
 
-    for bucket in plan.buckets:
+    for bucket, flat in zip(plan.buckets, bucket_keys, strict=True):
         rows = bucket.rows.shape[0]
         q = query.index_select(0, bucket.rows).reshape(rows, num_kv, n_rep, head_dim)  # (R, Hkv, n_rep, D)
-        flat = bucket.keys.reshape(-1)
         k = key.index_select(0, flat).reshape(rows, -1, num_kv, head_dim).transpose(1, 2)  # (R, Hkv, L, D)
         v = value.index_select(0, flat).reshape(rows, -1, num_kv, value_dim).transpose(1, 2)
         o = _attend(q, k, v, bucket.mask, False, scaling, softcap, sinks, n_rep)  # (R, Hkv, n_rep, Dv)
@@ -342,8 +364,11 @@ def packed_varlen_attention(
         len_q = q1 - q0
         # (Lq, H, D) -> (1, Hkv, n_rep * Lq, D): rows ordered (rep, token), so one (Lq, Lk) mask serves every rep
         q = query[q0:q1].reshape(len_q, num_kv, n_rep, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv, -1, head_dim)
-        k = key[k0:k1].transpose(0, 1)[None]  # (1, Hkv, Lk, D)
-        v = value[k0:k1].transpose(0, 1)[None]
+        if key_index is None:
+            k, v = key[k0:k1], value[k0:k1]
+        else:
+            k, v = key.index_select(0, key_index[k0:k1]), value.index_select(0, key_index[k0:k1])
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, Hkv, Lk, D)
         o = _attend(q, k, v, mask, mask is None, scaling, softcap, sinks, n_rep)  # (1, Hkv, n_rep * Lq, Dv)
         out[q0:q1] = o.reshape(num_kv, n_rep, len_q, value_dim).permute(2, 0, 1, 3).reshape(len_q, num_heads, -1)
     return out
