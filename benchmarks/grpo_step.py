@@ -1,6 +1,7 @@
 """Training-step benchmark: median GRPO / RLOO step time with plain generate(), TRL's own CB path, and trl_cb.
 
-    pip install -e . && python benchmarks/grpo_step.py    # tiny Qwen2, CPU: 8 prompts x 4 completions x 48 tokens
+    pip install -e . && python benchmarks/grpo_step.py    # tiny Qwen2, CPU, GSM8K-like: 8 prompts x G=8, <= 256 tokens
+    python benchmarks/grpo_step.py --workload short       # the earlier default: 8 prompts x 4 completions x 48 tokens
     python benchmarks/grpo_step.py --trainers grpo --steps 10 --max-completion-length 128
     python benchmarks/grpo_step.py --quick                        # seconds, smoke test
     python benchmarks/grpo_step.py --model small                  # 8 layers x 256 wide: compute-heavier
@@ -16,6 +17,11 @@ benchmarks/common.py):
 
 Besides step times it reports samples/s (completions per step / median step time) and, for the trl_cb backends, the
 trainer's wait for rollouts per step (sync: the generation call; async: the wait for finished groups).
+
+Workloads (`--workload`; `--prompts`, `--num-generations`, `--max-completion-length` override either):
+- `gsm8k` (default): 8 prompts x G=8 completions, up to 256 tokens, long-tailed lengths (the preset's EOS bias; tiny:
+  mean ~140 tokens): the shape of a GSM8K GRPO run.
+- `short`: 8 prompts x 4 completions x up to 48 tokens (the default before; generation is a small part of the step).
 
 Prompts: the GSM8K test split shipped with trl_cb (`trl_cb.offline.data.gsm8k_test`), chat-formatted.
 
@@ -57,6 +63,11 @@ from common import (  # noqa: E402
 
 BACKENDS = ("generate", "trl_native", "trl_cb", "trl_cb_async")
 TRAINERS = ("grpo", "rloo")
+#: Step shapes: prompts per step, completions per prompt, max completion length (module docstring).
+WORKLOADS = {
+    "gsm8k": {"prompts": 8, "num_generations": 8, "max_completion_length": 256},
+    "short": {"prompts": 8, "num_generations": 4, "max_completion_length": 48},
+}
 
 
 def _async_fields(spec: dict[str, Any]) -> dict[str, Any]:
@@ -138,9 +149,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[0],
         help="busy-looping processes running alongside each run; several values run each backend once per value",
     )
-    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
-    p.add_argument("--num-generations", type=int, default=4)
-    p.add_argument("--max-completion-length", type=int, default=48)
+    p.add_argument("--workload", default="gsm8k", choices=sorted(WORKLOADS), help="step shape (default: gsm8k)")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the workload's)")
+    p.add_argument("--num-generations", type=int, default=None, help="G (default: the workload's)")
+    p.add_argument("--max-completion-length", type=int, default=None, help="(default: the workload's)")
     p.add_argument("--steps", type=int, default=6, help="timed steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--eos-logit-bias", type=float, default=None, help="EOS logit boost (default: per preset)")
@@ -155,6 +167,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         return args
     if args.eos_logit_bias is None:
         args.eos_logit_bias = EOS_BIAS[args.model]
+    for name, value in WORKLOADS[args.workload].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.quick:
         args.prompts, args.num_generations, args.max_completion_length, args.steps = 2, 2, 8, 2
     for name, allowed, given in (("--trainers", TRAINERS, args.trainers), ("--backends", BACKENDS, args.backends)):

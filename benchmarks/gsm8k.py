@@ -15,6 +15,10 @@ Backends (same prompts, same sampling settings, `top_k` set explicitly because `
   `max_memory_percent=0.5`, no cache sizing, no logprobs.
 - `trl_cb`: trl_cb's `ContinuousBatchingGenerator` (persistent, workload-sized, prefill shared per prompt, logprobs).
 
+Workloads: the long-tailed sweep over `--num-generations` (the preset's EOS bias: completion lengths spread out, and
+`generate()` pads every row to the longest), then no-tail points at `--no-tail-generations` (EOS bias 0: nearly every
+completion runs to `--max-new-tokens`, so `generate()` has little padding to waste and CB's per-token cost decides).
+
 Each (backend, N) point runs in its own subprocess (see benchmarks/common.py): one warm-up round, then `--repeats`
 timed rounds, each on a fresh slice of P prompts. Outputs: a table on stdout, a JSON file and a PNG under `--out`
 (default runs/benchmarks/ at the repository root, git-ignored; the results the docs cite are recorded with
@@ -197,6 +201,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--eos-logit-bias", type=float, default=None, help="random presets: EOS logit boost (default: per preset)"
     )
+    p.add_argument(
+        "--no-tail-generations",
+        type=int,
+        nargs="*",
+        default=[8],
+        help="N values of the no-tail points (EOS bias 0: every completion runs to --max-new-tokens on the random "
+        "presets, so generate() pads little); none to skip (default: 8)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     p.add_argument("--quick", action="store_true", help="tiny sweep in seconds (smoke test; not for numbers)")
@@ -208,6 +220,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.eos_logit_bias = EOS_BIAS.get(args.model, 4.0)
     if args.quick:
         args.num_generations, args.prompts_per_round, args.max_new_tokens, args.repeats = [2, 4], 2, 16, 1
+        args.no_tail_generations = [2] if args.no_tail_generations else []
     unknown = sorted(set(args.backends) - set(BACKENDS))
     if unknown:
         p.error(f"unknown backend(s) {unknown}; choose from {list(BACKENDS)}")
@@ -215,8 +228,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         ("--repeats", args.repeats)):  # fmt: skip
         if value <= 0:
             p.error(f"{name} must be > 0, got {value}")
-    if any(n <= 0 for n in args.num_generations):
-        p.error(f"--num-generations values must be > 0, got {args.num_generations}")
+    for name, values in (("--num-generations", args.num_generations), ("--no-tail-generations",
+                                                                        args.no_tail_generations)):  # fmt: skip
+        if any(n <= 0 for n in values):
+            p.error(f"{name} values must be > 0, got {values}")
     if args.data_file is not None and not Path(args.data_file).is_file():
         p.error(f"--data-file not found: {args.data_file}")
     if args.device == "auto":
@@ -244,25 +259,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flush=True,
     )
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"}
-    points = [(n, b) for n in args.num_generations for b in args.backends]  # alternate backends within each N
+    # Long-tailed points (the workload's own EOS), then the no-tail ones (EOS bias 0 on the random presets: the
+    # baseline's best case, little padding to save). TRL's native CB path is left out of the latter (minutes per point
+    # from its unsized cache, nothing it would show there).
+    points = [("long_tail", args.eos_logit_bias, n, b) for n in args.num_generations for b in args.backends]
+    no_tail_backends = [b for b in args.backends if b != "trl_native"] if args.model in EOS_BIAS else []
+    points += [("no_tail", 0.0, n, b) for n in args.no_tail_generations for b in no_tail_backends]
     raw: list[dict[str, Any]] = []
-    for n, backend in tqdm(points, desc="benchmark points", unit="point"):
+    for workload, eos_bias, n, backend in tqdm(points, desc="benchmark points", unit="point"):
         spec = {
             "backend": backend, "num_generations": n, "warmup": 1, "repeats": args.repeats, "model": args.model,
             "device": args.device, "dtype": args.dtype, "prompts_per_round": args.prompts_per_round,
-            "max_new_tokens": args.max_new_tokens, "eos_logit_bias": args.eos_logit_bias, "seed": args.seed,
+            "max_new_tokens": args.max_new_tokens, "eos_logit_bias": eos_bias, "seed": args.seed,
             "data_file": args.data_file, "dataset": args.dataset,
         }  # fmt: skip
-        raw.append(run_worker(Path(__file__), spec, timeout=3600))
+        raw.append({"workload": workload, **run_worker(Path(__file__), spec, timeout=3600)})
 
     points_out = []
     for r in raw:
         base = next(
-            (x for x in raw if x["backend"] == "generate" and x["num_generations"] == r["num_generations"]), None
+            (
+                x
+                for x in raw
+                if x["backend"] == "generate"
+                and x["num_generations"] == r["num_generations"]
+                and x["workload"] == r["workload"]
+            ),
+            None,
         )
         time_stats = summarize(r["times"])
         points_out.append(
             {
+                "workload": r["workload"],
                 "backend": r["backend"],
                 "num_generations": r["num_generations"],
                 "completions_per_round": r["completions_per_round"],
@@ -284,8 +312,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = {"benchmark": "gsm8k", "config": config, "env": environment(args.device), "points": points_out}
     rows = [
         {
-            "N": p["num_generations"], "backend": p["backend"], "time": p["round_time_s"]["mean"],
-            "std": p["round_time_s"]["std"], "tok_s": p["tokens_per_s"]["mean"], "speedup": p["speedup_vs_generate"],
+            "workload": p["workload"].replace("_", " "), "N": p["num_generations"], "backend": p["backend"],
+            "time": p["round_time_s"]["mean"], "std": p["round_time_s"]["std"], "tok_s": p["tokens_per_s"]["mean"],
+            "speedup": p["speedup_vs_generate"],
             "mem": p["peak_memory_mib"], "pad": p["padding_fraction"], "p50": p["completion_length"]["p50"],
             "p90": p["completion_length"]["p90"], "max": p["completion_length"]["max"],
         }
@@ -295,6 +324,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         format_table(
             rows,
             [
+                ("workload", "workload"),
                 ("N", "N"),
                 ("backend", "backend"),
                 ("time", "s/round"),

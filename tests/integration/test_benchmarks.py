@@ -28,6 +28,9 @@ def test_gsm8k_quick_writes_table_json_png(tmp_path):
     assert payload["config"]["num_generations"] == [2, 4]
     points = payload["points"]
     assert {p["backend"] for p in points} == {"generate", "trl_native", "trl_cb"}
+    no_tail = [p for p in points if p["workload"] == "no_tail"]
+    assert sorted(p["backend"] for p in no_tail) == ["generate", "trl_cb"]  # the baseline's best case
+    assert all(p["speedup_vs_generate"] is not None for p in no_tail)
     for n in (2, 4):
         counts = {p["backend"]: p["num_completions"] for p in points if p["num_generations"] == n}
         assert len(set(counts.values())) == 1 and counts["trl_cb"] == 2 * n, counts

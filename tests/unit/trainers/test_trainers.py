@@ -271,6 +271,9 @@ def test_deferred_is_uses_the_loss_forward_and_trains_identically(kind, tokenize
     eager_logs, eager_params, eager_calls = _train_recording_forwards(kind, tokenizer, tmp_path, False, monkeypatch)
     assert deferred_calls["grad"] == eager_calls["grad"] == 2  # one loss forward per step (one micro-batch)
     assert eager_calls["no_grad"] - deferred_calls["no_grad"] == 2, (eager_calls, deferred_calls)
+    # Beside TRL's own no-grad forwards (RLOO: its old-policy forward, one per step; GRPO: none here), trl_cb runs
+    # none: no second forward of the same batch.
+    assert deferred_calls["no_grad"] == {"grpo": 0, "rloo": 2}[kind], deferred_calls
     for deferred, eager in zip(deferred_logs, eager_logs, strict=True):
         assert eager["sampling/importance_sampling_ratio/min"] < 0.99, "IS weights must vary for this to mean much"
         for name in ("loss", "grad_norm", *IS_METRICS):
