@@ -73,8 +73,10 @@ def _load_model(spec: dict[str, Any]) -> tuple[Any, Any]:
         from trl_cb.offline.tiny import bias_eos, tiny_tokenizer
 
         tokenizer = tiny_tokenizer(vocab_size=4096)
-        config = LlamaConfig(  # Llama-3.2-1B's shape with a small vocabulary, random init (no hub)
-            vocab_size=len(tokenizer), hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        # Llama-3.2-1B at full size (its 128,256-entry vocabulary: the LM head and sampling cost what they cost on
+        # the real model), random init (no hub); the local tokenizer covers the first 4,096 ids (prompts, EOS, pad).
+        config = LlamaConfig(
+            vocab_size=128_256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
             tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
@@ -259,10 +261,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flush=True,
     )
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"}
-    # Long-tailed points (the workload's own EOS), then the no-tail ones (EOS bias 0 on the random presets: the
-    # baseline's best case, little padding to save). TRL's native CB path is left out of the latter (minutes per point
-    # from its unsized cache, nothing it would show there).
-    points = [("long_tail", args.eos_logit_bias, n, b) for n in args.num_generations for b in args.backends]
+    # The sweep (long-tailed with the presets' EOS bias; a hub model's own EOS), then the no-tail points (EOS bias 0
+    # on the random presets: the baseline's best case, little padding to save). TRL's native CB path is left out of
+    # the latter (minutes per point from its unsized cache, nothing it would show there).
+    main_workload = "long_tail" if args.eos_logit_bias else "no_tail"
+    main_workload = main_workload if args.model in EOS_BIAS else "model_eos"
+    points = [(main_workload, args.eos_logit_bias, n, b) for n in args.num_generations for b in args.backends]
     no_tail_backends = [b for b in args.backends if b != "trl_native"] if args.model in EOS_BIAS else []
     points += [("no_tail", 0.0, n, b) for n in args.no_tail_generations for b in no_tail_backends]
     raw: list[dict[str, Any]] = []

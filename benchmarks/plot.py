@@ -18,8 +18,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def render(json_path: Path, png_path: Path) -> Path:
     payload = json.loads(Path(json_path).read_text())
-    # The long-tailed sweep over N; no-tail points (gsm8k.py's baseline-friendly check) are in the table and JSON.
-    points = [p for p in payload["points"] if p.get("workload", "long_tail") == "long_tail"]
+    # The sweep over N (the first points' workload); gsm8k.py's extra no-tail points are in its table and JSON.
+    sweep = payload["points"][0].get("workload") if payload["points"] else None
+    points = [p for p in payload["points"] if p.get("workload") == sweep]
     backends = sorted({p["backend"] for p in points}, key=["generate", "trl_native", "trl_cb"].index)
     fig, (ax_time, ax_speed) = plt.subplots(1, 2, figsize=(11, 4.2))
     for backend in backends:
