@@ -1,6 +1,6 @@
 """GSM8K-shaped rollout benchmark: continuous batching (trl_cb, TRL's native CB call) vs plain `generate()`.
 
-    pip install -e . && python benchmarks/gsm8k.py            # offline default: tiny Qwen2, CPU, 3-5 min, 2 cores
+    pip install -e . && python benchmarks/gsm8k.py            # offline default: tiny Qwen2, CPU, 4-6 min, 2 cores
     python benchmarks/gsm8k.py --quick                        # seconds, for smoke tests
     python benchmarks/gsm8k.py --model small --num-generations 32 64   # 8 layers x 256 wide, CPU: compute-heavier
     python benchmarks/gsm8k.py --model llama-1b-random --device cuda --max-new-tokens 2048 --num-generations 8 32 64
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"trl_cb GSM8K rollout benchmark: model={args.model} device={args.device} N={args.num_generations} "
         f"prompts/round={args.prompts_per_round} max_new_tokens={args.max_new_tokens} backends={args.backends}"
-        + (" — 3 to 5 minutes on 2 quiet CPU cores, 5 to 15 on a busy machine." if default_run else ""),
+        + (" — 4 to 6 minutes on 2 quiet CPU cores, 5 to 15 on a busy machine." if default_run else ""),
         flush=True,
     )
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"}
