@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.unit.rollouts.test_generator import teacher_forced_logprobs
+from tests.unit.trainers.test_trainers import make_trainer
 from trl_cb.errors import RolloutServerError
 from trl_cb.offline.tiny import tiny_model
 from trl_cb.serving.client import RolloutClient
@@ -161,11 +162,28 @@ def test_logprobs_match_teacher_forcing_then_weight_sync(server, local_model, pr
     sender.close()
 
 
+def test_grpo_trains_on_server_rollouts(server, tokenizer, tmp_path):
+    _, url = server
+    trainer = make_trainer("grpo", tokenizer, tmp_path, rollout_server_urls=[url], rollout_server_api_key=KEY)
+    start = time.monotonic()
+    trainer.train()
+    print(f"\n2-step GRPO on the server: {time.monotonic() - start:.1f} s")
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 2 and trainer._cb_generator is None, "no local engine on the server path"
+    assert trainer._cb_weight_version == 2, "one push per step"
+    metrics = requests.get(url + "/metrics", headers=AUTH, timeout=5).json()
+    assert metrics["weight_version"] == 2
+    # The trainer's own logprobs of the server's samples: equal up to batching noise only if the weights synced.
+    gaps = [entry["sampling/sampling_logp_difference/max"] for entry in logs]
+    print(f"trainer vs server logprob max|d| per step: {gaps}")
+    assert max(gaps) < 1e-4
+
+
 def test_dead_replica_is_skipped(server, prompts):
     _, url = server
     dead = f"http://127.0.0.1:{free_port()}"
     client = RolloutClient([dead, url], api_key=KEY, timeout=10)
-    client.known_versions |= {1}
+    client.known_versions |= {1, 2}
     result = client.generate(prompts[:4], 2, max_tokens=8)
     assert len(result.completion_ids) == 8 and all(result.completion_ids)
 
