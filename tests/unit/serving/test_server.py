@@ -6,7 +6,9 @@ kills it. Every process started here is stopped in the fixture's `finally`.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -36,12 +38,13 @@ def checkpoint(tmp_path_factory, tokenizer) -> str:
     return str(directory)
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint):
+@contextlib.contextmanager
+def running_server(checkpoint: str, *extra: str):
+    """A `trl-cb serve` process on a free loopback port, up and healthy; killed on exit, also on failure."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "trl_cb.cli", "serve", "--model", checkpoint, "--port", str(port)]
-    proc = subprocess.Popen([*command, "--threads", "1", "--api-key", KEY], env=env, cwd=ROOT)
+    proc = subprocess.Popen([*command, "--threads", "1", *extra], env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -58,6 +61,12 @@ def server(checkpoint):
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    with running_server(checkpoint, "--api-key", KEY) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +195,17 @@ def test_dead_replica_is_skipped(server, prompts):
     client.known_versions |= {1, 2}
     result = client.generate(prompts[:4], 2, max_tokens=8)
     assert len(result.completion_ids) == 8 and all(result.completion_ids)
+
+
+def test_ctrl_c_stops_the_server_within_2_s(checkpoint):
+    with running_server(checkpoint) as (proc, url):
+        assert requests.get(url + "/v1/models", timeout=5).status_code == 200  # no key set: open
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+        elapsed = time.monotonic() - start
+    print(f"\nSIGINT-to-exit: {elapsed:.2f} s")
+    assert elapsed < 2
 
 
 def test_killed_server_raises_quickly(server, prompts):
