@@ -75,7 +75,15 @@ class WeightReceiver:
     def init(self, host: str, port: int, token: str, timeout_s: float) -> None:
         """Join in a background thread (the trainer's store waits for us, and we for it)."""
         self._token = token
-        self._run(lambda: setattr(self, "_group", _open_group(host, port, 1, timeout_s)), "init")
+
+        def join() -> None:
+            try:
+                self._group = _open_group(host, port, 1, timeout_s)
+            except Exception:
+                self._token = None  # a failed join frees the server for the next trainer
+                raise
+
+        self._run(join, "init")
 
     def update(self, version: int, params: list[tuple[str, str, list[int]]], on_done: Callable[[int], None]) -> None:
         names = dict(self.model.named_parameters())
