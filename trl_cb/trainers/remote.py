@@ -31,6 +31,17 @@ class RemoteRolloutsMixin:
                 "rollout_server_urls supports single-process training for now (got "
                 f"{self.accelerator.num_processes} processes); multi-process trainers are not built yet."
             )
+        config = self.generation_config
+        unsent = {  # settings the HTTP API does not carry yet: refused rather than silently dropped
+            "repetition_penalty": config.repetition_penalty not in (None, 1.0),
+            "min_p": config.min_p is not None,
+            "min_new_tokens": bool(config.min_new_tokens),
+        }
+        if any(unsent.values()):
+            raise ValueError(
+                f"rollout_server_urls cannot apply {[name for name, on in unsent.items() if on]} yet (the server "
+                "samples with temperature, top_p and top_k only); unset them or generate in-process."
+            )
         timeout = args.cb_generation_timeout or 300.0
         self._cb_client = RolloutClient(args.rollout_server_urls, api_key=args.rollout_server_api_key, timeout=timeout)
         self._cb_senders = [

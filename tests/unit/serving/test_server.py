@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.unit.rollouts.test_generator import teacher_forced_logprobs
 from tests.unit.trainers.test_trainers import make_trainer
+from trl_cb import GRPOConfig
 from trl_cb.errors import RolloutServerError
 from trl_cb.offline.tiny import tiny_model
 from trl_cb.serving.client import RolloutClient
@@ -171,12 +172,13 @@ def test_logprobs_match_teacher_forcing_then_weight_sync(server, local_model, pr
     sender.close()
 
 
-def test_grpo_trains_on_server_rollouts(server, tokenizer, tmp_path):
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_trainer_trains_on_server_rollouts(server, tokenizer, tmp_path, kind):
     _, url = server
-    trainer = make_trainer("grpo", tokenizer, tmp_path, rollout_server_urls=[url], rollout_server_api_key=KEY)
+    trainer = make_trainer(kind, tokenizer, tmp_path, rollout_server_urls=[url], rollout_server_api_key=KEY)
     start = time.monotonic()
     trainer.train()
-    print(f"\n2-step GRPO on the server: {time.monotonic() - start:.1f} s")
+    print(f"\n2-step {kind} on the server: {time.monotonic() - start:.1f} s")
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == 2 and trainer._cb_generator is None, "no local engine on the server path"
     assert trainer._cb_weight_version == 2, "one push per step"
@@ -186,6 +188,42 @@ def test_grpo_trains_on_server_rollouts(server, tokenizer, tmp_path):
     gaps = [entry["sampling/sampling_logp_difference/max"] for entry in logs]
     print(f"trainer vs server logprob max|d| per step: {gaps}")
     assert max(gaps) < 1e-4
+
+
+def test_settings_the_api_does_not_carry_are_refused(server, tokenizer, tmp_path):
+    _, url = server
+    trainer = make_trainer("grpo", tokenizer, tmp_path, rollout_server_urls=[url], repetition_penalty=1.2)
+    with pytest.raises(ValueError, match=r"cannot apply \[.repetition_penalty.\]"):
+        trainer.train()
+
+
+def test_weight_update_with_unknown_names_is_refused(server, local_model):
+    _, url = server
+    sender = WeightSender(url, api_key=KEY, timeout=30)
+    sender.init()
+    body = {"token": sender._token, "version": 9, "params": [["no.such.weight", "torch.float32", [2]]]}
+    response = requests.post(url + "/weights/update", json=body, headers=AUTH, timeout=5)
+    assert response.status_code == 400 and "no.such.weight" in response.text
+    sender.close()
+
+
+def test_request_errors_are_not_resubmitted(server):
+    _, url = server
+    client = RolloutClient([url], api_key=KEY, timeout=10)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        client.generate([[5, 10**7]], 1, max_tokens=4)
+
+
+def test_config_refuses_async_with_servers(tmp_path):
+    with pytest.raises(ValueError, match="async_generation"):
+        GRPOConfig(
+            output_dir=str(tmp_path),
+            use_cpu=True,
+            report_to=[],
+            use_transformers_continuous_batching=True,
+            rollout_server_urls=["http://127.0.0.1:1"],
+            async_generation=True,
+        )
 
 
 def test_dead_replica_is_skipped(server, prompts):
