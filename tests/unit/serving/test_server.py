@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -224,6 +225,20 @@ def test_config_refuses_async_with_servers(tmp_path):
             rollout_server_urls=["http://127.0.0.1:1"],
             async_generation=True,
         )
+
+
+def test_hung_replica_times_out(prompts):
+    with socket.socket() as listener:  # accepts connections (backlog), never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        client = RolloutClient([url], timeout=1.0)
+        start = time.monotonic()
+        with pytest.raises(RolloutServerError, match="Timeout"):
+            client.generate(prompts[:1], 1, max_tokens=4)
+        elapsed = time.monotonic() - start
+    print(f"\nhung-replica-to-error: {elapsed:.2f} s")
+    assert elapsed < 3
 
 
 def test_dead_replica_is_skipped(server, prompts):
