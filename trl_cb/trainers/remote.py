@@ -8,12 +8,14 @@ the same engine, so the sampler-side logprobs feed the IS correction exactly as 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..rollouts.model_access import plain_module
-from ..serving.client import RolloutClient
-from ..serving.weight_sync import WeightSender
 from . import trl_internals
+
+if TYPE_CHECKING:  # the serving modules need the `serve` extra (requests): imported when servers are used
+    from ..serving.client import RolloutClient
+    from ..serving.weight_sync import WeightSender
 
 
 class RemoteRolloutsMixin:
@@ -42,6 +44,9 @@ class RemoteRolloutsMixin:
                 f"rollout_server_urls cannot apply {[name for name, on in unsent.items() if on]} yet (the server "
                 "samples with temperature, top_p and top_k only); unset them or generate in-process."
             )
+        from ..serving.client import RolloutClient
+        from ..serving.weight_sync import WeightSender
+
         timeout = args.cb_generation_timeout or 300.0
         self._cb_client = RolloutClient(args.rollout_server_urls, api_key=args.rollout_server_api_key, timeout=timeout)
         self._cb_senders = [
