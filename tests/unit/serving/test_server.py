@@ -32,6 +32,15 @@ KEY = "test-key-123"
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The server runs on one thread; so does this process (2-core machines: leave a core to the server)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tokenizer) -> str:
     directory = tmp_path_factory.mktemp("ckpt")
