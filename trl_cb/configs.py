@@ -153,6 +153,18 @@ class ContinuousBatchingArguments:
         default=False,
         metadata={"help": "Async: keep (and IS-correct) groups older than max_staleness instead of dropping them."},
     )
+    rollout_server_urls: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Generate on `trl-cb serve` replicas at these URLs instead of in-process (prompts split across "
+            "them, a dead replica's prompts resubmitted to the others; weights pushed before each step's first "
+            "round). Sync mode, single process for now; see docs/server.md."
+        },
+    )
+    rollout_server_api_key: str | None = field(
+        default=None,
+        metadata={"help": "The servers' `--api-key`, sent as 'Authorization: Bearer KEY'."},
+    )
 
     # Deprecated parameters
     use_transformers_paged: bool = field(
@@ -210,6 +222,16 @@ class ContinuousBatchingArguments:
                     "cb_importance_sampling_correction=True."
                 )
             validate_async_bounds(self.max_staleness, self.prefetch_depth)
+        if self.rollout_server_urls:
+            if isinstance(self.rollout_server_urls, str):
+                self.rollout_server_urls = [url for url in self.rollout_server_urls.split(",") if url]
+            if not self.use_transformers_continuous_batching:
+                raise ValueError("rollout_server_urls needs use_transformers_continuous_batching=True.")
+            if self.async_generation:
+                raise ValueError(
+                    "rollout_server_urls with async_generation is not built yet; use sync mode "
+                    "(async_generation=False)."
+                )
         if self.use_transformers_continuous_batching and getattr(self, "use_vllm", False):
             raise ValueError(
                 "use_transformers_continuous_batching and use_vllm are mutually exclusive; enable one of them."

@@ -15,3 +15,8 @@ class GenerationError(RuntimeError):
 
 class EngineDiedError(RuntimeError):
     """The CB engine's background thread stopped (or refused work) while requests were outstanding."""
+
+
+class RolloutServerError(RuntimeError):
+    """No rollout server could serve a request: every replica failed (connection error, timeout, 5xx) or sent a
+    completion the client cannot accept. The message names each URL and why it failed."""

@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trl_cb.engine",),
     ("trl_cb.checks",),
     ("trl_cb.rollouts",),
+    ("trl_cb.serving",),
     ("trl_cb.configs", "trl_cb.trainers"),
     ("trl_cb.cli",),
     ("trl_cb",),

@@ -1,4 +1,4 @@
-"""`trl-cb grpo | rloo | check-model`: TRL's training command line, training with trl_cb's trainers.
+"""`trl-cb grpo | rloo | check-model | serve`: TRL's training command line, training with trl_cb's trainers.
 
 Built from TRL's own pieces (`TrlParser`, `trl grpo` / `trl rloo`'s script arguments, `ModelConfig`,
 `DatasetMixtureConfig`) with trl_cb's configs, so TRL's flags and recipes work and every trl_cb field is a flag too;
@@ -345,10 +345,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="TRL's GRPO/RLOO command line with trl_cb's continuous-batching rollouts.",
         allow_abbrev=False,
     )
-    sub = parser.add_subparsers(dest="command", metavar="{grpo,rloo,check-model}")
+    sub = parser.add_subparsers(dest="command", metavar="{grpo,rloo,check-model,serve}")
     for name in ALGORITHMS:
         sub.add_parser(name, help=f"train with {name.upper()} (`trl-cb {name} --help`)", add_help=False)
     sub.add_parser("check-model", help="check that a model samples correctly through CB", add_help=False)
+    sub.add_parser("serve", help="run a rollout server (`trl-cb serve --help`, docs/server.md)", add_help=False)
     args, _ = parser.parse_known_args(argv[:1])
     if args.command is None:
         parser.print_help()
@@ -356,6 +357,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rest = argv[1:]
     if args.command == "check-model":
         return run_check_model(rest)
+    if args.command == "serve":
+        from .serve import main as serve_main
+
+        return serve_main(rest)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("trl_cb").setLevel(logging.INFO)
     return run_training(args.command, rest)

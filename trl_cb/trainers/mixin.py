@@ -22,12 +22,13 @@ from ..rollouts.model_access import plain_module
 from . import trl_internals
 from .async_bridge import ASYNC_STATE_FILE, AsyncRolloutsMixin
 from .is_correction import IS_METRIC_NAMES, ImportanceSamplingMixin
+from .remote import RemoteRolloutsMixin
 from .upstream_warnings import quiet_trl_gradient_checkpointing
 
 __all__ = ["ASYNC_STATE_FILE", "IS_METRIC_NAMES", "ContinuousBatchingTrainerMixin", "GRPOTrainer", "RLOOTrainer"]
 
 
-class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin):
+class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin, RemoteRolloutsMixin):
     """Everything GRPO and RLOO share on the CB path: refusals at construction, the persistent generator, one
     generation round per step, and the engine's lifecycle; async rollouts and the IS correction come from the two
     mixins it combines."""
@@ -125,6 +126,8 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
         computes, so the IS weight compares like with like) for TRL's prompt list (each prompt repeated per sample)."""
         if self._cb_async_groups is not None:
             return self._cb_async_completions(prompt_ids)
+        if self.args.rollout_server_urls:  # rollouts from `trl-cb serve` replicas (trainers/remote.py)
+            return self._cb_remote_generate(prompt_ids)
         generator = self._cb_get_generator()
         with trl_internals.profiling_context(self, "trl_cb.generate"):
             result = generator.generate(prompt_ids, num_generations=1)
@@ -135,6 +138,7 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
         """Stop async rollouts and the generator (hard stop: nothing in flight is generated); interrupt-safe."""
         with guards.deferred_interrupts():
             self._cb_async_stop()
+            self._cb_remote_close()
             generator = self._cb_generator
             if generator is not None:
                 generator.close()

@@ -244,7 +244,7 @@ def test_check_model_dispatch(monkeypatch, capsys):
 
 
 def test_top_level_command(capsys):
-    assert cli.main([]) == 0 and "{grpo,rloo,check-model}" in capsys.readouterr().out
+    assert cli.main([]) == 0 and "{grpo,rloo,check-model,serve}" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:
         cli.main(["ppo"])
     assert exc.value.code == 2 and "invalid choice: 'ppo'" in capsys.readouterr().err
@@ -264,3 +264,9 @@ def test_shipped_gsm8k_dataset_name_is_offline_and_chat_formatted():
     assert (len(data["train"]), len(data["test"])) == (1191, 128)
     assert data["train"][0]["prompt"][0]["role"] == "user"
     assert not {r["prompt"][0]["content"] for r in data["test"]} & {r["prompt"][0]["content"] for r in data["train"]}
+
+
+def test_serve_dispatch(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "--help"])
+    assert info.value.code == 0 and "--api-key" in capsys.readouterr().out

@@ -1,0 +1,283 @@
+"""The rollout server as a real process on loopback: API, exact logprobs, weight sync, bad requests, auth, failover.
+
+One server (tiny std-0.2 model, fp32, one thread) serves the whole module; tests run in file order and the last one
+kills it. Every process started here is stopped in the fixture's `finally`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.unit.rollouts.test_generator import teacher_forced_logprobs
+from tests.unit.trainers.test_trainers import make_trainer
+from trl_cb import GRPOConfig
+from trl_cb.errors import RolloutServerError
+from trl_cb.offline.tiny import tiny_model
+from trl_cb.serving.client import RolloutClient
+from trl_cb.serving.weight_sync import WeightSender, free_port
+
+KEY = "test-key-123"
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The server runs on one thread; so does this process (2-core machines: leave a core to the server)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tokenizer) -> str:
+    directory = tmp_path_factory.mktemp("ckpt")
+    tiny_model(tokenizer, eos_logit_bias=4.0, init_std=0.2).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+@contextlib.contextmanager
+def running_server(checkpoint: str, *extra: str):
+    """A `trl-cb serve` process on a free loopback port, up and healthy; killed on exit, also on failure."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "trl_cb.cli", "serve", "--model", checkpoint, "--port", str(port)]
+    proc = subprocess.Popen([*command, "--threads", "1", *extra], env=env, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, "server exited during startup"
+            try:
+                if requests.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                time.sleep(0.2)
+        else:
+            pytest.fail("server did not come up within 60 s")
+        yield proc, url
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    with running_server(checkpoint, "--api-key", KEY) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def local_model(checkpoint):
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+def perturbed(model: torch.nn.Module) -> torch.nn.Module:
+    copy = type(model)(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        for param in copy.parameters():
+            param.add_(torch.randn_like(param) * 0.1)
+    return copy
+
+
+def max_gap(model, prompts, result, n) -> float:
+    gaps = []
+    for i, (ids, logprobs) in enumerate(zip(result.completion_ids, result.logprobs)):
+        ref = teacher_forced_logprobs(model, prompts[i // n], ids, 1.0, 0, 1.0)
+        gaps.append((ref - torch.tensor(logprobs)).abs().max().item())
+    return max(gaps)
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def test_health_models_metrics(server):
+    _, url = server
+    assert requests.get(url + "/health", timeout=5).json() == {"status": "ok"}
+    card = requests.get(url + "/v1/models", headers=AUTH, timeout=5).json()["data"][0]
+    assert card["weight_version"] == 0
+    metrics = requests.get(url + "/metrics", headers=AUTH, timeout=5).json()
+    assert {"requests_served", "tokens_generated", "weight_version"} <= set(metrics)
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
+def test_api_key_required(server, headers):
+    _, url = server
+    for path in ("/v1/models", "/metrics"):
+        assert requests.get(url + path, headers=headers, timeout=5).status_code == 401
+    body = {"prompt": [[5, 6]], "max_tokens": 2}
+    assert requests.post(url + "/v1/completions", json=body, headers=headers, timeout=5).status_code == 401
+    assert requests.post(url + "/weights/update", json={}, headers=headers, timeout=5).status_code == 401
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "reason"),
+    [
+        ({"prompt": [[5, 6]]}, 422, "max_tokens"),
+        ({"prompt": "hello", "max_tokens": 4}, 422, "prompt"),
+        ({"prompt": [[5, 6]], "max_tokens": 10**6}, 422, "max_tokens"),
+        ({"prompt": [[5, 6]] * 5000, "max_tokens": 4}, 422, "prompt"),
+        ({"prompt": [[5, 10**7]], "max_tokens": 4}, 400, "outside the vocabulary"),
+        ({"prompt": [[]], "max_tokens": 4}, 400, "empty"),
+        ({"prompt": [[5, 6]], "max_tokens": 4, "n": 0}, 422, "n"),
+    ],
+)
+def test_bad_requests_are_refused_and_server_stays_healthy(server, body, status, reason):
+    _, url = server
+    response = requests.post(url + "/v1/completions", json=body, headers=AUTH, timeout=10)
+    assert response.status_code == status
+    assert reason in response.text
+    assert requests.get(url + "/health", timeout=5).status_code == 200
+
+
+def test_weight_update_needs_the_init_token(server):
+    _, url = server
+    body = {"token": "not-the-token", "version": 1, "params": []}
+    assert requests.post(url + "/weights/update", json=body, headers=AUTH, timeout=5).status_code == 403
+
+
+def test_logprobs_match_teacher_forcing_then_weight_sync(server, local_model, prompts):
+    _, url = server
+    client = RolloutClient([url], api_key=KEY, timeout=60)
+    n, short = 2, prompts[:3]
+    result = client.generate(short, n, max_tokens=16)
+    assert len(result.completion_ids) == len(short) * n and result.weight_versions == [0] * len(short) * n
+    assert result.policy_logprobs == result.logprobs  # nothing but temperature 1 shapes the distribution
+    gap = max_gap(local_model, short, result, n)
+    new_model = perturbed(local_model)
+    control = max_gap(new_model, short, result, n)
+    print(f"\nserver vs teacher-forced max|d|={gap:.2e}; perturbed control {control:.3f}")
+    assert gap <= 1e-4 and control > 0.05
+
+    sender = WeightSender(url, api_key=KEY, timeout=30)
+    start = time.monotonic()
+    sender.push(new_model, 1)
+    print(f"push (init + broadcast + apply): {time.monotonic() - start:.2f} s")
+    assert requests.get(url + "/v1/models", headers=AUTH, timeout=5).json()["data"][0]["weight_version"] == 1
+    with pytest.raises(RolloutServerError, match="never pushed"):  # the client was not told about version 1
+        client.generate(short, n, max_tokens=16)
+    client.known_versions |= sender.pushed_versions
+    result = client.generate(short, n, max_tokens=16)
+    assert result.weight_versions == [1] * len(short) * n
+    gap, control = max_gap(new_model, short, result, n), max_gap(local_model, short, result, n)
+    print(f"after push: max|d|={gap:.2e}; old-weights control {control:.3f}")
+    assert gap <= 1e-4 and control > 0.05
+    metrics = requests.get(url + "/metrics", headers=AUTH, timeout=5).json()
+    assert metrics["weight_version"] == 1 and metrics["requests_served"] >= 2 and metrics["tokens_generated"] > 0
+    sender.close()
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_trainer_trains_on_server_rollouts(server, tokenizer, tmp_path, kind):
+    _, url = server
+    trainer = make_trainer(kind, tokenizer, tmp_path, rollout_server_urls=[url], rollout_server_api_key=KEY)
+    start = time.monotonic()
+    trainer.train()
+    print(f"\n2-step {kind} on the server: {time.monotonic() - start:.1f} s")
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 2 and trainer._cb_generator is None, "no local engine on the server path"
+    assert trainer._cb_weight_version == 2, "one push per step"
+    metrics = requests.get(url + "/metrics", headers=AUTH, timeout=5).json()
+    assert metrics["weight_version"] == 2
+    # The trainer's own logprobs of the server's samples: equal up to batching noise only if the weights synced.
+    gaps = [entry["sampling/sampling_logp_difference/max"] for entry in logs]
+    print(f"trainer vs server logprob max|d| per step: {gaps}")
+    assert max(gaps) < 1e-4
+
+
+def test_settings_the_api_does_not_carry_are_refused(server, tokenizer, tmp_path):
+    _, url = server
+    trainer = make_trainer("grpo", tokenizer, tmp_path, rollout_server_urls=[url], repetition_penalty=1.2)
+    with pytest.raises(ValueError, match=r"cannot apply \[.repetition_penalty.\]"):
+        trainer.train()
+
+
+def test_weight_update_with_unknown_names_is_refused(server, local_model):
+    _, url = server
+    sender = WeightSender(url, api_key=KEY, timeout=30)
+    sender.init()
+    body = {"token": sender._token, "version": 9, "params": [["no.such.weight", "torch.float32", [2]]]}
+    response = requests.post(url + "/weights/update", json=body, headers=AUTH, timeout=5)
+    assert response.status_code == 400 and "no.such.weight" in response.text
+    sender.close()
+
+
+def test_request_errors_are_not_resubmitted(server):
+    _, url = server
+    client = RolloutClient([url], api_key=KEY, timeout=10)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        client.generate([[5, 10**7]], 1, max_tokens=4)
+
+
+def test_config_refuses_async_with_servers(tmp_path):
+    with pytest.raises(ValueError, match="async_generation"):
+        GRPOConfig(
+            output_dir=str(tmp_path),
+            use_cpu=True,
+            report_to=[],
+            use_transformers_continuous_batching=True,
+            rollout_server_urls=["http://127.0.0.1:1"],
+            async_generation=True,
+        )
+
+
+def test_hung_replica_times_out(prompts):
+    with socket.socket() as listener:  # accepts connections (backlog), never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        client = RolloutClient([url], timeout=1.0)
+        start = time.monotonic()
+        with pytest.raises(RolloutServerError, match="Timeout"):
+            client.generate(prompts[:1], 1, max_tokens=4)
+        elapsed = time.monotonic() - start
+    print(f"\nhung-replica-to-error: {elapsed:.2f} s")
+    assert elapsed < 3
+
+
+def test_dead_replica_is_skipped(server, prompts):
+    _, url = server
+    dead = f"http://127.0.0.1:{free_port()}"
+    client = RolloutClient([dead, url], api_key=KEY, timeout=10)
+    client.known_versions |= {1, 2}
+    result = client.generate(prompts[:4], 2, max_tokens=8)
+    assert len(result.completion_ids) == 8 and all(result.completion_ids)
+
+
+def test_ctrl_c_stops_the_server_within_2_s(checkpoint):
+    with running_server(checkpoint) as (proc, url):
+        assert requests.get(url + "/v1/models", timeout=5).status_code == 200  # no key set: open
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+        elapsed = time.monotonic() - start
+    print(f"\nSIGINT-to-exit: {elapsed:.2f} s")
+    assert elapsed < 2
+
+
+def test_killed_server_raises_quickly(server, prompts):
+    proc, url = server
+    proc.kill()
+    proc.wait(timeout=10)
+    client = RolloutClient([url, f"http://127.0.0.1:{free_port()}"], api_key=KEY, timeout=5)
+    start = time.monotonic()
+    with pytest.raises(RolloutServerError) as info:
+        client.generate(prompts[:2], 2, max_tokens=8)
+    elapsed = time.monotonic() - start
+    print(f"\nkill-to-error: {elapsed:.2f} s")
+    assert url in str(info.value) and elapsed < 5

@@ -1,0 +1,185 @@
+"""Weight sync between one trainer (rank 0) and one rollout server (rank 1) over a gloo group of their own.
+
+The group is built from its own `TCPStore` (the trainer is the store's master) and never touches
+`torch.distributed`'s default group, so it lives beside the trainer's accelerate group. Protocol (docs/server.md):
+the trainer POSTs `/weights/init` (the server joins in a thread), opens its side; per update it POSTs
+`/weights/update` with the parameter list, broadcasts each parameter in that order, and waits until the server reports
+the new version. The server receives every tensor first and copies them into its model under the generation lock, so
+no forward ever sees half-updated weights. Only the holder of the init `token` may update or close the group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import requests
+import torch
+import torch.distributed as dist
+
+from ..errors import RolloutServerError
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS's choice)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _open_group(host: str, port: int, rank: int, timeout_s: float) -> tuple[dist.TCPStore, dist.ProcessGroup]:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timeout)
+    return store, dist.ProcessGroupGloo(store, rank, 2, timeout)
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+class WeightReceiver:
+    """Server side: one trainer's group at a time; `apply` copies received tensors into the model (under a lock)."""
+
+    def __init__(self, model: torch.nn.Module, apply_lock: threading.Lock) -> None:
+        self.model = model
+        self.apply_lock = apply_lock
+        self.version = 0
+        self.last_error: str | None = None
+        self._token: str | None = None
+        self._group: tuple[dist.TCPStore, dist.ProcessGroup] | None = None
+        self._busy = threading.Lock()  # one init / update at a time
+
+    def owns(self, token: str) -> bool:
+        return self._token is not None and secrets.compare_digest(self._token, token)
+
+    @property
+    def is_open(self) -> bool:
+        return self._token is not None
+
+    def init(self, host: str, port: int, token: str, timeout_s: float) -> None:
+        """Join in a background thread (the trainer's store waits for us, and we for it)."""
+        self._token = token
+
+        def join() -> None:
+            try:
+                self._group = _open_group(host, port, 1, timeout_s)
+            except Exception:
+                self._token = None  # a failed join frees the server for the next trainer
+                raise
+
+        self._run(join, "init")
+
+    def update(self, version: int, params: list[tuple[str, str, list[int]]], on_done: Callable[[int], None]) -> None:
+        names = dict(self.model.named_parameters())
+        unknown = [name for name, _, _ in params if name not in names]
+        if unknown:
+            raise ValueError(f"unknown parameter names: {unknown[:5]}")
+        for name, dtype, shape in params:
+            if list(names[name].shape) != list(shape):
+                raise ValueError(f"{name}: shape {shape} differs from the server's {list(names[name].shape)}")
+            _dtype(dtype)
+        self.last_error = None
+
+        def receive() -> None:
+            if self._group is None:
+                raise RuntimeError("weight-sync group is not open (POST /weights/init first)")
+            received = []
+            for name, dtype, shape in params:
+                buffer = torch.empty(shape, dtype=_dtype(dtype))
+                _broadcast(self._group[1], buffer)
+                received.append((names[name], buffer))
+            with self.apply_lock, torch.no_grad():  # no engine forward runs while weights are half-copied
+                for param, buffer in received:
+                    param.data.copy_(buffer.to(param.device, param.dtype))
+                self.version = version
+            on_done(version)
+
+        self._run(receive, f"update to version {version}")
+
+    def close(self) -> None:
+        with self._busy:
+            self._group, self._token = None, None
+
+    def _run(self, work: Callable[[], None], what: str) -> None:
+        def target() -> None:
+            with self._busy:
+                try:
+                    work()
+                    self.last_error = None
+                except Exception as exc:  # reported through /metrics and to the waiting trainer
+                    logger.exception("weight sync %s failed", what)
+                    self.last_error = f"{what}: {exc}"
+
+        threading.Thread(target=target, name=f"trl_cb-weights-{what}", daemon=True).start()
+
+
+class WeightSender:
+    """Trainer side of one server's weight-sync group: `init`, then `push(model, version)` per update, `close`.
+
+    `pushed_versions` holds every version this sender made the server serve (0: the server's initial weights).
+    """
+
+    def __init__(self, url: str, api_key: str | None = None, host: str = "127.0.0.1", timeout: float = 60.0) -> None:
+        self.url = url.rstrip("/")
+        self.host = host
+        self.timeout = timeout
+        self.pushed_versions: set[int] = {0}
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._token = secrets.token_hex(16)
+        self._group: tuple[dist.TCPStore, dist.ProcessGroup] | None = None
+
+    def _post(self, path: str, body: dict) -> dict:
+        try:
+            response = requests.post(self.url + path, json=body, headers=self._headers, timeout=self.timeout)
+        except requests.RequestException as exc:
+            raise RolloutServerError(f"{self.url}{path}: {exc}") from exc
+        if response.status_code != 200:
+            raise RolloutServerError(f"{self.url}{path}: HTTP {response.status_code} {response.text[:500]}")
+        return response.json()
+
+    def init(self) -> None:
+        port = free_port(self.host)
+        self._post("/weights/init", {"host": self.host, "port": port, "token": self._token, "timeout_s": self.timeout})
+        self._group = _open_group(self.host, port, 0, self.timeout)
+
+    def push(self, model: torch.nn.Module, version: int) -> None:
+        """Broadcast every parameter of `model` and wait until the server serves `version`."""
+        if self._group is None:
+            self.init()
+        params = [(name, p) for name, p in model.named_parameters()]
+        spec = [[name, str(p.dtype), list(p.shape)] for name, p in params]
+        self._post("/weights/update", {"token": self._token, "version": version, "params": spec})
+        with torch.no_grad():
+            for _, param in params:
+                _broadcast(self._group[1], param.detach().to("cpu").contiguous())
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            state = requests.get(self.url + "/metrics", headers=self._headers, timeout=self.timeout).json()
+            if state["weight_version"] == version:
+                self.pushed_versions.add(version)
+                return
+            if state.get("weight_sync_error"):
+                raise RolloutServerError(f"{self.url}: weight update failed: {state['weight_sync_error']}")
+            time.sleep(0.01)
+        raise RolloutServerError(f"{self.url}: weight version {version} not applied within {self.timeout} s")
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group = None
+            self._post("/weights/close", {"token": self._token})
