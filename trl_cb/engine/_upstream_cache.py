@@ -88,8 +88,8 @@ def install_read_index_rows(manager: ContinuousBatchingManager) -> None:
     reads; right after, each full-attention group's rows are written where the engine keeps them."""
     processor = manager.batch_processor
     ios = processor.inputs_and_outputs
-    groups = [(i, a) for i, a in enumerate(processor.cache.cache_allocators.values())]
-    groups = [(i, a) for i, a in groups if type(a) is FullAttentionCacheAllocator]
+    allocators = enumerate(processor.cache.cache_allocators.values())
+    groups = [(i, a) for i, a in allocators if type(a) is FullAttentionCacheAllocator]
     if not groups or ios.read_index_storage.device.type != "cpu":
         return
     prepare = ios.prepare_batch_tensors

@@ -1,10 +1,13 @@
 """Request and response bodies of the rollout server's HTTP API (docs/server.md), and the limits it enforces.
 
 A request outside the limits is refused with HTTP 422 naming the field and the limit, before anything reaches the
-engine; token ids are checked against the model's vocabulary by the server (`check_token_ids`), which answers 400.
+engine; the prompts' content (empty, ids outside the vocabulary, past the model's positions) is checked by the server
+with `checks.inputs.validate_prompts`, the rule every trl_cb generation applies, which answers 400.
 """
 
 from __future__ import annotations
+
+from typing import Annotated
 
 from pydantic import BaseModel, Field
 
@@ -16,13 +19,15 @@ MAX_N = 64
 MAX_TOKENS = 8192
 #: Longest prompt, in tokens.
 MAX_PROMPT_TOKENS = 32768
+#: One token-id prompt, at most `MAX_PROMPT_TOKENS` long.
+PromptIds = Annotated[list[int], Field(max_length=MAX_PROMPT_TOKENS)]
 
 
 class CompletionRequest(BaseModel):
     """OpenAI `/v1/completions` for token-id prompts; `n` samples per prompt, each sampled with trl_cb's engine."""
 
     model: str | None = None
-    prompt: list[list[int]] = Field(min_length=1, max_length=MAX_PROMPTS)
+    prompt: list[PromptIds] = Field(min_length=1, max_length=MAX_PROMPTS)
     n: int = Field(default=1, ge=1, le=MAX_N)
     max_tokens: int = Field(ge=1, le=MAX_TOKENS)
     temperature: float = Field(default=1.0, gt=0.0)
@@ -71,16 +76,3 @@ class WeightsUpdate(BaseModel):
 
 class WeightsClose(BaseModel):
     token: str
-
-
-def check_token_ids(prompts: list[list[int]], vocab_size: int) -> str | None:
-    """The reason a prompt cannot be served (empty, too long, an id outside `[0, vocab_size)`), or `None`."""
-    for i, prompt in enumerate(prompts):
-        if not prompt:
-            return f"prompt[{i}] is empty"
-        if len(prompt) > MAX_PROMPT_TOKENS:
-            return f"prompt[{i}] has {len(prompt)} tokens, more than {MAX_PROMPT_TOKENS}"
-        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            return f"prompt[{i}] holds token id {bad}, outside the vocabulary [0, {vocab_size})"
-    return None

@@ -19,6 +19,7 @@ import torch
 from fastapi import Depends, FastAPI, HTTPException, Request
 from transformers import GenerationConfig
 
+from ..checks.inputs import validate_prompts
 from ..rollouts.generator import ContinuousBatchingGenerator
 from .protocol import (
     Choice,
@@ -27,7 +28,6 @@ from .protocol import (
     WeightsClose,
     WeightsInit,
     WeightsUpdate,
-    check_token_ids,
 )
 from .weight_sync import WeightReceiver
 
@@ -61,7 +61,6 @@ def create_app(
     generator = ContinuousBatchingGenerator(
         model, GenerationConfig(do_sample=True, max_new_tokens=16, **defaults), continuous_batching_config
     )
-    vocab_size = int(model.config.vocab_size)
     lock = threading.Lock()
     state = _State()
     weights = WeightReceiver(model, lock)
@@ -102,10 +101,11 @@ def create_app(
 
     @app.post("/v1/completions", dependencies=guarded)
     def completions(body: CompletionRequest) -> CompletionResponse:
-        reason = check_token_ids(body.prompt, vocab_size)
-        if reason is not None:
+        try:  # before waiting for the lock: a bad request is refused at once
+            validate_prompts(body.prompt, model, body.max_tokens, continuous_batching_config or {})
+        except ValueError as exc:
             state.requests_rejected += 1
-            raise HTTPException(status_code=400, detail=reason)
+            raise HTTPException(status_code=400, detail=str(exc)) from exc
         config = GenerationConfig(
             do_sample=True,
             max_new_tokens=body.max_tokens,

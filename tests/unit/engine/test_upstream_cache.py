@@ -16,7 +16,7 @@ from transformers.generation.continuous_batching.cache_allocators.full_attention
 
 from tests.conftest import sampling_config
 from trl_cb import ContinuousBatchingGenerator
-from trl_cb.engine import _upstream_cache, debug
+from trl_cb.engine import _upstream_cache, debug, openmp
 
 
 def _generate(model, tokenizer, prompts, **config: object):
@@ -79,8 +79,6 @@ def test_packed_copy_path_gives_identical_rollouts(sharp_model, tokenizer, promp
 
 @pytest.mark.parametrize(("tokens", "hidden", "expected"), [(32, 64, 1), (16, 2048, 1), (800, 64, 1), (800, 256, 2)])
 def test_step_threads_policy(tokens, hidden, expected):
-    from trl_cb.engine import openmp
-
     assert openmp.step_threads(tokens, hidden, 2) == expected
 
 
@@ -96,7 +94,8 @@ def test_engine_steps_set_threads_on_the_engine_thread_only(model, tokenizer, pr
         if threading.current_thread() is threading.main_thread():
             return  # model checks and warm-up forwards run on the caller's thread
         tokens = kwargs["input_ids"].shape[-1]
-        seen["decode" if tokens * model.config.hidden_size < 65_536 else "prefill"].add(torch.get_num_threads())
+        small = tokens * model.config.hidden_size < openmp.SINGLE_THREAD_STEP_WORK
+        seen["decode" if small else "prefill"].add(torch.get_num_threads())
 
     handle = model.register_forward_pre_hook(record, with_kwargs=True)
     long_prompts = [(p * 40)[:1100] for p in prompts[:2]]  # 1100 tokens x 64 wide: above the one-thread threshold

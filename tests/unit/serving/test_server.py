@@ -132,7 +132,8 @@ def test_api_key_required(server, headers):
         ({"prompt": "hello", "max_tokens": 4}, 422, "prompt"),
         ({"prompt": [[5, 6]], "max_tokens": 10**6}, 422, "max_tokens"),
         ({"prompt": [[5, 6]] * 5000, "max_tokens": 4}, 422, "prompt"),
-        ({"prompt": [[5, 10**7]], "max_tokens": 4}, 400, "outside the vocabulary"),
+        ({"prompt": [[5] * 40_000], "max_tokens": 4}, 422, "prompt"),
+        ({"prompt": [[5, 10**7]], "max_tokens": 4}, 400, "outside the model's vocabulary"),
         ({"prompt": [[]], "max_tokens": 4}, 400, "empty"),
         ({"prompt": [[5, 6]], "max_tokens": 4, "n": 0}, 422, "n"),
     ],
@@ -220,7 +221,7 @@ def test_weight_update_with_unknown_names_is_refused(server, local_model):
 def test_request_errors_are_not_resubmitted(server):
     _, url = server
     client = RolloutClient([url], api_key=KEY, timeout=10)
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(ValueError, match="outside the model.s vocabulary"):
         client.generate([[5, 10**7]], 1, max_tokens=4)
 
 
