@@ -1,6 +1,7 @@
 """`trl-cb serve`: run a rollout server (docs/server.md) on uvicorn. Thin: parsing and loading only; the app is
-`trl_cb.serving.server.create_app`. Ctrl-C stops it within about a second (`timeout_graceful_shutdown=1`, then
-`os._exit`: interpreter teardown alone takes seconds)."""
+`trl_cb.serving.server.create_app`. Every option is checked while parsing (bad `--continuous_batching_config` JSON or
+keys: exit status 2 naming the option), before any model is loaded. Ctrl-C stops it within about a second
+(`timeout_graceful_shutdown=1`, then `os._exit`: interpreter teardown alone takes seconds)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,28 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+
+def continuous_batching_config(text: str) -> dict[str, Any]:
+    """`--continuous_batching_config`: a JSON object of `ContinuousBatchingConfig` kwargs, keys checked here so that a
+    typo fails in a second instead of after the model loaded."""
+    from ..checks.engine_config import validate_cb_kwargs  # imports transformers: not at `trl-cb --help` time
+
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from exc
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of ContinuousBatchingConfig kwargs, got {text!r}")
+    try:
+        validate_cb_kwargs(config)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,28 +43,40 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
-    parser.add_argument("--continuous_batching_config", default=None, help="ContinuousBatchingConfig kwargs as JSON")
+    parser.add_argument(
+        "--continuous_batching_config",
+        type=continuous_batching_config,
+        default=None,
+        help="ContinuousBatchingConfig kwargs as a JSON object, e.g. '{\"max_memory_percent\": 0.3}'",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def build_app(args: argparse.Namespace) -> FastAPI:
+    """Load `args.model` in `args.dtype` on `args.device` and wrap it in the server app (what `main` serves)."""
     import torch
-    import uvicorn
     from transformers import AutoModelForCausalLM
 
     from ..offline.names import is_tiny_model_name
     from ..offline.tiny import tiny_model_path
     from ..serving.server import create_app
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
     path = tiny_model_path(args.model) if is_tiny_model_name(args.model) else args.model
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
-    cb_config = json.loads(args.continuous_batching_config) if args.continuous_batching_config else None
-    app = create_app(model, model_name=args.model, api_key=args.api_key, continuous_batching_config=cb_config)
+    return create_app(
+        model, model_name=args.model, api_key=args.api_key, continuous_batching_config=args.continuous_batching_config
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    app = build_app(args)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=1)
     finally:

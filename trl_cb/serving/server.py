@@ -85,6 +85,7 @@ def create_app(
     @app.get("/v1/models", dependencies=guarded)
     def models() -> dict[str, Any]:
         card = {"id": model_name, "object": "model", "owned_by": "trl_cb", "weight_version": weights.version}
+        card["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics", dependencies=guarded)
@@ -96,6 +97,7 @@ def create_app(
             "weight_version": weights.version,
             "weight_sync_open": weights.is_open,
             "weight_sync_error": weights.last_error,
+            "weight_sync_dropped_owners": weights.dropped_owners,
             "uptime_s": time.time() - state.started,
         }
 
@@ -147,7 +149,8 @@ def create_app(
 
     @app.post("/weights/init", dependencies=guarded)
     def weights_init(body: WeightsInit) -> dict[str, str]:
-        if weights.is_open and not weights.owns(body.token):
+        # A trainer that died without closing its group (SIGKILL, OOM) is dropped here; a live one keeps it: 409.
+        if weights.is_open and not weights.owns(body.token) and not weights.release_if_owner_gone():
             raise HTTPException(status_code=409, detail="a weight-sync group is already open for another trainer")
         weights.init(body.host, body.port, body.token, body.timeout_s)
         return {"status": "joining"}

@@ -53,15 +53,30 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def _store_alive(store: dist.TCPStore, timeout_s: float) -> bool:
+    """Whether the trainer serving `store` (its master) answers within `timeout_s` (see `release_if_owner_gone`)."""
+    try:
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        store.check(["trl_cb/owner-probe"])
+        return True
+    except Exception as exc:  # DistNetworkError / DistStoreError: connection closed, reset, or timed out
+        logger.info("weight-sync owner probe failed: %s", (str(exc).splitlines() or [type(exc).__name__])[0])
+        return False
+
+
 class WeightReceiver:
     """Server side: one trainer's group at a time; `apply` copies received tensors into the model (under a lock)."""
 
-    def __init__(self, model: torch.nn.Module, apply_lock: threading.Lock) -> None:
+    def __init__(self, model: torch.nn.Module, apply_lock: threading.Lock, probe_timeout_s: float = 2.0) -> None:
         self.model = model
         self.apply_lock = apply_lock
         self.version = 0
         self.last_error: str | None = None
+        #: Groups dropped because their trainer was gone when another trainer asked to init (`/metrics`).
+        self.dropped_owners = 0
+        self.probe_timeout_s = probe_timeout_s
         self._token: str | None = None
+        self._address: tuple[str, int] | None = None  # the owner's TCPStore (for the log)
         self._group: tuple[dist.TCPStore, dist.ProcessGroup] | None = None
         self._busy = threading.Lock()  # one init / update at a time
 
@@ -73,17 +88,51 @@ class WeightReceiver:
         return self._token is not None
 
     def init(self, host: str, port: int, token: str, timeout_s: float) -> None:
-        """Join in a background thread (the trainer's store waits for us, and we for it)."""
-        self._token = token
+        """Join in a background thread (the trainer's store waits for us, and we for it).
+
+        Invariant: a join that finishes after its owner was replaced (dropped as gone, or closed) touches nothing:
+        it neither installs its group nor clears the newer owner's token.
+        """
+        self._token, self._address = token, (host, port)
 
         def join() -> None:
+            if self._token != token:  # replaced while waiting for `_busy`
+                return
             try:
-                self._group = _open_group(host, port, 1, timeout_s)
+                group = _open_group(host, port, 1, timeout_s)
             except Exception:
-                self._token = None  # a failed join frees the server for the next trainer
+                if self._token == token:  # a failed join frees the server for the next trainer
+                    self._token, self._address = None, None
                 raise
+            if self._token == token:
+                self._group = group
 
         self._run(join, "init")
+
+    def release_if_owner_gone(self) -> bool:
+        """Drop the open group if its trainer is gone; True when the server is now free for another trainer.
+
+        Why: a trainer killed without `/weights/close` would otherwise hold the server until a restart. The trainer
+        is the master of the group's `TCPStore`, served from a thread of its own process, so a live trainer answers
+        a store request even mid-step, while a dead one's connection was closed by its kernel (or times out, for a
+        host that vanished): a store `check` on the group's connection, bounded by `probe_timeout_s`, tells them
+        apart. A group still joining is never probed (`WeightSender` opens its store only after `/weights/init`
+        answers, so a refused connection then proves nothing): a join that fails frees the server after its
+        `timeout_s`. A live owner keeps the group (the caller answers 409).
+        """
+        token, group = self._token, self._group
+        if token is None:
+            return True
+        if group is None or _store_alive(group[0], self.probe_timeout_s):
+            return False
+        if self._token != token:  # closed or replaced meanwhile: nothing of that owner left to drop
+            return self._token is None
+        logger.warning(
+            "weight-sync owner at %s:%s is gone (its store is unreachable): dropping its group", *self._address
+        )
+        self._group, self._token, self._address = None, None, None
+        self.dropped_owners += 1
+        return True
 
     def update(self, version: int, params: list[tuple[str, str, list[int]]], on_done: Callable[[int], None]) -> None:
         names = dict(self.model.named_parameters())
@@ -114,7 +163,7 @@ class WeightReceiver:
 
     def close(self) -> None:
         with self._busy:
-            self._group, self._token = None, None
+            self._group, self._token, self._address = None, None, None
 
     def _run(self, work: Callable[[], None], what: str) -> None:
         def target() -> None:

@@ -1,0 +1,138 @@
+"""Faults around the rollout server, with real processes on loopback: a SIGKILLed trainer no longer holds the
+server's weight-sync group, and a trainer blocked on a server stops on Ctrl-C within 2 s.
+
+Every process started here is stopped in a `finally` (killed, then waited for), also when an assertion fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.unit.serving.test_server import AUTH, KEY, checkpoint, perturbed, running_server  # noqa: F401 (fixture)
+from trl_cb.errors import RolloutServerError
+from trl_cb.serving.client import RolloutClient
+from trl_cb.serving.weight_sync import WeightSender
+
+ROOT = Path(__file__).resolve().parents[3]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+#: A trainer that opens the group, pushes version 1, says so, and waits to be killed.
+TRAINER = """
+import sys, time, torch
+from transformers import AutoModelForCausalLM
+from trl_cb.serving.weight_sync import WeightSender
+torch.set_num_threads(1)
+url, key, path = sys.argv[1:4]
+sender = WeightSender(url, api_key=key, timeout=30)
+sender.push(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), 1)
+print("pushed", flush=True)
+time.sleep(600)
+"""
+
+
+def wait_for_line(proc: subprocess.Popen, expected: str, timeout: float) -> None:
+    """Read `proc`'s stdout until `expected`; fail (not hang) if it exits or `timeout` passes first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.strip() == expected:
+            return
+        if not line and proc.poll() is not None:
+            pytest.fail(f"child exited with {proc.returncode} before printing {expected!r}")
+    pytest.fail(f"child did not print {expected!r} within {timeout} s")
+
+
+def test_killed_trainer_frees_the_server_and_a_live_one_keeps_it(checkpoint, prompts):  # noqa: F811
+    with running_server(checkpoint, "--api-key", KEY) as (_, url):
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", TRAINER, url, KEY, checkpoint], env=ENV, cwd=ROOT, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            wait_for_line(trainer, "pushed", timeout=60)
+            with pytest.raises(RolloutServerError, match="409"):  # the owner is alive: its group is protected
+                WeightSender(url, api_key=KEY, timeout=10).init()
+            trainer.kill()
+            trainer.wait(timeout=10)
+            killed = time.monotonic()
+            sender = WeightSender(url, api_key=KEY, timeout=30)
+            sender.init()  # not 409: the dead owner's group is dropped
+            accepted = time.monotonic() - killed
+        finally:
+            trainer.kill()
+            trainer.wait(timeout=10)
+        print(f"\nkill-to-new-trainer-accepted: {accepted:.3f} s")
+        assert accepted < 5
+        metrics = requests.get(url + "/metrics", headers=AUTH, timeout=5).json()
+        assert metrics["weight_sync_dropped_owners"] == 1 and metrics["weight_sync_open"]
+
+        new_model = perturbed(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval())
+        sender.push(new_model, 2)
+        assert requests.get(url + "/v1/models", headers=AUTH, timeout=5).json()["data"][0]["weight_version"] == 2
+        client = RolloutClient([url], api_key=KEY, timeout=30)
+        client.known_versions |= sender.pushed_versions
+        assert client.generate(prompts[:2], 2, max_tokens=4).weight_versions == [2] * 4
+
+        with pytest.raises(RolloutServerError, match="409"):  # the new owner is alive: protected in turn
+            WeightSender(url, api_key=KEY, timeout=10).init()
+        sender.close()
+        metrics = requests.get(url + "/metrics", headers=AUTH, timeout=5).json()
+        assert metrics["weight_sync_dropped_owners"] == 1 and not metrics["weight_sync_open"]
+
+
+#: A trainer blocked in `RolloutClient.generate` on a server that accepts and never answers; it reports when the
+#: KeyboardInterrupt reached it (wall clock), then lets it end the process.
+BLOCKED_CLIENT = """
+import sys, time
+from trl_cb.serving.client import RolloutClient
+client = RolloutClient([sys.argv[1]], timeout=300)
+print("calling", flush=True)
+try:
+    client.generate([[5, 6, 7]], 2, max_tokens=8)
+except KeyboardInterrupt:
+    print(time.time(), flush=True)
+    raise
+"""
+
+
+def test_ctrl_c_stops_a_trainer_blocked_on_a_server_within_2_s():
+    """The blocking read is interrupted at once (measured < 1 ms); the exit then takes the interpreter's teardown
+    of torch & co. (1.1-2.4 s measured on a loaded 2-core machine), not the client's: bounded loosely here."""
+    with socket.socket() as listener:  # accepts connections (backlog), never answers: a server stuck on a request
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", BLOCKED_CLIENT, url],
+            env=ENV,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        try:
+            wait_for_line(proc, "calling", timeout=60)
+            time.sleep(0.5)  # inside the blocking read by now
+            assert proc.poll() is None, "the client returned although the server never answered"
+            start = time.time()
+            proc.send_signal(signal.SIGINT)
+            interrupted = proc.stdout.readline().strip()
+            proc.wait(timeout=10)
+            exited = time.time() - start
+        finally:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert interrupted, "the client did not raise KeyboardInterrupt"
+    raised = float(interrupted) - start
+    print(f"\ntrainer SIGINT-to-KeyboardInterrupt while blocked on a server: {raised:.4f} s; to exit: {exited:.2f} s")
+    assert proc.returncode == -signal.SIGINT and raised < 0.5 and exited < 4
