@@ -29,18 +29,50 @@ from trl_cb.serving.weight_sync import WeightSender
 ROOT = Path(__file__).resolve().parents[3]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
-#: A trainer that opens the group, pushes version 1, says so, and waits to be killed.
+#: A trainer that opens the group and either pushes version 1 (`push`) or announces version 9 and dies before sending a
+#: tensor (`stall`: killed mid-broadcast); it says so, then waits to be killed.
 TRAINER = """
 import sys, time, torch
 from transformers import AutoModelForCausalLM
 from trl_cb.serving.weight_sync import WeightSender
 torch.set_num_threads(1)
-url, key, path = sys.argv[1:4]
+url, key, path, mode = sys.argv[1:5]
 sender = WeightSender(url, api_key=key, timeout=30)
-sender.push(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), 1)
-print("pushed", flush=True)
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+if mode == "push":
+    sender.push(model, 1)
+else:
+    sender.init()
+    spec = [[name, str(p.dtype), list(p.shape)] for name, p in model.named_parameters()]
+    sender._post("/weights/update", {"token": sender._token, "version": 9, "params": spec})
+print("ready", flush=True)
 time.sleep(600)
 """
+
+
+def kill_trainer_then_init(url: str, path: str, mode: str) -> tuple[WeightSender, float]:
+    """Run `TRAINER` in `mode`, check its group is protected while it lives, SIGKILL it; then a new sender inits
+    (it must not get 409). Returns the new sender and the seconds from the kill to its init returning."""
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, url, KEY, path, mode],
+        env=ENV,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        Lines(trainer).expect("ready", timeout=60)
+        with pytest.raises(RolloutServerError, match="409"):  # the owner is alive: its group is protected
+            WeightSender(url, api_key=KEY, timeout=10).init()
+        trainer.kill()
+        trainer.wait(timeout=10)
+        killed = time.monotonic()
+        sender = WeightSender(url, api_key=KEY, timeout=30)
+        sender.init()  # not 409: the dead owner's group is dropped
+        return sender, time.monotonic() - killed
+    finally:
+        trainer.kill()
+        trainer.wait(timeout=10)
 
 
 class Lines:
@@ -65,22 +97,7 @@ class Lines:
 
 def test_killed_trainer_frees_the_server_and_a_live_one_keeps_it(checkpoint, prompts):  # noqa: F811
     with running_server(checkpoint, "--api-key", KEY) as (_, url):
-        trainer = subprocess.Popen(
-            [sys.executable, "-c", TRAINER, url, KEY, checkpoint], env=ENV, cwd=ROOT, stdout=subprocess.PIPE, text=True
-        )
-        try:
-            Lines(trainer).expect("pushed", timeout=60)
-            with pytest.raises(RolloutServerError, match="409"):  # the owner is alive: its group is protected
-                WeightSender(url, api_key=KEY, timeout=10).init()
-            trainer.kill()
-            trainer.wait(timeout=10)
-            killed = time.monotonic()
-            sender = WeightSender(url, api_key=KEY, timeout=30)
-            sender.init()  # not 409: the dead owner's group is dropped
-            accepted = time.monotonic() - killed
-        finally:
-            trainer.kill()
-            trainer.wait(timeout=10)
+        sender, accepted = kill_trainer_then_init(url, checkpoint, "push")
         print(f"\nkill-to-new-trainer-accepted: {accepted:.3f} s")
         assert accepted < 5
         metrics = requests.get(url + "/metrics", headers=AUTH, timeout=5).json()
@@ -98,6 +115,16 @@ def test_killed_trainer_frees_the_server_and_a_live_one_keeps_it(checkpoint, pro
         sender.close()
         metrics = requests.get(url + "/metrics", headers=AUTH, timeout=5).json()
         assert metrics["weight_sync_dropped_owners"] == 1 and not metrics["weight_sync_open"]
+
+        # Killed mid-broadcast (update announced, no tensor sent): the receive fails, nothing is applied.
+        sender, accepted = kill_trainer_then_init(url, checkpoint, "stall")
+        print(f"mid-broadcast kill-to-new-trainer-accepted: {accepted:.3f} s")
+        assert accepted < 5
+        metrics = requests.get(url + "/metrics", headers=AUTH, timeout=5).json()
+        assert metrics["weight_sync_dropped_owners"] == 2 and metrics["weight_version"] == 2
+        sender.push(new_model, 3)
+        assert requests.get(url + "/v1/models", headers=AUTH, timeout=5).json()["data"][0]["weight_version"] == 3
+        sender.close()
 
 
 #: A trainer blocked in `RolloutClient.generate` on a server that accepts and never answers; it reports when the
