@@ -22,7 +22,6 @@ from transformers import AutoModelForCausalLM
 
 from tests.unit.rollouts.test_generator import teacher_forced_logprobs
 from tests.unit.trainers.test_trainers import make_trainer
-from trl_cb import GRPOConfig
 from trl_cb.errors import RolloutServerError
 from trl_cb.offline.tiny import tiny_model
 from trl_cb.serving.client import RolloutClient
@@ -223,18 +222,6 @@ def test_request_errors_are_not_resubmitted(server):
     client = RolloutClient([url], api_key=KEY, timeout=10)
     with pytest.raises(ValueError, match="outside the model.s vocabulary"):
         client.generate([[5, 10**7]], 1, max_tokens=4)
-
-
-def test_config_refuses_async_with_servers(tmp_path):
-    with pytest.raises(ValueError, match="async_generation"):
-        GRPOConfig(
-            output_dir=str(tmp_path),
-            use_cpu=True,
-            report_to=[],
-            use_transformers_continuous_batching=True,
-            rollout_server_urls=["http://127.0.0.1:1"],
-            async_generation=True,
-        )
 
 
 def test_hung_replica_times_out(prompts):
