@@ -60,7 +60,10 @@ class Ticket:
         self.group, self.error = group, error
         self.done.set()
         if self.on_done is not None:
-            self.on_done(self)
+            try:
+                self.on_done(self)
+            except Exception:  # e.g. the waiting request's event loop is gone: nobody to tell, the engine goes on
+                logger.debug("on_done callback failed", exc_info=True)
 
 
 @dataclass

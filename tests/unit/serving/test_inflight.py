@@ -153,12 +153,13 @@ def test_pause_holds_requests_and_a_gone_client_cancels_them(server, prompts):
     assert requests.post(url + "/v1/completions", json=body, headers=AUTH, timeout=30).status_code == 200
 
 
-def test_async_grpo_overlaps_with_the_server(server, tokenizer, tmp_path):
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_async_training_overlaps_with_the_server(server, tokenizer, tmp_path, kind):
     """async_generation on a server: the trainer pushes weights after every optimizer step while groups stay
     requested ahead; every token's version is one the trainer pushed and within the staleness bound."""
     _, url = server
     trainer = make_trainer(
-        "grpo",
+        kind,
         tokenizer,
         tmp_path,
         max_steps=3,
@@ -168,7 +169,7 @@ def test_async_grpo_overlaps_with_the_server(server, tokenizer, tmp_path):
     )
     start = time.monotonic()
     trainer.train()
-    print(f"\n3-step async GRPO on the server: {time.monotonic() - start:.1f} s")
+    print(f"\n3-step async {kind} on the server: {time.monotonic() - start:.1f} s")
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == 3 and trainer._cb_generator is None
     assert trainer._cb_weight_version == 4, "one push at start, one per optimizer step"
