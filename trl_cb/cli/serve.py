@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="ContinuousBatchingConfig kwargs as a JSON object, e.g. '{\"max_memory_percent\": 0.3}'",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=256, help="most sequences generating at once (more requests queue)"
+    )
     return parser
 
 
@@ -67,7 +70,11 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     path = tiny_model_path(args.model) if is_tiny_model_name(args.model) else args.model
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     return create_app(
-        model, model_name=args.model, api_key=args.api_key, continuous_batching_config=args.continuous_batching_config
+        model,
+        model_name=args.model,
+        api_key=args.api_key,
+        continuous_batching_config=args.continuous_batching_config,
+        max_num_seqs=args.max_num_seqs,
     )
 
 
@@ -80,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=1)
     finally:
-        app.state.generator.close()
+        app.state.engine.close()
     # Nothing is left to save; the interpreter's teardown (torch, thread pools) takes ~5 s on CPU, which would break
     # the Ctrl-C-within-2-s promise: end the process now.
     logging.shutdown()

@@ -38,7 +38,7 @@ def serving(app: Any, host: str, port: int) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
-        app.state.generator.close()
+        app.state.engine.close()
 
 
 @pytest.mark.parametrize(
@@ -82,10 +82,10 @@ def test_options_reach_the_server(dtype):
     args = serve.build_parser().parse_args([*argv, "--api-key", KEY, "--continuous_batching_config", cb])
     assert args.continuous_batching_config == {"max_memory_percent": 0.3, "max_batch_tokens": 64}
     app = serve.build_app(args)
-    model = app.state.generator.model
+    model = app.state.engine.generator.model
     assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
     assert {p.device.type for p in model.parameters()} == {"cpu"}
-    cb_kwargs = app.state.generator._pool.cb_kwargs
+    cb_kwargs = app.state.engine.generator._pool.cb_kwargs
     assert cb_kwargs["max_memory_percent"] == 0.3 and cb_kwargs["max_batch_tokens"] == 64
     auth = {"Authorization": f"Bearer {KEY}"}
     with serving(app, args.host, args.port) as url:
