@@ -85,6 +85,7 @@ def create_app(
     @app.get("/v1/models", dependencies=guarded)
     def models() -> dict[str, Any]:
         card = {"id": model_name, "object": "model", "owned_by": "trl_cb", "weight_version": weights.version}
+        card["dtype"] = str(model.dtype).removeprefix("torch.")  # trainers cast pushed weights to it
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics", dependencies=guarded)
