@@ -158,7 +158,7 @@ class ContinuousBatchingArguments:
         metadata={
             "help": "Generate on `trl-cb serve` replicas at these URLs instead of in-process (prompts split across "
             "them, a dead replica's prompts resubmitted to the others; weights pushed before each step's first "
-            "round). Sync mode, single process for now; see docs/server.md."
+            "round). Sync mode; multi-process trainers: the main process talks to the servers; see docs/server.md."
         },
     )
     rollout_server_api_key: str | None = field(
