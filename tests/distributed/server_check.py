@@ -13,6 +13,8 @@ import argparse
 import hashlib
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +90,18 @@ def main() -> None:
             param.data = state[name]
         return (copy.merge_and_unload() if args.lora else copy).float().eval()
 
+    from trl_cb.engine import sharding
+
+    gathered, peak = sharding.gathered, [0]
+
+    @contextmanager
+    def counted(params: list[torch.Tensor]) -> Iterator[None]:
+        """The push's gathers, counting how many parameters are whole at once (the memory bound)."""
+        with gathered(params):
+            peak[0] = max(peak[0], sum(p.numel() > 0 for p in trainer.model_wrapped.parameters()))
+            yield
+
+    sharding.gathered = counted
     rounds: list[dict[str, Any]] = []
     original = trainer._cb_remote_generate
 
@@ -109,6 +123,9 @@ def main() -> None:
                 "weight_version": trainer._cb_weight_version,
                 "holds_client": trainer._cb_client is not None,  # the main process only
                 "param_dtypes": sorted({str(t.dtype) for t in state.values()}),
+                # ZeRO-3: parameters held as partitions (empty local tensors) outside gathers, so the push gathered.
+                "num_partitioned": sum(p.numel() == 0 for p in trainer.model_wrapped.parameters()),
+                "num_params": len(list(trainer.model_wrapped.parameters())),
             }
         )
         return completion_ids, logprobs
@@ -122,6 +139,7 @@ def main() -> None:
         "distributed_type": str(trainer.accelerator.distributed_type),
         "rounds": rounds,
         "logs": [e for e in trainer.state.log_history if "loss" in e],
+        "peak_whole_params": peak[0],
     }
     Path(args.report, f"rank{rank}.json").write_text(json.dumps(report, indent=2))
 
