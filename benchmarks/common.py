@@ -67,6 +67,23 @@ def background_load(num_processes: int) -> Iterator[list[subprocess.Popen[bytes]
             proc.wait()
 
 
+@contextmanager
+def served_model(model: Any, tokenizer: Any, threads: int) -> Iterator[str]:
+    """A local `trl-cb serve` replica (`threads` torch threads) holding a copy of `model`; yields its URL.
+
+    The server backends of the benchmarks use it: the model is saved to a temporary directory the server loads. The
+    trainer pushes its own weights before the first sample, so the copy only fixes the architecture."""
+    import tempfile
+
+    from trl_cb.serving.launch import local_rollout_server
+
+    with tempfile.TemporaryDirectory(prefix="trl_cb_served_") as directory:
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        with local_rollout_server(directory, threads=threads) as server:
+            yield server.url
+
+
 def summarize(values: Sequence[float]) -> dict[str, float]:
     """mean/std/min/max of a list of measurements (std 0 for a single value)."""
     vals = list(values)

@@ -14,6 +14,13 @@ benchmarks/common.py):
                 no logprobs, no IS correction).
 - `trl_cb`:     trl_cb's trainer with the flag on (persistent engine, logprobs, IS correction).
 - `trl_cb_async`: the same with `async_generation=True` (engine fed ahead of the trainer, bounded staleness).
+- `trl_cb_server`: trl_cb's trainer with `rollout_server_urls` pointing at a local `trl-cb serve` replica the worker
+                starts (sync: weights pushed before each step's generation).
+- `trl_cb_server_async`: the same with `async_generation=True`: the server generates while the trainer trains,
+                weights pushed after every optimizer step (docs/server.md).
+
+Threads: colocated backends use `--threads` (default: every core); the server backends split the cores, the server
+`--server-threads` (default 1) and the trainer the rest (at least 1), so both setups use the same machine.
 
 Besides step times it reports samples/s (completions per step / median step time) and, for the trl_cb backends, the
 trainer's wait for rollouts per step (sync: the generation call; async: the wait for finished groups).
@@ -24,6 +31,11 @@ Workloads (`--workload`; `--prompts`, `--num-generations`, `--max-completion-len
 - `short`: 8 prompts x 4 completions x up to 48 tokens (the default before; generation is a small part of the step).
 
 Prompts: the GSM8K test split shipped with trl_cb (`trl_cb.offline.data.gsm8k_test`), chat-formatted.
+
+Reward (`--reward`): `length` (default: characters / 100) drives completions longer as the weights learn, faster in
+sync mode than with stale async groups, so backends end up generating different lengths (compare tokens/s then);
+`random` (a hash of the completion's text in [0, 1)) moves the weights just as much but leaves lengths where they
+are, so samples/s compare like with like.
 
 `--background-load 0 2` runs every (trainer, backend) once per value, with that many busy-looping processes running
 alongside (started before the run, stopped after it; benchmarks/common.py `background_load`), and reports each
@@ -37,10 +49,13 @@ git-ignored), JSON as the last line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +72,14 @@ from common import (  # noqa: E402
     format_table,
     record_call_times,
     run_worker,
+    served_model,
     summarize,
     write_json,
 )
 
-BACKENDS = ("generate", "trl_native", "trl_cb", "trl_cb_async")
+BACKENDS = ("generate", "trl_native", "trl_cb", "trl_cb_async", "trl_cb_server", "trl_cb_server_async")
+#: Backends whose rollouts come from a local `trl-cb serve` replica the worker starts (`--server-threads` threads).
+SERVER_BACKENDS = ("trl_cb_server", "trl_cb_server_async")
 TRAINERS = ("grpo", "rloo")
 #: Step shapes: prompts per step, completions per prompt, max completion length (module docstring).
 WORKLOADS = {
@@ -75,27 +93,41 @@ def _async_fields(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    import torch
     import trl
-    from datasets import Dataset
-    from transformers import TrainerCallback
 
     import trl_cb
-    from trl_cb.offline.data import GSM8K_TEST_SIZE, gsm8k_test
 
     kind, backend = spec["trainer"], spec["backend"]
     package = trl_cb if backend.startswith("trl_cb") else trl
     config_cls = package.GRPOConfig if kind == "grpo" else package.RLOOConfig
     trainer_cls = package.GRPOTrainer if kind == "grpo" else package.RLOOTrainer
-    steps = spec["warmup"] + spec["steps"]
-    args = config_cls(
-        output_dir=spec["output_dir"], per_device_train_batch_size=spec["prompts"] * spec["num_generations"],
-        num_generations=spec["num_generations"], max_completion_length=spec["max_completion_length"],
-        max_steps=steps, learning_rate=1e-4, beta=0.0, bf16=False, use_cpu=True, report_to=[], save_strategy="no",
-        logging_steps=1, disable_tqdm=True, seed=spec["seed"],
-        use_transformers_continuous_batching=backend != "generate",
-        **(_async_fields(spec) if backend == "trl_cb_async" else {}),
-    )  # fmt: skip
     model, tokenizer = cpu_preset(spec["model"], spec["eos_logit_bias"])
+    with contextlib.ExitStack() as stack:
+        server = {}
+        if backend in SERVER_BACKENDS:
+            url = stack.enter_context(served_model(model, tokenizer, spec["server_threads"]))
+            server = {"rollout_server_urls": [url]}
+        torch.set_num_threads(spec["trainer_threads"] if backend in SERVER_BACKENDS else spec["threads"])
+        args = config_cls(
+            output_dir=spec["output_dir"], per_device_train_batch_size=spec["prompts"] * spec["num_generations"],
+            num_generations=spec["num_generations"], max_completion_length=spec["max_completion_length"],
+            max_steps=spec["warmup"] + spec["steps"], learning_rate=1e-4, beta=0.0, bf16=False, use_cpu=True,
+            report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True, seed=spec["seed"],
+            use_transformers_continuous_batching=backend != "generate",
+            **(_async_fields(spec) if backend.endswith("_async") else {}), **server,
+        )  # fmt: skip
+        return _train(spec, args, trainer_cls, model, tokenizer)
+
+
+def _train(spec: dict[str, Any], args: Any, trainer_cls: Any, model: Any, tokenizer: Any) -> dict[str, Any]:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from trl_cb.offline.data import GSM8K_TEST_SIZE, gsm8k_test
+
+    backend, kind = spec["backend"], spec["trainer"]
+    steps = spec["warmup"] + spec["steps"]
     dataset = Dataset.from_list(gsm8k_test(min(spec["prompts"] * steps, GSM8K_TEST_SIZE), seed=spec["seed"]))
 
     class StepTimer(TrainerCallback):
@@ -109,17 +141,24 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         def on_step_end(self, *a: Any, **k: Any) -> None:
             self.times.append(time.perf_counter() - self._start)
 
-    def length_reward(completions: list[Any], **kwargs: Any) -> list[float]:
-        return [len(c if isinstance(c, str) else c[-1]["content"]) / 100 for c in completions]
+    def text(completion: Any) -> str:
+        return completion if isinstance(completion, str) else completion[-1]["content"]
 
+    def length_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+        return [len(text(c)) / 100 for c in completions]
+
+    def random_reward(completions: list[Any], **kwargs: Any) -> list[float]:  # same text, same reward
+        return [zlib.crc32(text(c).encode()) / 2**32 for c in completions]
+
+    rewards = {"length": length_reward, "random": random_reward}
     timer = StepTimer()
     trainer = trainer_cls(
-        model=model, reward_funcs=length_reward, args=args, train_dataset=dataset, processing_class=tokenizer,
-        callbacks=[timer],
+        model=model, reward_funcs=rewards[spec["reward"]], args=args, train_dataset=dataset,
+        processing_class=tokenizer, callbacks=[timer],
     )  # fmt: skip
     waits: list[float] = []
     if backend.startswith("trl_cb"):  # time the trainer's wait for rollouts
-        waits = record_call_times(trainer, "_cb_async_take" if backend == "trl_cb_async" else "_cb_generate")
+        waits = record_call_times(trainer, "_cb_async_take" if backend.endswith("_async") else "_cb_generate")
     trainer.train()
     logs = trainer.state.log_history
     lengths = [e["completions/mean_length"] for e in logs if "completions/mean_length" in e]
@@ -159,6 +198,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-staleness", type=int, default=2, help="trl_cb_async: max_staleness")
     p.add_argument("--prefetch-depth", type=int, default=1, help="trl_cb_async: prefetch_depth")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reward", default="length", choices=["length", "random"], help="see the module docstring")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, colocated backends")
+    p.add_argument("--server-threads", type=int, default=1, help="the local server's threads (server backends)")
+    p.add_argument("--trainer-threads", type=int, default=None, help="server backends (default: the rest, >= 1)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     p.add_argument("--quick", action="store_true", help="2 timed steps of a tiny workload (smoke test)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -167,6 +210,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         return args
     if args.eos_logit_bias is None:
         args.eos_logit_bias = EOS_BIAS[args.model]
+    if args.trainer_threads is None:
+        args.trainer_threads = max(1, args.threads - args.server_threads)
     for name, value in WORKLOADS[args.workload].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -182,6 +227,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(n < 0 for n in args.background_load):
         p.error(f"--background-load values must be >= 0, got {args.background_load}")
     return args
+
+
+def mean_length(result: dict[str, Any]) -> float | None:
+    return statistics.fmean(result["mean_lengths"]) if result["mean_lengths"] else None
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -205,7 +254,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "prompts": args.prompts, "num_generations": args.num_generations,
             "max_completion_length": args.max_completion_length, "steps": args.steps, "warmup": args.warmup,
             "eos_logit_bias": args.eos_logit_bias, "seed": args.seed, "max_staleness": args.max_staleness,
-            "prefetch_depth": args.prefetch_depth,
+            "prefetch_depth": args.prefetch_depth, "threads": args.threads, "server_threads": args.server_threads,
+            "trainer_threads": args.trainer_threads, "reward": args.reward,
             "output_dir": f"/tmp/trl_cb_bench_{kind}_{backend}",
         }  # fmt: skip
         with background_load(load):
@@ -231,8 +281,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "ratio_vs_quiet": median / statistics.median(base["step_times"]),
                 "ratio_vs_trl_native": median / ref["trl_native"] if "trl_native" in ref else None,
                 "ratio_vs_generate": median / ref["generate"] if "generate" in ref else None,
-                "mean_completion_length": statistics.fmean(r["mean_lengths"]) if r["mean_lengths"] else None,
+                "mean_completion_length": mean_length(r),
                 "samples_per_s": r["completions_per_step"] / median,
+                "tokens_per_s": r["completions_per_step"] * length / median if (length := mean_length(r)) else None,
                 "trainer_wait_s": summarize(r["waits"]) if r["waits"] else None,
                 "staleness_max": r["staleness_max"],
                 "dropped_groups": r["dropped_total"],
@@ -246,6 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "vs_quiet": p["ratio_vs_quiet"], "median": p["step_time_s"]["median"],
             "min": p["step_time_s"]["min"], "max": p["step_time_s"]["max"], "vs_native": p["ratio_vs_trl_native"],
             "vs_generate": p["ratio_vs_generate"], "len": p["mean_completion_length"], "sps": p["samples_per_s"],
+            "tps": p["tokens_per_s"],
             "wait": p["trainer_wait_s"]["mean"] if p["trainer_wait_s"] else None,
         }
         for p in points
@@ -264,6 +316,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ("vs_native", "x TRL CB"),
                 ("vs_generate", "x generate"),
                 ("sps", "samples/s"),
+                ("tps", "tokens/s"),
                 ("wait", "wait s/step"),
                 ("len", "mean len"),
             ],

@@ -26,6 +26,10 @@ Backends, each (trainer, backend, seed) in its own subprocess with the same seed
 - `generate`:     TRL's trainer, `use_transformers_continuous_batching=False` (left-padded `model.generate`).
 - `trl_cb`:       trl_cb's trainer with the flag on (persistent engine, IS-corrected loss).
 - `trl_cb_async`: the same with `async_generation=True` (engine fed ahead of the trainer, bounded staleness).
+- `trl_cb_server`: trl_cb's trainer on a local `trl-cb serve` replica the worker starts (`rollout_server_urls`; sync:
+                  weights pushed before each step's generation). The cores are split: the server gets
+                  `--server-threads` (default 1), the trainer the rest (at least 1).
+- `trl_cb_server_async`: the same with `async_generation=True`: the server generates while the trainer trains.
 
 Recorded every optimizer step: the mean reward of the batch trained on, wall-clock since `train()` began (engine
 start-up included), samples trained on so far, and for async the staleness, dropped groups, trainer wait and engine
@@ -37,7 +41,9 @@ runs/benchmarks/, git-ignored), and the JSON document as the last stdout line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -46,9 +52,20 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import DEFAULT_OUT, OUT_HELP, environment, format_table, record_call_times, run_worker, write_json  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_OUT,
+    OUT_HELP,
+    environment,
+    format_table,
+    record_call_times,
+    run_worker,
+    served_model,
+    write_json,
+)
 
-BACKENDS = ("generate", "trl_cb", "trl_cb_async")
+BACKENDS = ("generate", "trl_cb", "trl_cb_async", "trl_cb_server", "trl_cb_server_async")
+#: Rollouts from a local `trl-cb serve` replica the worker starts (`--server-threads`; the trainer gets the rest).
+SERVER_BACKENDS = ("trl_cb_server", "trl_cb_server_async")
 TRAINERS = ("grpo", "rloo")
 REWARDS = ("char", "gsm8k")
 
@@ -76,22 +93,37 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     """One (trainer, backend, seed) training run; returns its per-step curve."""
     import torch
     import trl
-    from datasets import Dataset
-    from transformers import PrinterCallback, TrainerCallback
 
     import trl_cb
-    from trl_cb.offline.data import GSM8K_TEST_SIZE, char_share_reward, gsm8k_reward, gsm8k_test, load_gsm8k_jsonl
 
     kind, backend = spec["trainer"], spec["backend"]
     package = trl_cb if backend.startswith("trl_cb") else trl
     config_cls = package.GRPOConfig if kind == "grpo" else package.RLOOConfig
     trainer_cls = package.GRPOTrainer if kind == "grpo" else package.RLOOTrainer
-    cpu = spec["device"] == "cpu"
     extra: dict[str, Any] = {}
     if backend != "generate":
         extra["use_transformers_continuous_batching"] = True
-    if backend == "trl_cb_async":
+    if backend.endswith("_async"):
         extra.update(async_generation=True, max_staleness=spec["max_staleness"], prefetch_depth=spec["prefetch_depth"])
+    model, tokenizer = _model_and_tokenizer(spec)
+    with contextlib.ExitStack() as stack:
+        if backend in SERVER_BACKENDS:
+            url = stack.enter_context(served_model(model, tokenizer, spec["server_threads"]))
+            extra["rollout_server_urls"] = [url]
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) - spec["server_threads"]))
+        return _train(spec, config_cls, trainer_cls, model, tokenizer, extra)
+
+
+def _train(
+    spec: dict[str, Any], config_cls: Any, trainer_cls: Any, model: Any, tokenizer: Any, extra: dict[str, Any]
+) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from transformers import PrinterCallback, TrainerCallback
+
+    from trl_cb.offline.data import GSM8K_TEST_SIZE, char_share_reward, gsm8k_reward, gsm8k_test, load_gsm8k_jsonl
+
+    kind, backend, cpu = spec["trainer"], spec["backend"], spec["device"] == "cpu"
     args = config_cls(
         output_dir=spec["output_dir"], per_device_train_batch_size=spec["prompts_per_step"] * spec["num_generations"],
         num_generations=spec["num_generations"], max_completion_length=spec["max_completion_length"],
@@ -101,7 +133,6 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         bf16=not cpu and spec["dtype"] == "bfloat16", use_cpu=cpu, report_to=[], save_strategy="no",
         logging_steps=1, disable_tqdm=True, seed=spec["seed"], data_seed=spec["seed"], **extra,
     )  # fmt: skip
-    model, tokenizer = _model_and_tokenizer(spec)
     chat = tokenizer.chat_template is not None  # chat-formatted prompts unless the model has no template
     if spec["data_file"]:
         records = load_gsm8k_jsonl(spec["data_file"], limit=spec["num_prompts"], conversational=chat)
@@ -137,7 +168,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     trainer.remove_callback(PrinterCallback)  # the per-step log dicts would bury the progress bar
     # The trainer's wait for rollouts each step: the generation call (sync backends) or the wait for finished groups
     # (async). The rest of a step is scoring, the IS / old-logprob forward, backward and the optimizer step.
-    waits = record_call_times(trainer, "_cb_async_take" if backend == "trl_cb_async" else "_generate_single_turn")
+    waits = record_call_times(trainer, "_cb_async_take" if backend.endswith("_async") else "_generate_single_turn")
     trainer.train()
     logs = [e for e in trainer.state.log_history if "reward" in e and "step" in e]
     if len(logs) != len(curve.step_end):
@@ -175,7 +206,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
                 "policy_version",
             )
         }  # fmt: skip
-        if backend == "trl_cb_async"
+        if backend.endswith("_async")
         else None,
     }
 
@@ -265,6 +296,7 @@ def targets(summary: list[dict[str, Any]], band_share: float) -> list[dict[str, 
     for kind in sorted({s["trainer"] for s in summary}, key=TRAINERS.index):
         by = {s["backend"]: s for s in summary if s["trainer"] == kind}
         gen, sync, asy = by.get("generate"), by.get("trl_cb"), by.get("trl_cb_async")
+        served, served_async = by.get("trl_cb_server"), by.get("trl_cb_server_async")
 
         def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str = "time_to_threshold_s") -> Any:
             if a is None or b is None or a[key] is None or not b[key]:
@@ -283,6 +315,12 @@ def targets(summary: list[dict[str, Any]], band_share: float) -> list[dict[str, 
             checks.append(("trl_cb async time-to-threshold / generate()", ratio(asy, gen), "<=", 0.6))
         if gen and sync:
             checks.append(("trl_cb sync time-to-threshold / generate() (no target)", ratio(sync, gen), "", 0.0))
+        if sync and served_async:
+            share = _in_band(served_async["reward"]["mean"], sync["reward"], 0.0)
+            checks.append(("server async reward-vs-samples inside trl_cb sync's seed band", share, ">=", band_share))
+            checks.append(("server async time-to-threshold / trl_cb sync", ratio(served_async, sync), "<=", 0.6))
+        if sync and served:
+            checks.append(("server sync time-to-threshold / trl_cb sync (no target)", ratio(served, sync), "", 0.0))
         cpu = "cpu_time_to_threshold_s"
         if sync and asy:
             checks.append(("same in process CPU seconds: async / sync", ratio(asy, sync, cpu), "", 0.0))
@@ -327,6 +365,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "GSM8K test split shipped with trl_cb")  # fmt: skip
     p.add_argument("--max-staleness", type=int, default=2, help="trl_cb_async: max_staleness")
     p.add_argument("--prefetch-depth", type=int, default=1, help="trl_cb_async: prefetch_depth")
+    p.add_argument("--server-threads", type=int, default=1, help="server backends: the local server's threads")
     p.add_argument("--band-share", type=float, default=0.8, help="share of steps that must lie inside a seed band")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     p.add_argument("--quick", action="store_true", help="3 steps of a tiny workload, seeds 0 1: schema smoke test")
@@ -427,7 +466,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "eos_logit_bias": args.eos_logit_bias, "model_seed": 0, "num_prompts": args.num_prompts,
             "data_seed": 0, "data_file": args.data_file, "reward": args.reward, "char": args.char,
             "min_chars": args.min_chars, "max_staleness": args.max_staleness,
-            "prefetch_depth": args.prefetch_depth, "output_dir": f"/tmp/trl_cb_learning_{kind}_{backend}_{seed}",
+            "prefetch_depth": args.prefetch_depth, "server_threads": args.server_threads,
+            "output_dir": f"/tmp/trl_cb_learning_{kind}_{backend}_{seed}",
         }  # fmt: skip
         runs.append(run_worker(Path(__file__), spec, timeout=3600))
     bar.close()

@@ -19,8 +19,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-ORDER = ["generate", "trl_cb", "trl_cb_async"]
-LABELS = {"generate": "generate() (TRL)", "trl_cb": "trl_cb", "trl_cb_async": "trl_cb async"}
+ORDER = ["generate", "trl_cb", "trl_cb_async", "trl_cb_server", "trl_cb_server_async"]
+LABELS = {
+    "generate": "generate() (TRL)",
+    "trl_cb": "trl_cb",
+    "trl_cb_async": "trl_cb async",
+    "trl_cb_server": "trl_cb server",
+    "trl_cb_server_async": "trl_cb server async",
+}
 
 
 def render(json_path: Path, png_path: Path) -> Path:
@@ -67,7 +73,7 @@ def _seed_mean(rows: list[list[float]]) -> list[float]:
 
 def _off_policy_panel(ax: Any, runs: list[dict[str, Any]], kind: str) -> None:
     """IS ratio (batch mean, seed mean) per step for the CB backends; async staleness on a second axis."""
-    for backend in ("trl_cb", "trl_cb_async"):
+    for backend in ORDER[1:]:
         rows = [r["is_ratio_mean"] for r in runs if r["backend"] == backend and r.get("is_ratio_mean")]
         if rows:
             ax.plot(
@@ -79,12 +85,14 @@ def _off_policy_panel(ax: Any, runs: list[dict[str, Any]], kind: str) -> None:
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set(xlabel="optimizer step", ylabel="IS ratio, batch mean", title=f"{kind.upper()}: off-policy correction")
     ax.grid(alpha=0.3)
-    stale = [r["async"]["staleness_mean"] for r in runs if r.get("async")]
-    if stale:
-        twin = ax.twinx()
-        color = f"C{ORDER.index('trl_cb_async')}"
-        twin.plot(range(1, len(stale[0]) + 1), _seed_mean(stale), color=color, ls=":", lw=1.2,
-                  label="async staleness (steps, right axis)")  # fmt: skip
+    twin = None
+    for backend in ("trl_cb_async", "trl_cb_server_async"):
+        stale = [r["async"]["staleness_mean"] for r in runs if r.get("async") and r["backend"] == backend]
+        if stale:
+            twin = twin or ax.twinx()
+            twin.plot(range(1, len(stale[0]) + 1), _seed_mean(stale), color=f"C{ORDER.index(backend)}", ls=":",
+                      lw=1.2, label=f"{LABELS[backend]} staleness (right axis)")  # fmt: skip
+    if twin is not None:
         twin.set_ylabel("staleness of trained groups (steps)")
         twin.set_ylim(bottom=0)
         twin.legend(fontsize=8, loc="upper right")

@@ -157,8 +157,10 @@ class ContinuousBatchingArguments:
         default=None,
         metadata={
             "help": "Generate on `trl-cb serve` replicas at these URLs instead of in-process (prompts split across "
-            "them, a dead replica's prompts resubmitted to the others; weights pushed before each step's first "
-            "round). Sync mode; multi-process trainers: the main process talks to the servers; see docs/server.md."
+            "them, a dead replica's prompts resubmitted to the others). Sync mode: weights pushed before each step's "
+            "first round; multi-process trainers: the main process talks to the servers. With `async_generation` "
+            "(single process): the servers generate while the trainer trains, weights pushed after every optimizer "
+            "step. See docs/server.md."
         },
     )
     rollout_server_api_key: str | None = field(
@@ -227,11 +229,6 @@ class ContinuousBatchingArguments:
                 self.rollout_server_urls = [url for url in self.rollout_server_urls.split(",") if url]
             if not self.use_transformers_continuous_batching:
                 raise ValueError("rollout_server_urls needs use_transformers_continuous_batching=True.")
-            if self.async_generation:
-                raise ValueError(
-                    "rollout_server_urls with async_generation is not built yet; use sync mode "
-                    "(async_generation=False)."
-                )
         if self.use_transformers_continuous_batching and getattr(self, "use_vllm", False):
             raise ValueError(
                 "use_transformers_continuous_batching and use_vllm are mutually exclusive; enable one of them."

@@ -94,11 +94,13 @@ def test_gsm8k_bad_flags_fail_clearly(flags, message):
 
 @pytest.mark.slow
 def test_grpo_step_quick(tmp_path):
-    proc = run(str(ROOT / "benchmarks" / "grpo_step.py"), "--quick", "--trainers", "grpo", "--out", str(tmp_path))
+    backends = ["generate", "trl_native", "trl_cb", "trl_cb_async"]
+    script = str(ROOT / "benchmarks" / "grpo_step.py")
+    proc = run(script, "--quick", "--trainers", "grpo", "--backends", *backends, "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
     points = {p["backend"]: p for p in payload["points"]}
-    assert set(points) == {"generate", "trl_native", "trl_cb", "trl_cb_async"}
+    assert set(points) == set(backends)
     for p in points.values():
         assert set(p["step_time_s"]) == {"median", "mean", "std", "min", "max"}
         assert p["samples_per_s"] > 0
@@ -107,6 +109,21 @@ def test_grpo_step_quick(tmp_path):
     assert points["trl_cb_async"]["staleness_max"] is not None and points["trl_cb"]["staleness_max"] is None
     assert points["trl_native"]["ratio_vs_trl_native"] == pytest.approx(1.0)
     assert len(list(tmp_path.glob("grpo_step-*.json"))) == 1
+
+
+@pytest.mark.slow
+def test_grpo_step_server_backends_start_their_own_server(tmp_path):
+    backends = ["trl_cb_server", "trl_cb_server_async"]
+    script = str(ROOT / "benchmarks" / "grpo_step.py")
+    proc = run(script, "--quick", "--trainers", "rloo", "--backends", *backends, "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads(proc.stdout.strip().splitlines()[-1])
+    points = {p["backend"]: p for p in payload["points"]}
+    assert set(points) == set(backends) and all(p["samples_per_s"] > 0 for p in points.values())
+    assert (
+        points["trl_cb_server_async"]["staleness_max"] is not None and points["trl_cb_server"]["staleness_max"] is None
+    )
+    assert payload["config"]["server_threads"] == 1 and payload["config"]["trainer_threads"] >= 1
 
 
 @pytest.mark.slow
@@ -166,33 +183,36 @@ def test_default_prompts_are_the_vendored_gsm8k_test_split():
 @pytest.mark.slow
 def test_learning_quick_records_curves_png_and_async_counts(tmp_path):
     steps = 3  # --quick: 3 steps, seeds 0 and 1
-    proc = run(str(ROOT / "benchmarks" / "learning.py"), "--quick", "--trainers", "grpo", "--out", str(tmp_path))
+    backends = ("generate", "trl_cb", "trl_cb_async", "trl_cb_server_async")
+    script = str(ROOT / "benchmarks" / "learning.py")
+    proc = run(script, "--quick", "--trainers", "grpo", "--backends", *backends, "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
     assert payload["benchmark"] == "learning" and payload["config"]["steps"] == steps
     runs = payload["runs"]
-    assert {(r["backend"], r["seed"]) for r in runs} == {(b, s) for b in ("generate", "trl_cb", "trl_cb_async")
-                                                          for s in (0, 1)}  # fmt: skip
+    assert {(r["backend"], r["seed"]) for r in runs} == {(b, s) for b in backends for s in (0, 1)}
     for r in runs:  # one point per optimizer step, wall-clock increasing, samples counted
         assert len(r["reward"]) == len(r["wall_clock_s"]) == len(r["samples"]) == steps
         assert all(0.0 <= x <= 1.0 for x in r["reward"])
         assert all(b > a for a, b in zip(r["wall_clock_s"], r["wall_clock_s"][1:]))
         assert r["samples"] == [4, 8, 12] and len(r["rollout_wait_s"]) == steps
-        assert (r["async"] is not None) == (r["backend"] == "trl_cb_async")
+        assert (r["async"] is not None) == r["backend"].endswith("_async")
         assert (r["is_ratio_mean"] is not None) == r["backend"].startswith("trl_cb")
     for r in (r for r in runs if r["async"]):
         for name in ("dropped_total", "dropped_groups", "staleness_max", "staleness_mean", "engine_occupancy"):
             assert len(r["async"][name]) == steps, name
-        assert r["async"]["policy_version"][-1] == steps - 1  # version at take time: one update per earlier step
+        # version at take time: one update per earlier step (a server's first push, before any sample, is version 1)
+        assert r["async"]["policy_version"][-1] == steps - 1 + (r["backend"] == "trl_cb_server_async")
     summary = {s["backend"]: s for s in payload["summary"]}
-    assert set(summary) == {"generate", "trl_cb", "trl_cb_async"}
+    assert set(summary) == set(backends)
     for s in summary.values():
         assert set(s["reward"]) == {"mean", "min", "max"} and len(s["reward"]["mean"]) == steps
         assert "time_to_threshold_s" in s and "samples_to_threshold" in s
     async_summary = summary["trl_cb_async"]["async"]
     assert {"dropped_groups_total", "steps_with_stale_groups", "staleness_max"} <= set(async_summary)
     assert summary["generate"]["async"] is None
-    assert {t["target"] for t in payload["targets"]} and "x generate" in proc.stdout
+    targets = {t["target"] for t in payload["targets"]}
+    assert "server async time-to-threshold / trl_cb sync" in targets and "x generate" in proc.stdout
     json_files, png_files = list(tmp_path.glob("learning-*.json")), list(tmp_path.glob("learning-*.png"))
     assert len(json_files) == 1 and len(png_files) == 1 and png_files[0].stat().st_size > 10_000
 

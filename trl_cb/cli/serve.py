@@ -22,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
     parser.add_argument("--continuous_batching_config", default=None, help="ContinuousBatchingConfig kwargs as JSON")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=256, help="most sequences generating at once (more requests queue)"
+    )
     return parser
 
 
@@ -41,11 +44,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = tiny_model_path(args.model) if is_tiny_model_name(args.model) else args.model
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     cb_config = json.loads(args.continuous_batching_config) if args.continuous_batching_config else None
-    app = create_app(model, model_name=args.model, api_key=args.api_key, continuous_batching_config=cb_config)
+    app = create_app(
+        model,
+        model_name=args.model,
+        api_key=args.api_key,
+        continuous_batching_config=cb_config,
+        max_num_seqs=args.max_num_seqs,
+    )
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=1)
     finally:
-        app.state.generator.close()
+        app.state.engine.close()
     # Nothing is left to save; the interpreter's teardown (torch, thread pools) takes ~5 s on CPU, which would break
     # the Ctrl-C-within-2-s promise: end the process now.
     logging.shutdown()

@@ -183,8 +183,7 @@ class AsyncRolloutController:
         if self._manager is None:
             return
         self.hold()
-        lengths = _upstream.inflight_generated_lengths(self._manager)
-        self._groups.mark_weight_update(lengths, self.policy_version + 1)
+        self._groups.mark_weight_update(self._manager, self.policy_version + 1)
 
     def end_weight_update(self) -> None:
         """Bump the policy version and release the hold: in-flight requests continue on the new weights."""

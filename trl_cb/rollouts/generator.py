@@ -170,9 +170,7 @@ class ContinuousBatchingGenerator:
         lock = guards.module_lock(self._model.lock_key())
         with guards.acquired(lock, self.timeout), guards.acquired(self._lock, self.timeout, "this generator"):
             if generation_config is not None:
-                new_config = engine_generation_config(generation_config)
-                check_engine_settings(self._pool.cb_kwargs, new_config)
-                self.generation_config = new_config
+                self.generation_config = self.checked_generation_config(generation_config)
             if len(prompt_ids) == 0:
                 return GenerationResult(
                     completion_ids=[], logprobs=[], num_generations=num_generations, policy_logprobs=[]
@@ -180,6 +178,12 @@ class ContinuousBatchingGenerator:
             prompts = [p.tolist() if hasattr(p, "tolist") else list(p) for p in prompt_ids]  # tensors / arrays too
             with self._model.generation_module() as module:
                 return self._generate_on(module, prompts, num_generations)
+
+    def checked_generation_config(self, generation_config: GenerationConfig) -> GenerationConfig:
+        """The engine's form of `generation_config`; `ValueError` for settings it cannot apply exactly. Pure."""
+        config = engine_generation_config(generation_config)
+        check_engine_settings(self._pool.cb_kwargs, config)
+        return config
 
     def validate_prompts(
         self, prompts: list[list[int]], module: PreTrainedModel, indices: Sequence[int] | None = None
@@ -286,7 +290,7 @@ class ContinuousBatchingGenerator:
                 # Weights may have changed since the last round: drop cached KV blocks and the prefix ledger.
                 _upstream.reset_prefix_cache(manager)
                 _upstream.resume(manager, module)
-                slots = self._submit(manager, groups, max_new_tokens)
+                slots = _submit(manager, groups, max_new_tokens, gen_cfg.do_sample, self._round)
                 outputs = _collect(manager, slots, interrupts, self.timeout)
                 _upstream.suspend(manager)  # no engine thread between rounds (see `_upstream.suspend`)
                 _upstream.restore_training_attention(manager)
@@ -306,15 +310,20 @@ class ContinuousBatchingGenerator:
             policy_logprobs=policy_logprobs,
         )
 
-    def _submit(
-        self, manager: _upstream.ContinuousBatchingManager, groups: list[tuple[list[int], int]], max_new_tokens: int
-    ) -> list[list[str]]:
-        slots = []
-        for index, (prompt, count) in enumerate(groups):
-            samples = count if self.generation_config.do_sample else 1
-            request_id = f"r{self._round}_p{index}"
-            slots.append(_upstream.add_forked_request(manager, prompt, request_id, samples, max_new_tokens))
-        return slots
+
+def _submit(
+    manager: _upstream.ContinuousBatchingManager,
+    groups: list[tuple[list[int], int]],
+    max_new_tokens: int,
+    do_sample: bool,
+    round_index: int,
+) -> list[list[str]]:
+    """Each group's prompt, prefilled once and forked into its samples (one request when greedy); their ids."""
+    slots = []
+    for index, (prompt, count) in enumerate(groups):
+        samples, request_id = (count if do_sample else 1), f"r{round_index}_p{index}"
+        slots.append(_upstream.add_forked_request(manager, prompt, request_id, samples, max_new_tokens))
+    return slots
 
 
 def _dedupe(prompts: list[list[int]], num_generations: int) -> tuple[list[tuple[list[int], int]], list[int]]:

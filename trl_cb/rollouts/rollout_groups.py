@@ -83,18 +83,40 @@ class InFlightGroups:
         for rid in rids:
             self._by_request[rid] = pending
 
-    def mark_weight_update(self, generated_lengths: dict[str, int], new_version: int) -> None:
-        """Tokens generated from here on by each unfinished request are sampled by `new_version`."""
+    def mark_weight_update(self, manager: _upstream.ContinuousBatchingManager, new_version: int) -> None:
+        """Tokens generated from here on by each unfinished request are sampled by `new_version`. Call with the engine
+        paused. Results already out are taken first: a request that finished before the pause has left the scheduler
+        but not the output queue, and all of its tokens keep their old versions."""
+        while (result := manager.get_result(timeout=0)) is not None:
+            self._accept(result)
+        generated_lengths = _upstream.inflight_generated_lengths(manager)
         for rid, pending in self._by_request.items():
             if rid not in pending.outputs:  # finished requests keep their (older) versions
                 pending.boundaries.setdefault(rid, []).append((generated_lengths.get(rid, 0), new_version))
 
-    def collect(self, manager: _upstream.ContinuousBatchingManager) -> None:
-        """Take every result the engine has now (no waiting) and move finished groups, in order, to `ready`."""
+    def collect(self, manager: _upstream.ContinuousBatchingManager, in_order: bool = True) -> None:
+        """Take every result the engine has now (no waiting) and move finished groups to `ready`: in submission order,
+        or (`in_order=False`, a server answering independent requests) as soon as each one finishes."""
         while (result := manager.get_result(timeout=0)) is not None:
             self._accept(result)
-        while self.pending and len(self.pending[0].outputs) == len(self.pending[0].request_ids):
-            self.ready.append(self._finish(self.pending.popleft()))
+        if in_order:
+            while self.pending and len(self.pending[0].outputs) == len(self.pending[0].request_ids):
+                self.ready.append(self._finish(self.pending.popleft()))
+            return
+        for pending in [p for p in self.pending if len(p.outputs) == len(p.request_ids)]:
+            self.pending.remove(pending)
+            self.ready.append(self._finish(pending))
+
+    def discard(self, row: Any) -> list[str]:
+        """Forget the pending group submitted with `row` (compared by identity); return its request ids, which the
+        caller cancels in the engine. Results that still arrive for them are ignored."""
+        for pending in list(self.pending):
+            if pending.group.row is row:
+                self.pending.remove(pending)
+                for rid in pending.request_ids:
+                    self._by_request.pop(rid, None)
+                return [rid for rid in pending.request_ids if rid not in pending.outputs]
+        return []
 
     def wait(self, manager: _upstream.ContinuousBatchingManager, timeout: float) -> None:
         """Wait up to `timeout` s for one result; `EngineDiedError` if the engine stopped meanwhile."""
@@ -116,8 +138,8 @@ class InFlightGroups:
 
     def _accept(self, result: Any) -> None:
         pending = self._by_request.get(result.request_id)
-        if pending is None:
-            logger.warning("Dropping a result for unknown request %s.", result.request_id)
+        if pending is None:  # a discarded (cancelled) group's request
+            logger.debug("Dropping a result for unknown request %s.", result.request_id)
             return
         if _upstream.finished_output(result) is None:
             return

@@ -2,11 +2,13 @@
 
 Guarantees: `generate` returns every requested completion in the caller's order (prompt i's samples at
 `[i*G:(i+1)*G]`) or raises `RolloutServerError` naming every URL and why it failed; every HTTP call has a timeout,
-so it never hangs. A completion whose `weight_version` this client never pushed (0 = the initial weights) is rejected.
+so it never hangs. A completion with a token of a `weight_version` this client never pushed (0 = the initial weights)
+is rejected. Calls may come from several threads at once (async rollouts keep one request per group in flight).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +27,8 @@ class RemoteGenerationResult:
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
     policy_logprobs: list[list[float]]
-    weight_versions: list[int]
+    weight_versions: list[int]  # per completion: its oldest token's version
+    token_weight_versions: list[list[int]]  # per token: the version that sampled it
     num_generations: int
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -41,6 +44,7 @@ class RolloutClient:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         #: Weight versions the trainer pushed; a completion from any other version is refused.
         self.known_versions: set[int] = {0}
+        self._calls = itertools.count()  # rotates the first replica between calls (one-prompt calls spread too)
 
     def health(self) -> dict[str, bool]:
         alive = {}
@@ -55,7 +59,8 @@ class RolloutClient:
         """Sample `num_generations` completions per prompt; `sampling`: max_tokens, temperature, top_p, top_k."""
         n = num_generations
         slots: list[dict | None] = [None] * (len(prompts) * n)
-        live = list(self.urls)
+        first = next(self._calls) % len(self.urls)
+        live = self.urls[first:] + self.urls[:first]
         failures: dict[str, str] = {}
         pending = list(range(len(prompts)))
         while pending:
@@ -84,6 +89,7 @@ class RolloutClient:
             logprobs=[c["logprobs"] for c in done],
             policy_logprobs=[c["policy_logprobs"] for c in done],
             weight_versions=[c["weight_version"] for c in done],
+            token_weight_versions=[c["token_weight_versions"] for c in done],
             num_generations=n,
         )
 
@@ -100,7 +106,8 @@ class RolloutClient:
         choices = response.json()["choices"]
         if len(choices) != len(prompts) * n:
             raise RolloutServerError(f"returned {len(choices)} completions, expected {len(prompts) * n}")
-        unknown = {c["weight_version"] for c in choices} - self.known_versions
+        versions = {v for c in choices for v in [c["weight_version"], *c["token_weight_versions"]]}
+        unknown = versions - self.known_versions
         if unknown:
             raise RolloutServerError(f"completions sampled with weight versions {sorted(unknown)} never pushed")
         return choices

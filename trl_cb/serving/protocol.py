@@ -45,7 +45,8 @@ class Choice(BaseModel):
     token_ids: list[int]
     logprobs: list[float]
     policy_logprobs: list[float]
-    weight_version: int
+    weight_version: int  # the oldest token's (the version the completion started with)
+    token_weight_versions: list[int] = Field(default_factory=list)  # per token: the weights that sampled it
     finish_reason: str | None = None
 
 

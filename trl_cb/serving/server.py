@@ -1,26 +1,32 @@
-"""The rollout server's HTTP app: one `ContinuousBatchingGenerator` behind FastAPI (docs/server.md).
+"""The rollout server's HTTP app: one persistent `ServingEngine` behind FastAPI (docs/server.md).
 
-Invariants: one generation round at a time (a lock serialises rounds: the generator is not re-entrant), and weights
-change only between rounds, under the same lock, so every completion was sampled from exactly one `weight_version`.
-Bad requests get 4xx naming the reason and leave the server serving. With an API key, every endpoint but `/health`
+Invariants: concurrent requests share the engine's batch (`engine.py`); weights change between two engine steps, and
+every token reports the `weight_version` that sampled it (`token_weight_versions`; a choice's `weight_version` is its
+oldest token's). A client that disconnects cancels its groups. Bad requests get 4xx naming the reason and leave the
+server serving. With an API key, every endpoint but `/health`
 requires `Authorization: Bearer KEY` (else 401); weight updates and close also require the init token (else 403).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import secrets
-import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
 from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import StreamingResponse
 from transformers import GenerationConfig
 
 from ..checks.inputs import validate_prompts
 from ..rollouts.generator import ContinuousBatchingGenerator
+from ..rollouts.rollout_groups import RolloutGroup
+from .engine import ServingEngine, Ticket
 from .protocol import (
     Choice,
     CompletionRequest,
@@ -33,15 +39,8 @@ from .weight_sync import WeightReceiver
 
 logger = logging.getLogger(__name__)
 
-
-class _State:
-    """Counters `/metrics` reports (every name always present)."""
-
-    def __init__(self) -> None:
-        self.requests_served = 0
-        self.requests_rejected = 0
-        self.tokens_generated = 0
-        self.started = time.time()
+#: How often a request waiting for its groups checks that its client is still connected.
+_DISCONNECT_POLL_S = 0.25
 
 
 def create_app(
@@ -50,20 +49,23 @@ def create_app(
     generation_defaults: dict[str, Any] | None = None,
     api_key: str | None = None,
     continuous_batching_config: dict[str, Any] | None = None,
+    max_num_seqs: int = 256,
 ) -> FastAPI:
     """An app serving `model` (a transformers causal LM) with trl_cb's engine.
 
     `generation_defaults`: `GenerationConfig` fields every request starts from (e.g. `eos_token_id`,
     `pad_token_id`); request fields (`max_tokens`, `temperature`, `top_p`, `top_k`) override them.
+    `max_num_seqs`: most sequences generating at once (the engine's cache is sized for them); more requests queue.
     """
     defaults = {"eos_token_id": model.generation_config.eos_token_id, "pad_token_id": model.config.pad_token_id}
     defaults.update(generation_defaults or {})
+    model.eval()
     generator = ContinuousBatchingGenerator(
         model, GenerationConfig(do_sample=True, max_new_tokens=16, **defaults), continuous_batching_config
     )
-    lock = threading.Lock()
-    state = _State()
-    weights = WeightReceiver(model, lock)
+    engine = ServingEngine(generator, model, max_num_seqs)
+    weights = WeightReceiver(model, engine.apply_weights)
+    requests_seen = {"served": 0, "rejected": 0}
 
     def authorized(request: Request) -> None:
         if api_key is None:
@@ -75,7 +77,7 @@ def create_app(
             )
 
     app = FastAPI(title="trl_cb rollout server")
-    app.state.generator = generator
+    app.state.engine = engine
     guarded = [Depends(authorized)]
 
     @app.get("/health")
@@ -84,67 +86,115 @@ def create_app(
 
     @app.get("/v1/models", dependencies=guarded)
     def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "owned_by": "trl_cb", "weight_version": weights.version}
-        card["dtype"] = str(model.dtype).removeprefix("torch.")  # trainers cast pushed weights to it
+        card = {
+            "id": model_name,
+            "object": "model",
+            "owned_by": "trl_cb",
+            "weight_version": engine.version,
+            "dtype": str(model.dtype).removeprefix("torch."),
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics", dependencies=guarded)
     def metrics() -> dict[str, Any]:
+        stats = engine.stats
+        waiting, running = engine.queue_depth()
+        uptime = time.time() - stats.started
         return {
-            "requests_served": state.requests_served,
-            "requests_rejected": state.requests_rejected,
-            "tokens_generated": state.tokens_generated,
-            "weight_version": weights.version,
+            "requests_served": requests_seen["served"],
+            "requests_rejected": requests_seen["rejected"],
+            "groups_finished": stats.groups_finished,
+            "groups_cancelled": stats.groups_cancelled,
+            "queue_groups": waiting,
+            "running_groups": running,
+            "tokens_generated": stats.tokens_generated,
+            "tokens_per_s": stats.tokens_generated / max(uptime, 1e-9),
+            "engine_builds": stats.engine_builds,
+            "paused": engine.paused,
+            "weight_version": engine.version,
+            "weight_updates_in_flight": stats.weight_updates_in_flight,
             "weight_sync_open": weights.is_open,
             "weight_sync_error": weights.last_error,
-            "uptime_s": time.time() - state.started,
+            "uptime_s": uptime,
         }
 
-    @app.post("/v1/completions", dependencies=guarded)
-    def completions(body: CompletionRequest) -> CompletionResponse:
-        try:  # before waiting for the lock: a bad request is refused at once
+    def start(body: CompletionRequest, on_done: Callable[[Ticket], None]) -> list[Ticket]:
+        """Check the request (400 naming the reason) and queue its groups."""
+        try:
             validate_prompts(body.prompt, model, body.max_tokens, continuous_batching_config or {})
-        except ValueError as exc:
-            state.requests_rejected += 1
-            raise HTTPException(status_code=400, detail=str(exc)) from exc
-        config = GenerationConfig(
-            do_sample=True,
-            max_new_tokens=body.max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            **defaults,
-        )
-        with lock:
-            try:
-                result = generator.generate(body.prompt, body.n, generation_config=config)
-            except ValueError as exc:  # settings the engine cannot apply exactly
-                state.requests_rejected += 1
-                raise HTTPException(status_code=400, detail=str(exc)) from exc
-            version = weights.version
-        eos = defaults.get("eos_token_id")
-        choices = [
-            Choice(
-                index=i,
-                prompt_index=i // body.n,
-                token_ids=ids,
-                logprobs=result.logprobs[i],
-                policy_logprobs=result.policy_logprobs[i] if result.policy_logprobs else result.logprobs[i],
-                weight_version=version,
-                finish_reason="stop" if ids and ids[-1] == eos else "length",
+            config = GenerationConfig(
+                do_sample=True,
+                max_new_tokens=body.max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                **defaults,
             )
-            for i, ids in enumerate(result.completion_ids)
-        ]
-        generated = sum(len(ids) for ids in result.completion_ids)
-        state.requests_served += 1
-        state.tokens_generated += generated
+            generator.checked_generation_config(config)  # refuses settings the engine cannot apply exactly
+        except ValueError as exc:
+            requests_seen["rejected"] += 1
+            raise HTTPException(status_code=400, detail=str(exc)) from exc
+        return engine.submit(body.prompt, body.n, config, on_done=on_done)
+
+    async def finished(body: CompletionRequest, request: Request) -> AsyncIterator[tuple[int, RolloutGroup]]:
+        """(prompt index, group) as each group ends; a client that disconnects cancels its groups."""
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Queue[Ticket] = asyncio.Queue()
+        tickets = start(body, lambda ticket: loop.call_soon_threadsafe(ended.put_nowait, ticket))
+        index = {id(ticket): i for i, ticket in enumerate(tickets)}
+        try:
+            for _ in tickets:
+                while True:
+                    try:
+                        ticket = await asyncio.wait_for(ended.get(), timeout=_DISCONNECT_POLL_S)
+                        break
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            return
+                if ticket.error is not None:
+                    status = 400 if isinstance(ticket.error, ValueError) else 500
+                    raise HTTPException(status_code=status, detail=f"generation failed: {ticket.error}")
+                yield index[id(ticket)], ticket.group
+        finally:
+            engine.cancel(tickets)  # no-op for the groups that ended
+            requests_seen["served"] += 1
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(body: CompletionRequest, request: Request) -> CompletionResponse:
+        groups = dict([item async for item in finished(body, request)])
+        if len(groups) < len(body.prompt):  # the client went away: nobody reads this
+            raise HTTPException(status_code=499, detail="client disconnected")
+        choices = [choice for i in range(len(body.prompt)) for choice in _choices(groups[i], i, body.n, defaults)]
         prompt_tokens = sum(len(p) for p in body.prompt)
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": generated,
-            "total_tokens": prompt_tokens + generated,
-        }
+        generated = sum(len(c.token_ids) for c in choices)
+        total = prompt_tokens + generated
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": total}
         return CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", model=model_name, choices=choices, usage=usage)
+
+    @app.post("/v1/completions/stream", dependencies=guarded)
+    async def completions_stream(body: CompletionRequest, request: Request) -> StreamingResponse:
+        """One JSON line per group (a prompt's `n` choices) as it finishes, in finishing order; errors as a line."""
+        groups = finished(body, request)
+
+        async def lines() -> AsyncIterator[str]:
+            try:
+                async for i, group in groups:
+                    choices = [c.model_dump() for c in _choices(group, i, body.n, defaults)]
+                    yield json.dumps({"prompt_index": i, "choices": choices}) + "\n"
+            except HTTPException as exc:
+                yield json.dumps({"error": exc.detail, "status": exc.status_code}) + "\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.post("/pause", dependencies=guarded)
+    def pause() -> dict[str, bool]:
+        engine.set_paused(True)
+        return {"paused": True}
+
+    @app.post("/resume", dependencies=guarded)
+    def resume() -> dict[str, bool]:
+        engine.set_paused(False)
+        return {"paused": False}
 
     @app.post("/weights/init", dependencies=guarded)
     def weights_init(body: WeightsInit) -> dict[str, str]:
@@ -171,3 +221,21 @@ def create_app(
         return {"status": "closed"}
 
     return app
+
+
+def _choices(group: RolloutGroup, prompt_index: int, n: int, defaults: dict[str, Any]) -> list[Choice]:
+    eos = defaults.get("eos_token_id")
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    return [
+        Choice(
+            index=prompt_index * n + k,
+            prompt_index=prompt_index,
+            token_ids=ids,
+            logprobs=group.logprobs[k],
+            policy_logprobs=group.policy_logprobs[k],
+            weight_version=min(group.versions[k], default=group.submitted_version),
+            token_weight_versions=group.versions[k],
+            finish_reason="stop" if ids and ids[-1] in eos_ids else "length",
+        )
+        for k, ids in enumerate(group.completion_ids)
+    ]

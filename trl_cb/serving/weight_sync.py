@@ -4,8 +4,9 @@ The group is built from its own `TCPStore` (the trainer is the store's master) a
 `torch.distributed`'s default group, so it lives beside the trainer's accelerate group. Protocol (docs/server.md):
 the trainer POSTs `/weights/init` (the server joins in a thread), opens its side; per update it POSTs
 `/weights/update` with the parameter list, broadcasts each parameter in that order, and waits until the server reports
-the new version. The server receives every tensor first and copies them into its model under the generation lock, so
-no forward ever sees half-updated weights. Only the holder of the init `token` may update or close the group.
+the new version. The server receives every tensor first, then copies them into its model between two engine steps
+(`ServingEngine.apply_weights`), so no forward ever sees half-updated weights and in-flight requests continue. Only
+the holder of the init `token` may update or close the group.
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ def _dtype(name: str) -> torch.dtype:
 class WeightReceiver:
     """Server side: one trainer's group at a time; `apply` copies received tensors into the model (under a lock)."""
 
-    def __init__(self, model: torch.nn.Module, apply_lock: threading.Lock) -> None:
+    def __init__(self, model: torch.nn.Module, apply: Callable[[Callable[[], None], int], None]) -> None:
         self.model = model
-        self.apply_lock = apply_lock
+        self.apply = apply  # apply(copy, version): runs `copy` between two engine steps, then serves `version`
         self.version = 0
         self.last_error: str | None = None
         self._token: str | None = None
@@ -105,10 +106,13 @@ class WeightReceiver:
                 buffer = torch.empty(shape, dtype=_dtype(dtype))
                 _broadcast(self._group[1], buffer)
                 received.append((names[name], buffer))
-            with self.apply_lock, torch.no_grad():  # no engine forward runs while weights are half-copied
+
+            def copy() -> None:
                 for param, buffer in received:
                     param.data.copy_(buffer.to(param.device, param.dtype))
-                self.version = version
+
+            self.apply(copy, version)  # no engine forward runs while weights are half-copied
+            self.version = version
             on_done(version)
 
         self._run(receive, f"update to version {version}")

@@ -13,12 +13,13 @@ import logging
 import math
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from ..checks import inputs
 from ..engine import sharding
 from ..rollouts.async_controller import AsyncRolloutController
 from ..rollouts.generator import ContinuousBatchingGenerator
@@ -26,6 +27,9 @@ from ..rollouts.model_access import plain_module
 from ..rollouts.prompt_stream import PromptStream
 from ..rollouts.rollout_groups import RolloutGroup
 from . import trl_internals
+
+if TYPE_CHECKING:  # needs the `serve` extra
+    from ..serving.remote_rollouts import RemoteRolloutController
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +83,7 @@ class AsyncRolloutsMixin:
     """The async part of `ContinuousBatchingTrainerMixin` (state: the controller, the stream position, the groups of
     the current step and the dataset's longest prompt)."""
 
-    _cb_async: AsyncRolloutController | None = None
+    _cb_async: AsyncRolloutController | RemoteRolloutController | None = None
     _cb_async_groups: list[RolloutGroup] | None = None
     #: Stream position the next async controller starts from (advanced when a controller stops; set on resume).
     _cb_async_start: int = 0
@@ -97,6 +101,11 @@ class AsyncRolloutsMixin:
             )
         if getattr(self, "tools", None):
             raise ValueError("async_generation does not support tool calling (multi-turn rollouts).")
+        if args.rollout_server_urls and self.accelerator.num_processes > 1:
+            raise NotImplementedError(
+                "async_generation with rollout_server_urls runs in a single training process for now "
+                f"(got {self.accelerator.num_processes}); use sync mode (async_generation=False) with several."
+            )
         self.add_callback(_PauseEngineForOptimizerStep(self))
         self.add_callback(_SaveAsyncState(self))
 
@@ -144,9 +153,10 @@ class AsyncRolloutsMixin:
 
         return PromptStream(len(dataset), self._cb_stream_seed(), fetch, start=start)
 
-    def _cb_scan_prompts(self, generator: ContinuousBatchingGenerator, module: torch.nn.Module) -> int:
-        """Tokenize and validate every prompt of `train_dataset` (the synchronous checks, naming the row) and return
-        the longest prompt's length: the async engine is sized for it, so no row can fail to be scheduled later."""
+    def _cb_scan_prompts(self, validate: Callable[[list[list[int]]], None]) -> int:
+        """Tokenize and validate every prompt of `train_dataset` (`validate`: the synchronous checks; the error names
+        the row) and return the longest prompt's length: the async engine is sized for it, so no row can fail to be
+        scheduled later."""
         dataset = self.train_dataset
         t0 = time.perf_counter()
         longest = 0
@@ -154,7 +164,7 @@ class AsyncRolloutsMixin:
             rows = [dataset[i]["prompt"] for i in range(begin, min(begin + _SCAN_BATCH, len(dataset)))]
             ids = trl_internals.tokenize_prompts(self, rows)
             try:
-                generator.validate_prompts(ids, module)
+                validate(ids)
             except ValueError as err:
                 raise ValueError(f"train_dataset rows {begin}..{begin + len(ids) - 1}: {err}") from None
             longest = max(longest, max(len(p) for p in ids))
@@ -163,8 +173,22 @@ class AsyncRolloutsMixin:
         )
         return longest
 
-    def _cb_async_controller(self) -> AsyncRolloutController:
+    def _cb_async_controller(self) -> AsyncRolloutController | RemoteRolloutController:
         """The async controller, built (and its engine filled) the first time a training step needs it."""
+        if self._cb_async is None and self.args.rollout_server_urls:
+            module = plain_module(self.model_wrapped)
+            max_new = int(self.generation_config.max_new_tokens)
+            cb_config = self.args.transformers_continuous_batching_config or {}
+
+            def validate(prompts: list[list[int]]) -> None:  # the servers run the trainer's model: same limits
+                inputs.validate_prompts(prompts, module, max_new, cb_config)
+
+            if self._cb_async_longest is None:
+                self._cb_async_longest = self._cb_scan_prompts(validate)
+            stream = self._cb_prompt_stream(self._cb_async_start)
+            controller = self._cb_remote_async_controller(stream, lambda prompt: validate([prompt]))
+            controller.start()
+            self._cb_async = controller
         if self._cb_async is None:
             args = self.args
             generator = ContinuousBatchingGenerator(
@@ -177,7 +201,7 @@ class AsyncRolloutsMixin:
             rows_per_step = args.generation_batch_size // self.accelerator.num_processes
             module = plain_module(self.model_wrapped)
             if self._cb_async_longest is None:
-                self._cb_async_longest = self._cb_scan_prompts(generator, module)
+                self._cb_async_longest = self._cb_scan_prompts(lambda ids: generator.validate_prompts(ids, module))
             controller = AsyncRolloutController(
                 generator,
                 module,

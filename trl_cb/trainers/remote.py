@@ -1,19 +1,20 @@
-"""Rollouts from `trl-cb serve` replicas (`rollout_server_urls`): the trainer's side, sync mode, one or more processes.
+"""Rollouts from `trl-cb serve` replicas (`rollout_server_urls`): the trainer's side.
 
-Invariant: every completion a step trains on was sampled by the weights the trainer holds at that step. Before the
-first round of each optimizer step the weights are pushed (one version per push) to every replica, which serves them
-before the round starts; the client refuses completions of versions it never pushed. The server runs the same engine,
-so the sampler-side logprobs feed the IS correction exactly as on the local path.
+Sync mode invariant: every completion a step trains on was sampled by the weights the trainer holds at that step:
+before the first round of each optimizer step the weights are pushed (one version per push) to every replica, which
+serves them before the round starts. Async mode (`async_generation`, single process): the servers generate ahead while
+the trainer trains (`serving/remote_rollouts.py`), weights pushed after every optimizer step. Either way the client
+refuses tokens of versions it never pushed, and the sampler-side logprobs feed the IS correction as on the local path.
 
-Multi-process (DDP, ZeRO-3, FSDP2): only the main process talks to the servers. Every rank takes part in gathering
-the weights, one parameter at a time (`engine/weight_export.py`), and the main process broadcasts each to the
-servers; each round, the main process generates every rank's prompts and hands each rank its own share. A failure on
+Multi-process sync mode (DDP, ZeRO-3, FSDP2): only the main process talks to the servers. Every rank takes part in
+gathering the weights, one parameter at a time (`engine/weight_export.py`), the main process broadcasts each to the
+servers; each round the main process generates every rank's prompts and hands each rank its own share. A failure on
 the main process is raised on every rank, so no rank waits in a collective for a partner that left. docs/server.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..engine.weight_export import iter_weights, weight_specs
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # the serving modules need the `serve` extra (requests): impo
     import torch
 
     from ..serving.client import RolloutClient
+    from ..serving.remote_rollouts import RemoteRolloutController
     from ..serving.weight_sync import WeightSender
 
 T = TypeVar("T")
@@ -100,13 +102,7 @@ class RemoteRolloutsMixin:
             self._cb_remote_setup()
         if self._cb_pushed_step != self.state.global_step:
             self._cb_push_weights()
-        config = self.generation_config
-        sampling = {
-            "max_tokens": config.max_new_tokens,
-            "temperature": config.temperature if config.temperature is not None else 1.0,
-            "top_p": config.top_p if config.top_p is not None else 1.0,
-            "top_k": config.top_k or 0,
-        }
+        sampling = self._cb_remote_sampling()
         accelerator = self.accelerator
         with trl_internals.profiling_context(self, "trl_cb.remote_generate"):
             if accelerator.num_processes == 1:
@@ -129,8 +125,19 @@ class RemoteRolloutsMixin:
         self._cb_last_logprobs = logprobs
         return completion_ids, logprobs
 
-    def _cb_push_weights(self) -> None:
-        """Push the current weights as the next version: every rank gathers, the main process sends."""
+    def _cb_remote_sampling(self) -> dict[str, Any]:
+        """The `/v1/completions` sampling fields of the trainer's generation config."""
+        config = self.generation_config
+        return {
+            "max_tokens": config.max_new_tokens,
+            "temperature": config.temperature if config.temperature is not None else 1.0,
+            "top_p": config.top_p if config.top_p is not None else 1.0,
+            "top_k": config.top_k or 0,
+        }
+
+    def _cb_push_weights(self) -> int:
+        """Push the current weights to every replica as the next version (served once this returns) and return it:
+        every rank gathers (a collective when sharded), the main process sends."""
         version = self._cb_weight_version + 1
         module = plain_module(self.model_wrapped)
         specs, weights = weight_specs(module), iter_weights(module)
@@ -138,8 +145,8 @@ class RemoteRolloutsMixin:
         def send() -> None:
             from ..serving.weight_sync import push_weights
 
+            self._cb_client.known_versions.add(version)  # async: tokens of it may arrive before the push ends
             push_weights(self._cb_senders, specs, weights, version, self._cb_server_dtypes)
-            self._cb_client.known_versions.add(version)
 
         with trl_internals.profiling_context(self, "trl_cb.push_weights"):
             if not self.accelerator.is_main_process:
@@ -148,6 +155,31 @@ class RemoteRolloutsMixin:
             self._cb_on_main(send)
         self._cb_weight_version = version
         self._cb_pushed_step = self.state.global_step
+        return self._cb_weight_version
+
+    def _cb_remote_async_controller(
+        self, prompt_stream: Iterator[tuple[Any, list[int]]], validate: Callable[[list[int]], None]
+    ) -> RemoteRolloutController:
+        """Async rollouts from the servers (`serving/remote_rollouts.py`), with the local controller's bounds."""
+        if not self._cb_remote_ready:
+            self._cb_remote_setup()
+        from ..serving.remote_rollouts import RemoteRolloutController
+
+        args: Any = self.args
+        rows_per_step = args.generation_batch_size // self.accelerator.num_processes
+        return RemoteRolloutController(
+            self._cb_client,
+            prompt_stream,
+            num_generations=self.num_generations,
+            groups_per_step=rows_per_step // self.num_generations,
+            sampling=self._cb_remote_sampling(),
+            push_weights=self._cb_push_weights,
+            prefetch_depth=args.prefetch_depth,
+            max_staleness=self._cb_max_staleness(),
+            keep_stale=args.async_keep_stale,
+            timeout=args.cb_generation_timeout,
+            validate=validate,
+        )
 
     def _cb_remote_close(self) -> None:
         senders, self._cb_senders, self._cb_client = self._cb_senders or [], None, None

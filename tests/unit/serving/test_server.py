@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,11 +20,11 @@ from transformers import AutoModelForCausalLM
 
 from tests.unit.rollouts.test_generator import teacher_forced_logprobs
 from tests.unit.trainers.test_trainers import make_trainer
-from trl_cb import GRPOConfig
 from trl_cb.engine.weight_export import iter_weights, weight_specs
 from trl_cb.errors import RolloutServerError
 from trl_cb.offline.tiny import tiny_model
 from trl_cb.serving.client import RolloutClient
+from trl_cb.serving.launch import local_rollout_server
 from trl_cb.serving.weight_sync import WeightSender, free_port, push_weights
 
 KEY = "test-key-123"
@@ -53,27 +50,10 @@ def checkpoint(tmp_path_factory, tokenizer) -> str:
 
 @contextlib.contextmanager
 def running_server(checkpoint: str, *extra: str):
-    """A `trl-cb serve` process on a free loopback port, up and healthy; killed on exit, also on failure."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "trl_cb.cli", "serve", "--model", checkpoint, "--port", str(port)]
-    proc = subprocess.Popen([*command, "--threads", "1", *extra], env=env, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, "server exited during startup"
-            try:
-                if requests.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                time.sleep(0.2)
-        else:
-            pytest.fail("server did not come up within 60 s")
-        yield proc, url
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
+    """A `trl-cb serve` process (one thread) on a free loopback port, up and healthy; stopped on exit."""
+    env = {"PYTHONPATH": str(ROOT)}
+    with local_rollout_server(checkpoint, threads=1, extra_args=extra, env=env, startup_timeout=60) as server:
+        yield server.process, server.url
 
 
 @pytest.fixture(scope="module")
@@ -262,18 +242,6 @@ def test_request_errors_are_not_resubmitted(server):
     client = RolloutClient([url], api_key=KEY, timeout=10)
     with pytest.raises(ValueError, match="outside the model.s vocabulary"):
         client.generate([[5, 10**7]], 1, max_tokens=4)
-
-
-def test_config_refuses_async_with_servers(tmp_path):
-    with pytest.raises(ValueError, match="async_generation"):
-        GRPOConfig(
-            output_dir=str(tmp_path),
-            use_cpu=True,
-            report_to=[],
-            use_transformers_continuous_batching=True,
-            rollout_server_urls=["http://127.0.0.1:1"],
-            async_generation=True,
-        )
 
 
 def test_hung_replica_times_out(prompts):

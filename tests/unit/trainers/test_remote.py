@@ -37,7 +37,15 @@ class FakeClient:
         self.requests.append(len(prompts))
         ids = [p[::-1] for p in prompts]
         logprobs = [[-float(len(p))] * len(p) for p in prompts]
-        return RemoteGenerationResult(ids, logprobs, logprobs, [0] * len(prompts), n)
+        versions = [[0] * len(p) for p in prompts]
+        return RemoteGenerationResult(
+            completion_ids=ids,
+            logprobs=logprobs,
+            policy_logprobs=logprobs,
+            weight_versions=[0] * len(prompts),
+            token_weight_versions=versions,
+            num_generations=n,
+        )
 
 
 class FakeTrainer(RemoteRolloutsMixin):

@@ -1,0 +1,179 @@
+"""The server's persistent engine: weight updates between engine steps mid-request (exact per-token versions),
+streaming, pause/resume, cancellation of a gone client, and async GRPO training on a server.
+
+One server (tiny std-0.2 model without an EOS bias, so completions run to `max_tokens`; fp32, one thread) serves
+the module; every process started here is stopped in the fixtures' `finally`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from tests.unit.serving.test_server import AUTH, KEY, perturbed, running_server
+from tests.unit.trainers.test_trainers import make_trainer
+from trl_cb.offline.tiny import tiny_model
+from trl_cb.serving.client import RolloutClient
+from trl_cb.serving.weight_sync import WeightSender
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tokenizer) -> str:
+    directory = tmp_path_factory.mktemp("ckpt-no-eos")
+    tiny_model(tokenizer, eos_logit_bias=None, init_std=0.2).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    with running_server(checkpoint, "--api-key", KEY) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def local_model(checkpoint):
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+def metrics(url: str) -> dict:
+    return requests.get(url + "/metrics", headers=AUTH, timeout=5).json()
+
+
+def post(url: str, path: str) -> None:
+    assert requests.post(url + path, headers=AUTH, timeout=30).status_code == 200
+
+
+@torch.no_grad()
+def straddling_reference(old, new, prompt: list[int], tokens: list[int], switch: int) -> torch.Tensor:
+    """Logprobs of `tokens` when tokens `< switch` were sampled by `old` and the rest by `new` over the KV prefix
+    `old` wrote: the step sampling token `switch` runs `new` on input token `switch - 1` and attends to old keys."""
+    sequence = torch.tensor([prompt + tokens])
+    if switch == 0:
+        logits = new(sequence).logits[0, len(prompt) - 1 : -1]
+    else:
+        split = len(prompt) + switch - 1  # inputs before it were processed by `old`
+        cache = DynamicCache(config=old.config)
+        before = old(sequence[:, :split], past_key_values=cache, use_cache=True).logits[0]
+        after = new(sequence[:, split:-1], past_key_values=cache, use_cache=True).logits[0]
+        logits = torch.cat([before[len(prompt) - 1 :], after])
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def test_update_mid_request_switches_versions_per_token_exactly(server, local_model, prompts):
+    """Pause while requests are mid-generation, push new weights, resume: each token reports the weights that
+    sampled it, and its logprob is exactly that of old weights before the switch and new weights (over the old KV
+    prefix) after it. Controls: the old weights alone, and the new weights recomputing the prefix, both miss."""
+    _, url = server
+    client = RolloutClient([url], api_key=KEY, timeout=120)
+    sender = WeightSender(url, api_key=KEY, timeout=60)
+    new_model = perturbed(local_model)
+    batch = [p for p in prompts for _ in range(2)][:12]
+    outcome: dict = {}
+    worker = threading.Thread(target=lambda: outcome.update(result=client.generate(batch, 2, max_tokens=48)))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while metrics(url)["tokens_generated"] == 0 and metrics(url)["running_groups"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.05)
+    post(url, "/pause")
+    client.known_versions.add(1)
+    sender.push(new_model, 1)  # applied while the engine holds its requests
+    state = metrics(url)
+    post(url, "/resume")
+    worker.join(timeout=120)
+    result = outcome["result"]
+    assert state["paused"] and state["weight_version"] == 1 and state["weight_updates_in_flight"] >= 1
+
+    gaps, old_only, new_prefix, straddling = [], [], [], 0
+    for i, (tokens, logprobs, versions) in enumerate(
+        zip(result.completion_ids, result.policy_logprobs, result.token_weight_versions)
+    ):
+        assert len(tokens) == len(versions) and versions == sorted(versions) and set(versions) <= {0, 1}
+        switch = versions.index(1) if 1 in versions else len(versions)
+        straddling += 0 < switch < len(tokens)
+        prompt, got = batch[i // 2], torch.tensor(logprobs)
+        reference = straddling_reference(local_model, new_model, prompt, tokens, switch)
+        gaps.append((reference - got).abs().max().item())
+        if 0 < switch < len(tokens):
+            old_only.append((straddling_reference(local_model, local_model, prompt, tokens, 0) - got).abs().max())
+            new_prefix.append((straddling_reference(new_model, new_model, prompt, tokens, 0) - got).abs().max())
+    print(
+        f"\n{straddling}/{len(gaps)} completions straddle the update; max|d|={max(gaps):.2e}; controls: old weights "
+        f"{min(old_only):.3f}, new weights over a recomputed prefix {min(new_prefix):.3f}"
+    )
+    assert straddling >= 1, "the update landed between requests, not inside one"
+    assert max(gaps) <= 1e-5 and min(old_only) > 0.05 and min(new_prefix) > 1e-3
+    sender.close()
+
+
+def test_stream_returns_each_group_as_one_line(server, prompts):
+    _, url = server
+    body = {"prompt": prompts[:3], "n": 2, "max_tokens": 4}
+    with requests.post(url + "/v1/completions/stream", json=body, headers=AUTH, stream=True, timeout=60) as response:
+        lines = [json.loads(line) for line in response.iter_lines() if line]
+    assert sorted(line["prompt_index"] for line in lines) == [0, 1, 2]
+    for line in lines:
+        assert [c["index"] for c in line["choices"]] == [line["prompt_index"] * 2, line["prompt_index"] * 2 + 1]
+        assert all(len(c["token_ids"]) == 4 == len(c["token_weight_versions"]) for c in line["choices"])
+
+
+def test_pause_holds_requests_and_a_gone_client_cancels_them(server, prompts):
+    _, url = server
+    post(url, "/pause")
+    try:
+        before = metrics(url)["groups_cancelled"]
+        with pytest.raises(requests.Timeout):  # nothing runs while paused; the client gives up
+            requests.post(
+                url + "/v1/completions", json={"prompt": prompts[:2], "max_tokens": 4}, headers=AUTH, timeout=0.5
+            )
+        deadline = time.monotonic() + 5
+        while metrics(url)["groups_cancelled"] < before + 2:
+            assert time.monotonic() < deadline, "the gone client's groups were not cancelled"
+            time.sleep(0.05)
+        assert metrics(url)["queue_groups"] == 0
+    finally:
+        post(url, "/resume")
+    body = {"prompt": prompts[:2], "max_tokens": 4}
+    assert requests.post(url + "/v1/completions", json=body, headers=AUTH, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_async_training_overlaps_with_the_server(server, tokenizer, tmp_path, kind):
+    """async_generation on a server: the trainer pushes weights after every optimizer step while groups stay
+    requested ahead; every token's version is one the trainer pushed and within the staleness bound."""
+    _, url = server
+    trainer = make_trainer(
+        kind,
+        tokenizer,
+        tmp_path,
+        max_steps=3,
+        rollout_server_urls=[url],
+        rollout_server_api_key=KEY,
+        async_generation=True,
+    )
+    start = time.monotonic()
+    trainer.train()
+    print(f"\n3-step async {kind} on the server: {time.monotonic() - start:.1f} s")
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 3 and trainer._cb_generator is None
+    assert trainer._cb_weight_version == 4, "one push at start, one per optimizer step"
+    assert metrics(url)["weight_version"] == 4
+    assert [entry["async/policy_version"] for entry in logs] == [1.0, 2.0, 3.0]
+    assert all(entry["async/staleness_max"] <= 2 for entry in logs)
+    assert max(entry["sampling/sampling_logp_difference/max"] for entry in logs[:1]) < 1e-5  # fresh: exact

@@ -1,0 +1,116 @@
+"""`RemoteRolloutController` against a scripted client (no server): FIFO whatever the finishing order, staleness
+drops counted in the resume position, weight pushes, errors and timeouts reaching the trainer."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+
+from trl_cb.errors import RolloutServerError
+from trl_cb.serving.client import RemoteGenerationResult
+from trl_cb.serving.remote_rollouts import RemoteRolloutController
+
+
+class ScriptedClient:
+    """Answers prompt `[i]` after `delay(i)` seconds with `n` one-token completions of the current `version`."""
+
+    def __init__(self, delay=lambda i: 0.0, fail_on: int | None = None) -> None:
+        self.delay = delay
+        self.fail_on = fail_on
+        self.version = 0
+        self.calls: list[int] = []
+
+    def generate(self, prompts, n, **sampling) -> RemoteGenerationResult:
+        (i,) = prompts[0]
+        self.calls.append(i)
+        time.sleep(self.delay(i))
+        if i == self.fail_on:
+            raise RolloutServerError("replica gone")
+        version = self.version
+        return RemoteGenerationResult(
+            completion_ids=[[i]] * n,
+            logprobs=[[-1.0]] * n,
+            policy_logprobs=[[-1.0]] * n,
+            weight_versions=[version] * n,
+            token_weight_versions=[[version]] * n,
+            num_generations=n,
+        )
+
+
+def controller(client: ScriptedClient, **kwargs) -> RemoteRolloutController:
+    stream = ((f"row{i}", [i]) for i in itertools.count())
+
+    def push() -> int:
+        client.version += 1
+        return client.version
+
+    options = {"num_generations": 2, "groups_per_step": 2, "sampling": {"max_tokens": 1}, "push_weights": push}
+    return RemoteRolloutController(client, stream, **{**options, **kwargs})
+
+
+def test_groups_come_back_in_request_order_whatever_finishes_first():
+    client = ScriptedClient(delay=lambda i: 0.2 if i % 4 == 0 else 0.0)  # every 4th request is the slowest
+    ctl = controller(client, prefetch_depth=1, max_staleness=5)
+    ctl.start()
+    assert ctl.policy_version == 1, "weights are pushed before the first request"
+    seen = []
+    for _ in range(3):
+        groups, metrics = ctl.take(2)
+        seen += [g.row for g in groups]
+        assert all(g.completion_ids == [[int(g.row[3:])]] * 2 for g in groups)
+    assert seen == [f"row{i}" for i in range(6)] and ctl.consumed_groups == 6
+    assert metrics.policy_version == 1 and metrics.dropped_total == 0
+    assert len(client.calls) >= 6 and len(ctl._requests) == ctl.capacity_groups == 4, "kept full, never more"
+
+
+def test_stale_groups_are_dropped_and_counted_in_the_resume_position():
+    client = ScriptedClient()
+    ctl = controller(client, prefetch_depth=1, max_staleness=1)
+    ctl.start()
+    time.sleep(0.1)  # the first 4 groups are sampled with version 1
+    for _ in range(2):  # two optimizer steps: version 3, those groups are 2 updates old
+        ctl.begin_weight_update()
+        ctl.end_weight_update()
+    groups, metrics = ctl.take(2)
+    assert metrics.dropped_groups == 4 and metrics.staleness_max == 0
+    assert [g.row for g in groups] == ["row4", "row5"] and ctl.consumed_groups == 6
+    assert all(v == [[3], [3]] for v in (g.versions for g in groups))
+
+
+def test_keep_stale_keeps_them():
+    client = ScriptedClient()
+    ctl = controller(client, prefetch_depth=1, max_staleness=0, keep_stale=True)
+    ctl.start()
+    time.sleep(0.1)
+    ctl.end_weight_update()
+    groups, metrics = ctl.take(2)
+    assert [g.row for g in groups] == ["row0", "row1"] and metrics.staleness_max == 1 and metrics.dropped_total == 0
+
+
+def test_a_failed_group_raises_in_the_trainer():
+    ctl = controller(ScriptedClient(fail_on=1))
+    ctl.start()
+    with pytest.raises(RolloutServerError, match="replica gone"):
+        ctl.take(2)
+
+
+def test_take_times_out_instead_of_hanging():
+    ctl = controller(ScriptedClient(delay=lambda i: 5.0), timeout=0.3)
+    ctl.start()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="No rollouts within 0.3 s"):
+        ctl.take(2)
+    assert time.monotonic() - start < 1.0
+    ctl.stop()
+
+
+def test_invalid_prompt_names_its_stream_item():
+    def validate(prompt: list[int]) -> None:
+        if prompt == [2]:
+            raise ValueError("too long")
+
+    ctl = controller(ScriptedClient(), validate=validate, prefetch_depth=1)
+    with pytest.raises(ValueError, match="item 2: too long"):
+        ctl.start()

@@ -1,0 +1,313 @@
+"""`ServingEngine`: the rollout server's one persistent CB engine, shared by every concurrent request.
+
+Requests become groups (a prompt and its `n` samples, prefilled once and forked) that join the running batch as soon
+as the engine has room, so concurrent requests batch together and no request waits for another's round to end.
+Invariants:
+- One thread, the engine loop, touches the engine and the in-flight groups; callers post operations to it and wait.
+- Weights change between two engine steps, never during one (`manager.pause()`): in-flight requests keep their KV
+  prefix and continue on the new weights; every token records the weight version that sampled it.
+- Bounded: at most `max_num_seqs` sequences in the engine; more wait in a FIFO queue (`queue_groups` in metrics).
+- One sampling setting at a time: a group with other settings waits until the engine is empty, which is then rebuilt.
+- Every group submitted ends exactly once: finished, failed (engine error, bad settings) or cancelled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from ..checks.generation_settings import sampling_signature
+from ..engine import _upstream
+from ..engine.sizing import Workload
+from ..rollouts.generator import ContinuousBatchingGenerator
+from ..rollouts.rollout_groups import InFlightGroups, RolloutGroup
+
+logger = logging.getLogger(__name__)
+
+#: Longest wait of the engine loop between looks at its operation queue.
+_POLL_SECONDS = 0.005
+#: Prompt lengths the engine is sized for are rounded up to a power of two, at least this: varying prompt lengths
+#: then rarely force a rebuild (which waits for the engine to empty).
+_MIN_SIZED_PROMPT = 256
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One prompt's `n` samples, from submission to its end; `done` is set once `group` or `error` is."""
+
+    prompt_ids: list[int]
+    n: int
+    config: GenerationConfig
+    group: RolloutGroup | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False
+    on_done: Callable[[Ticket], None] | None = None
+
+    def finish(self, group: RolloutGroup | None = None, error: BaseException | None = None) -> None:
+        if self.done.is_set():
+            return
+        self.group, self.error = group, error
+        self.done.set()
+        if self.on_done is not None:
+            try:
+                self.on_done(self)
+            except Exception:  # e.g. the waiting request's event loop is gone: nobody to tell, the engine goes on
+                logger.debug("on_done callback failed", exc_info=True)
+
+
+@dataclass
+class ServingStats:
+    """What `/metrics` reports about generation (every name always present)."""
+
+    groups_finished: int = 0
+    groups_cancelled: int = 0
+    tokens_generated: int = 0
+    engine_builds: int = 0
+    weight_updates_in_flight: int = 0  # updates applied while requests were generating
+    started: float = field(default_factory=time.time)
+
+
+class ServingEngine:
+    """The engine loop of one rollout server (see the module docstring).
+
+    Args:
+        generator: The server's generator (its engine is built on demand and kept).
+        model: The served model (eval mode; never trained here).
+        max_num_seqs: Most sequences in the engine at once (its cache is sized for that many).
+    """
+
+    def __init__(self, generator: ContinuousBatchingGenerator, model: torch.nn.Module, max_num_seqs: int) -> None:
+        self.generator = generator
+        self.model = model
+        self.max_num_seqs = max_num_seqs
+        self.version = 0
+        self.paused = False
+        self.stats = ServingStats()
+        self._ops: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._waiting: deque[Ticket] = deque()
+        self._groups = InFlightGroups()
+        self._manager: _upstream.ContinuousBatchingManager | None = None
+        self._signature: Any = None
+        self._workload: Workload | None = None
+        self._pause_hold: contextlib.ExitStack | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="trl_cb-serving-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------------ called by any thread
+
+    def submit(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        config: GenerationConfig,
+        on_done: Callable[[Ticket], None] | None = None,
+    ) -> list[Ticket]:
+        """Queue each prompt as a group of `n` samples; `on_done(ticket)` runs (on the engine loop) as each ends, in
+        whatever order they finish."""
+        tickets = [Ticket(list(prompt), n, config, on_done=on_done) for prompt in prompts]
+        self._post(lambda: self._waiting.extend(tickets))
+        return tickets
+
+    def cancel(self, tickets: list[Ticket]) -> None:
+        """Drop groups nobody waits for any more (a client went away): queued ones never start, running ones stop."""
+        self._post(lambda: [self._cancel(ticket) for ticket in tickets if not ticket.done.is_set()])
+
+    def apply_weights(self, copy: Callable[[], None], version: int) -> None:
+        """Run `copy` (which writes new weights into the model) between two engine steps, then serve `version`."""
+        self._call(lambda: self._apply_weights(copy, version))
+
+    def set_paused(self, paused: bool) -> None:
+        """Pause: the engine holds its requests and cache and runs no step until resumed; new groups queue."""
+        self._call(lambda: self._set_paused(paused))
+
+    def queue_depth(self) -> tuple[int, int]:
+        """(groups waiting for room, groups in the engine), as last seen by the loop."""
+        return len(self._waiting), len(self._groups.pending)
+
+    def close(self) -> None:
+        """Stop the loop, fail what is left (`RuntimeError`), and hard-stop the engine."""
+        if self._thread.is_alive():
+            self._post(lambda: setattr(self, "_stopping", True))
+            self._thread.join(timeout=30)
+        self.generator.close()
+
+    # ----------------------------------------------------------------------------------- the engine loop only
+
+    def _post(self, op: Callable[[], None]) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("the serving engine has stopped")
+        self._ops.put(op)
+
+    def _call(self, op: Callable[[], None]) -> None:
+        """Run `op` on the loop and wait for it; its exception is raised here."""
+        done = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                op()
+            except BaseException as exc:  # handed to the caller
+                failure.append(exc)
+            finally:
+                done.set()
+
+        self._post(run)
+        done.wait()
+        if failure:
+            raise failure[0]
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            try:
+                idle = self.paused or not (self._groups.pending or self._waiting)
+                self._run_ops(block=idle)
+                if self._manager is not None and not self.paused:
+                    self._collect()
+                self._schedule()
+                if self._manager is not None and self._groups.pending and not self.paused:
+                    self._groups.wait(self._manager, _POLL_SECONDS)
+            except Exception as exc:  # the engine died: fail its groups, serve the next ones on a new engine
+                logger.exception("rollout engine failed; its requests are answered with the error")
+                self._fail_all(exc, waiting=False)
+                self._drop_engine()
+        self._fail_all(RuntimeError("the rollout server is shutting down"), waiting=True)
+        self._drop_engine()
+
+    def _run_ops(self, block: bool) -> None:
+        try:
+            op = self._ops.get(timeout=0.05) if block else self._ops.get_nowait()
+        except queue.Empty:
+            return
+        op()
+        while True:
+            try:
+                self._ops.get_nowait()()
+            except queue.Empty:
+                return
+
+    def _collect(self) -> None:
+        self._groups.collect(self._manager, in_order=False)
+        while self._groups.ready:
+            group = self._groups.ready.popleft()
+            ticket: Ticket = group.row
+            group.row = None
+            self.stats.groups_finished += 1
+            self.stats.tokens_generated += sum(len(ids) for ids in group.completion_ids)
+            ticket.finish(group)
+
+    def _schedule(self) -> None:
+        """Move queued groups into the engine while they fit; rebuild it (only once empty) when one cannot fit."""
+        while self._waiting and not self.paused:
+            ticket = self._waiting[0]
+            signature = sampling_signature(ticket.config)
+            fits = (
+                self._manager is not None
+                and signature == self._signature
+                and len(ticket.prompt_ids) <= self._workload.max_prompt_len
+                and int(ticket.config.max_new_tokens) <= self._workload.max_new_tokens
+            )
+            if not fits:
+                if self._groups.pending:
+                    return  # the engine must empty before it is rebuilt for this group
+                try:
+                    self._build(ticket, signature)
+                except ValueError as exc:  # settings or prompt the engine refuses: this group only
+                    self._waiting.popleft().finish(error=exc)
+                    continue
+            if self._groups.inflight_requests + ticket.n > self.max_num_seqs and self._groups.pending:
+                return
+            self._waiting.popleft()
+            max_new = int(ticket.config.max_new_tokens)
+            self._groups.submit(self._manager, ticket, ticket.prompt_ids, ticket.n, max_new, self.version)
+
+    def _build(self, ticket: Ticket, signature: Any) -> None:
+        self._drop_engine()
+        self.generator.generation_config = self.generator.checked_generation_config(ticket.config)
+        self.generator.validate_prompts([ticket.prompt_ids], self.model)
+        previous = self._workload
+        prompt_len = max(_MIN_SIZED_PROMPT, 1 << (len(ticket.prompt_ids) - 1).bit_length())
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        max_new = int(ticket.config.max_new_tokens)
+        if limit is not None:
+            prompt_len = max(len(ticket.prompt_ids), min(prompt_len, int(limit) - max_new))
+        workload = Workload(
+            num_requests=max(self.max_num_seqs, ticket.n),
+            max_prompt_len=prompt_len,
+            max_new_tokens=max_new,
+            prefill_tokens=prompt_len,
+        )
+        if previous is not None and signature == self._signature:
+            workload = workload.union(previous)
+        self._manager = self.generator.engine_for(self.model, workload)
+        self._signature, self._workload = signature, workload
+        self.stats.engine_builds += 1
+        if self.paused:
+            self._hold_pause()
+
+    def _apply_weights(self, copy: Callable[[], None], version: int) -> None:
+        with torch.no_grad(), self._paused_engine():
+            if self._manager is not None and self._groups.pending:
+                self._groups.mark_weight_update(self._manager, version)
+                self.stats.weight_updates_in_flight += 1
+            copy()
+            self.version = version
+
+    @contextlib.contextmanager
+    def _paused_engine(self):
+        if self._manager is None or self._pause_hold is not None:
+            yield
+            return
+        with self._manager.pause():  # returns once the engine loop sits between two steps
+            yield
+
+    def _set_paused(self, paused: bool) -> None:
+        self.paused = paused
+        if paused:
+            self._hold_pause()
+        elif self._pause_hold is not None:
+            self._pause_hold.close()
+            self._pause_hold = None
+
+    def _hold_pause(self) -> None:
+        if self._manager is not None and self._pause_hold is None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(self._manager.pause())
+            self._pause_hold = stack
+
+    def _cancel(self, ticket: Ticket) -> None:
+        ticket.cancelled = True
+        if ticket in self._waiting:
+            self._waiting.remove(ticket)
+        elif self._manager is not None:
+            for rid in self._groups.discard(ticket):
+                self._manager.cancel_request(rid)
+        self.stats.groups_cancelled += 1
+        ticket.finish(error=RuntimeError("cancelled"))
+
+    def _fail_all(self, error: BaseException, waiting: bool) -> None:
+        for pending in list(self._groups.pending):
+            pending.group.row.finish(error=error)
+        self._groups.clear()
+        while waiting and self._waiting:
+            self._waiting.popleft().finish(error=error)
+
+    def _drop_engine(self) -> None:
+        if self._pause_hold is not None:
+            with contextlib.suppress(Exception):
+                self._pause_hold.close()
+            self._pause_hold = None
+        if self._manager is not None:
+            self._manager = None
+            self.generator.close()

@@ -1,0 +1,194 @@
+"""`RemoteRolloutController`: async rollouts from rollout servers, generating while the trainer trains.
+
+The local `AsyncRolloutController` shares one copy of the weights with training, so the engine and the trainer take
+turns; here the servers hold their own copy and generate all the time. The same contract as the local controller
+(docs/async.md), so the trainers' async bridge uses either:
+- Bounded: at most `(prefetch_depth + 1) * groups_per_step` groups requested and not consumed.
+- Exactly once, FIFO: groups are handed out (or dropped for staleness, counted) in the order they were requested,
+  whichever replica served them; `consumed_groups` is the prompt stream's resume position.
+- Versions: each token carries the server-reported version of the weights that sampled it (servers apply updates
+  between engine steps, mid-request); staleness = the trainer's version - a group's oldest token's version.
+- Weight updates: after each optimizer step `end_weight_update` pushes the new weights (`push_weights`) while the
+  servers keep generating; the IS correction uses the recorded per-token logprobs, as locally.
+- Never hangs: `take` waits in short slices (Ctrl-C is prompt) and raises `TimeoutError` past `timeout`; a failed
+  group raises its `RolloutServerError` (the client has already tried every replica).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..rollouts.async_controller import AsyncMetrics, validate_async_bounds
+from ..rollouts.rollout_groups import RolloutGroup
+from .client import RolloutClient
+
+logger = logging.getLogger(__name__)
+
+#: Slice `take` waits in, so that Ctrl-C reaches the trainer promptly.
+_WAIT_SLICE_S = 0.1
+
+
+@dataclass(eq=False)
+class _Request:
+    group: RolloutGroup
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class RemoteRolloutController:
+    """Keeps `capacity_groups` groups requested from the servers ahead of the trainer (see the module docstring).
+
+    Args:
+        client: The servers' client (its `known_versions` gate every completion).
+        prompt_stream: Endless `(row, prompt_ids)` pairs, in the order they should be sampled.
+        num_generations: Samples per prompt (G).
+        groups_per_step: Groups `take` returns.
+        sampling: `/v1/completions` sampling fields (`max_tokens`, `temperature`, `top_p`, `top_k`).
+        push_weights: Pushes the trainer's current weights to every server; returns the version they now serve.
+        prefetch_depth, max_staleness, keep_stale, timeout: as for `AsyncRolloutController`.
+        validate: Checks one prompt before it is requested (`ValueError` naming it), e.g. against the model's limits.
+    """
+
+    def __init__(
+        self,
+        client: RolloutClient,
+        prompt_stream: Iterator[tuple[Any, list[int]]],
+        num_generations: int,
+        groups_per_step: int,
+        sampling: dict[str, Any],
+        push_weights: Callable[[], int],
+        prefetch_depth: int = 1,
+        max_staleness: int = 1,
+        keep_stale: bool = False,
+        timeout: float | None = None,
+        validate: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        validate_async_bounds(max_staleness, prefetch_depth)
+        if groups_per_step <= 0 or num_generations <= 0:
+            raise ValueError(f"groups_per_step and G must be > 0, got {groups_per_step}, {num_generations}.")
+        self.client = client
+        self.prompt_stream = prompt_stream
+        self.num_generations = num_generations
+        self.groups_per_step = groups_per_step
+        self.sampling = sampling
+        self.push_weights = push_weights
+        self.prefetch_depth = prefetch_depth
+        self.max_staleness = max_staleness
+        self.keep_stale = keep_stale
+        self.timeout = timeout
+        self.validate = validate
+        self.policy_version = 0
+        #: Stream items handed to the trainer or dropped, in stream order (the resume position).
+        self.consumed_groups = 0
+        self._requests: deque[_Request] = deque()
+        self._dropped_total = 0
+        self._since = time.perf_counter()
+        self._drawn = 0  # stream items drawn so far
+        self._started = False
+        self._stopped = False
+
+    @property
+    def capacity_groups(self) -> int:
+        return (self.prefetch_depth + 1) * self.groups_per_step
+
+    def start(self, max_prompt_len: int | None = None) -> None:
+        """Push the trainer's weights (the servers never sample with weights the trainer did not send), then request
+        the first `capacity_groups` groups. `max_prompt_len` is accepted for parity with the local controller."""
+        if self._started:
+            return
+        self.policy_version = self.push_weights()
+        self._started = True
+        self._top_up()
+
+    def stop(self) -> None:
+        """Stop requesting; requests in flight are abandoned (their threads are daemons; a server cancels a group
+        whose client has gone when the process exits)."""
+        self._stopped = True
+        self._requests.clear()
+
+    # The trainer's optimizer-step callback calls these around every update (as for the local controller).
+    def begin_weight_update(self) -> None:
+        """Nothing to hold: the servers' weights are their own copy and keep generating while the trainer steps."""
+
+    def end_weight_update(self) -> None:
+        """Push the updated weights; the servers apply them between engine steps, mid-request."""
+        if self._started and not self._stopped:
+            self.policy_version = self.push_weights()
+
+    def take(self, num_groups: int) -> tuple[list[RolloutGroup], AsyncMetrics]:
+        """Block until `num_groups` acceptable groups are ready; return them (oldest request first) and metrics."""
+        if not self._started:
+            raise RuntimeError("RemoteRolloutController.take() called before start().")
+        start = time.perf_counter()
+        deadline = None if self.timeout is None else start + self.timeout
+        taken: list[RolloutGroup] = []
+        dropped = 0
+        while len(taken) < num_groups:
+            self._top_up()
+            head = self._requests[0]
+            while not head.done.wait(_WAIT_SLICE_S):
+                if deadline is not None and time.perf_counter() > deadline:
+                    raise TimeoutError(f"No rollouts within {self.timeout} s ({len(taken)}/{num_groups} groups).")
+            self._requests.popleft()
+            if head.error is not None:
+                raise head.error
+            if self.policy_version - head.group.oldest_version > self.max_staleness and not self.keep_stale:
+                dropped += 1
+                continue
+            taken.append(head.group)
+        self._top_up()
+        self._dropped_total += dropped
+        self.consumed_groups += len(taken) + dropped
+        if dropped:
+            logger.info("Dropped %d rollout group(s) older than max_staleness=%d.", dropped, self.max_staleness)
+        now = time.perf_counter()
+        staleness = [self.policy_version - g.oldest_version for g in taken]
+        tokens = sum(len(ids) for g in taken for ids in g.completion_ids)
+        ready = sum(r.done.is_set() for r in self._requests)
+        metrics = AsyncMetrics(
+            queue_depth=ready,
+            inflight_groups=len(self._requests) - ready,
+            wait_time_s=now - start,
+            staleness_mean=sum(staleness) / len(staleness) if staleness else 0.0,
+            staleness_max=max(staleness, default=0),
+            dropped_groups=dropped,
+            dropped_total=self._dropped_total,
+            tokens_per_s=tokens / max(now - self._since, 1e-9),
+            engine_occupancy=(len(self._requests) - ready) / max(self.capacity_groups, 1),
+            policy_version=self.policy_version,
+        )
+        self._since = now
+        return taken, metrics
+
+    def _top_up(self) -> None:
+        while not self._stopped and len(self._requests) < self.capacity_groups:
+            row, prompt_ids = next(self.prompt_stream)
+            self._drawn += 1
+            if self.validate is not None:
+                try:
+                    self.validate(prompt_ids)
+                except ValueError as err:
+                    raise ValueError(f"Async prompt stream item {self._drawn - 1}: {err}") from None
+            group = RolloutGroup(row=row, prompt_ids=list(prompt_ids), submitted_version=self.policy_version)
+            request = _Request(group)
+            self._requests.append(request)
+            threading.Thread(target=self._fetch, args=(request,), name="trl_cb-remote-group", daemon=True).start()
+
+    def _fetch(self, request: _Request) -> None:
+        group = request.group
+        try:
+            result = self.client.generate([group.prompt_ids], self.num_generations, **self.sampling)
+            group.completion_ids = result.completion_ids
+            group.logprobs = result.logprobs
+            group.policy_logprobs = result.policy_logprobs
+            group.versions = result.token_weight_versions
+        except BaseException as exc:  # handed to the trainer by `take`
+            request.error = exc
+        finally:
+            request.done.set()
