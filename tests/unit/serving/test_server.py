@@ -174,32 +174,36 @@ def test_lora_push_serves_the_merged_weights(server, local_model, prompts):
     peft_model = peft.get_peft_model(copy.deepcopy(local_model), config).eval()
     plain = peft_model.get_base_model()
     sender = WeightSender(url, api_key=KEY, timeout=30)
-    dtypes = [sender.server_dtype()]
-    assert dtypes == [torch.float32]
-    push_weights([sender], weight_specs(plain), iter_weights(plain), 2, dtypes)  # the server is at 1
-    client = RolloutClient([url], api_key=KEY, timeout=60)
-    client.known_versions |= sender.pushed_versions
-    n, short = 2, prompts[:3]
-    result = client.generate(short, n, max_tokens=16)
-    merged = copy.deepcopy(peft_model).merge_and_unload()
-    gap, adapter_gap = max_gap(merged, short, result, n), max_gap(peft_model, short, result, n)
-    with peft_model.disable_adapter():
-        control = max_gap(peft_model, short, result, n)
-    print(f"\nLoRA push: merged max|d|={gap:.2e}, LoRA forward {adapter_gap:.2e}; base-weights control {control:.3f}")
-    assert gap <= 1e-5 and adapter_gap <= 1e-5 and control > 0.05
+    try:
+        dtypes = [sender.server_dtype()]
+        assert dtypes == [torch.float32]
+        push_weights([sender], weight_specs(plain), iter_weights(plain), 2, dtypes)  # the server is at 1
+        client = RolloutClient([url], api_key=KEY, timeout=60)
+        client.known_versions |= sender.pushed_versions
+        n, short = 2, prompts[:3]
+        result = client.generate(short, n, max_tokens=16)
+        merged = copy.deepcopy(peft_model).merge_and_unload()
+        gap, adapter_gap = max_gap(merged, short, result, n), max_gap(peft_model, short, result, n)
+        with peft_model.disable_adapter():
+            control = max_gap(peft_model, short, result, n)
+        print(f"\nLoRA push: merged max|d|={gap:.2e}, LoRA forward {adapter_gap:.2e}; base control {control:.3f}")
+        # The merged model is what the server holds (bit-exact weights: ≤ 1e-5); the un-merged LoRA forward adds
+        # B(Ax) separately, so it differs from the merged one by float rounding only.
+        assert gap <= 1e-5 and adapter_gap <= 1e-4 and control > 0.05
 
-    # Cast on the trainer to the announced dtype (here bf16 into the fp32 server): it serves the rounded weights.
-    push_weights([sender], weight_specs(plain), iter_weights(plain), 3, [torch.bfloat16])
-    client.known_versions |= sender.pushed_versions
-    result = client.generate(short, n, max_tokens=16)
-    rounded = copy.deepcopy(merged)
-    with torch.no_grad():
-        for param in rounded.parameters():
-            param.copy_(param.to(torch.bfloat16).float())
-    gap, control = max_gap(rounded, short, result, n), max_gap(merged, short, result, n)
-    print(f"bf16 push: rounded max|d|={gap:.2e}; unrounded control {control:.2e}")
-    assert gap <= 1e-5 and control > 1e-4
-    sender.close()
+        # Cast on the trainer to the announced dtype (here bf16 into the fp32 server): it serves the rounded weights.
+        push_weights([sender], weight_specs(plain), iter_weights(plain), 3, [torch.bfloat16])
+        client.known_versions |= sender.pushed_versions
+        result = client.generate(short, n, max_tokens=16)
+        rounded = copy.deepcopy(merged)
+        with torch.no_grad():
+            for param in rounded.parameters():
+                param.copy_(param.to(torch.bfloat16).float())
+        gap, control = max_gap(rounded, short, result, n), max_gap(merged, short, result, n)
+        print(f"bf16 push: rounded max|d|={gap:.2e}; unrounded control {control:.2e}")
+        assert gap <= 1e-5 and control > 1e-4
+    finally:  # a failed check must not leave the group open for the tests after it
+        sender.close()
 
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
