@@ -22,8 +22,9 @@ benchmarks/common.py):
 Threads: colocated backends use `--threads` (default: every core); the server backends split the cores, the server
 `--server-threads` (default 1) and the trainer the rest (at least 1), so both setups use the same machine.
 
-Besides step times it reports samples/s (completions per step / median step time) and, for the trl_cb backends, the
-trainer's wait for rollouts per step (sync: the generation call; async: the wait for finished groups).
+Besides step times it reports samples/s (completions per step / median step time), tokens/s, and, for the trl_cb
+backends, the trainer's wait for rollouts per step (sync: the generation call; async: the wait for finished groups)
+and, for the server backends, the time of each weight push (part of the step: the trainer sends while it waits).
 
 Workloads (`--workload`; `--prompts`, `--num-generations`, `--max-completion-length` override either):
 - `gsm8k` (default): 8 prompts x G=8 completions, up to 256 tokens, long-tailed lengths (the preset's EOS bias; tiny:
@@ -159,6 +160,7 @@ def _train(spec: dict[str, Any], args: Any, trainer_cls: Any, model: Any, tokeni
     waits: list[float] = []
     if backend.startswith("trl_cb"):  # time the trainer's wait for rollouts
         waits = record_call_times(trainer, "_cb_async_take" if backend.endswith("_async") else "_cb_generate")
+    pushes = record_call_times(trainer, "_cb_push_weights") if backend in SERVER_BACKENDS else []
     trainer.train()
     logs = trainer.state.log_history
     lengths = [e["completions/mean_length"] for e in logs if "completions/mean_length" in e]
@@ -170,6 +172,7 @@ def _train(spec: dict[str, Any], args: Any, trainer_cls: Any, model: Any, tokeni
         "step_times": timer.times[spec["warmup"] :],
         "mean_lengths": lengths,
         "waits": waits[spec["warmup"] :],
+        "pushes": pushes[spec["warmup"] :],
         "completions_per_step": spec["prompts"] * spec["num_generations"],
         "staleness_max": max((e["async/staleness_max"] for e in async_logs), default=None),
         "dropped_total": async_logs[-1]["async/dropped_total"] if async_logs else None,
@@ -285,6 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "samples_per_s": r["completions_per_step"] / median,
                 "tokens_per_s": r["completions_per_step"] * length / median if (length := mean_length(r)) else None,
                 "trainer_wait_s": summarize(r["waits"]) if r["waits"] else None,
+                "weight_push_s": summarize(r["pushes"]) if r["pushes"] else None,
                 "staleness_max": r["staleness_max"],
                 "dropped_groups": r["dropped_total"],
             }
@@ -297,7 +301,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "vs_quiet": p["ratio_vs_quiet"], "median": p["step_time_s"]["median"],
             "min": p["step_time_s"]["min"], "max": p["step_time_s"]["max"], "vs_native": p["ratio_vs_trl_native"],
             "vs_generate": p["ratio_vs_generate"], "len": p["mean_completion_length"], "sps": p["samples_per_s"],
-            "tps": p["tokens_per_s"],
+            "tps": p["tokens_per_s"], "push": p["weight_push_s"]["mean"] if p["weight_push_s"] else None,
             "wait": p["trainer_wait_s"]["mean"] if p["trainer_wait_s"] else None,
         }
         for p in points
@@ -318,6 +322,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ("sps", "samples/s"),
                 ("tps", "tokens/s"),
                 ("wait", "wait s/step"),
+                ("push", "push s"),
                 ("len", "mean len"),
             ],
         )  # fmt: skip

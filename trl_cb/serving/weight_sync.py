@@ -17,12 +17,13 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import requests
 import torch
 import torch.distributed as dist
 
+from ..engine.weight_export import WeightSpec
 from ..errors import RolloutServerError
 
 logger = logging.getLogger(__name__)
@@ -185,7 +186,8 @@ class WeightReceiver:
 
 
 class WeightSender:
-    """Trainer side of one server's weight-sync group: `init`, then `push(model, version)` per update, `close`.
+    """Trainer side of one server's weight-sync group: `init`, per update `begin` / `send` each tensor / `wait`
+    (`push_weights` drives several servers from one pass over the weights), `close`. Only one process holds it.
 
     `pushed_versions` holds every version this sender made the server serve (0: the server's initial weights).
     """
@@ -213,16 +215,30 @@ class WeightSender:
         self._post("/weights/init", {"host": self.host, "port": port, "token": self._token, "timeout_s": self.timeout})
         self._group = _open_group(self.host, port, 0, self.timeout)
 
-    def push(self, model: torch.nn.Module, version: int) -> None:
-        """Broadcast every parameter of `model` and wait until the server serves `version`."""
+    def server_dtype(self) -> torch.dtype | None:
+        """The dtype the server holds its weights in (`/v1/models` card), None from a server that does not say."""
+        try:
+            response = requests.get(self.url + "/v1/models", headers=self._headers, timeout=self.timeout)
+        except requests.RequestException as exc:
+            raise RolloutServerError(f"{self.url}/v1/models: {exc}") from exc
+        if response.status_code != 200:
+            raise RolloutServerError(f"{self.url}/v1/models: HTTP {response.status_code} {response.text[:500]}")
+        name = response.json()["data"][0].get("dtype")
+        return _dtype(name) if name else None
+
+    def begin(self, specs: list[WeightSpec], version: int) -> None:
+        """Announce the tensors `send` broadcasts next, in this order (the server allocates, starts receiving)."""
         if self._group is None:
             self.init()
-        params = [(name, p) for name, p in model.named_parameters()]
-        spec = [[name, str(p.dtype), list(p.shape)] for name, p in params]
-        self._post("/weights/update", {"token": self._token, "version": version, "params": spec})
-        with torch.no_grad():
-            for _, param in params:
-                _broadcast(self._group[1], param.detach().to("cpu").contiguous())
+        params = [[s.name, str(s.dtype), list(s.shape)] for s in specs]
+        self._post("/weights/update", {"token": self._token, "version": version, "params": params})
+
+    def send(self, tensor: torch.Tensor) -> None:
+        """Broadcast the next announced tensor (CPU, contiguous, in the announced dtype: the caller casts)."""
+        _broadcast(self._group[1], tensor)
+
+    def wait(self, version: int) -> None:
+        """Block until the server serves `version` (or reports a failed update), bounded by the timeout."""
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             state = requests.get(self.url + "/metrics", headers=self._headers, timeout=self.timeout).json()
@@ -234,7 +250,56 @@ class WeightSender:
             time.sleep(0.01)
         raise RolloutServerError(f"{self.url}: weight version {version} not applied within {self.timeout} s")
 
+    def push(self, model: torch.nn.Module, version: int) -> None:
+        """Send every parameter of a plain, unsharded `model` (no PEFT merge, no gathering) and wait for `version`."""
+        params = [(name, p.detach()) for name, p in model.named_parameters()]
+        specs = [WeightSpec(name, p.dtype, tuple(p.shape)) for name, p in params]
+        push_weights([self], specs, iter(params), version)
+
     def close(self) -> None:
         if self._group is not None:
             self._group = None
             self._post("/weights/close", {"token": self._token})
+
+
+def push_weights(
+    senders: list[WeightSender],
+    specs: list[WeightSpec],
+    weights: Iterator[tuple[str, torch.Tensor]],
+    version: int,
+    dtypes: list[torch.dtype | None] | None = None,
+) -> None:
+    """Send `weights` (one `(name, tensor)` per spec, in order) to every sender's server, then wait for `version`.
+
+    Each tensor is gathered once and broadcast to every server, cast on the way to that server's dtype (`dtypes[i]`,
+    None: the spec's), so a server never converts and the trainer holds one parameter (plus its casts) at a time.
+    `weights` is consumed to the end even when a send fails (on a multi-process trainer the other ranks are in the
+    same gathers), then the first error is raised.
+    """
+    dtypes = dtypes or [None] * len(senders)
+    announced = [[WeightSpec(s.name, d or s.dtype, s.shape) for s in specs] for d in dtypes]
+    error: Exception | None = None
+    try:
+        for sender, sender_specs in zip(senders, announced):
+            sender.begin(sender_specs, version)
+    except Exception as exc:  # noqa: BLE001 - re-raised after the iteration
+        error = exc
+    with torch.no_grad():
+        for index, (name, tensor) in enumerate(weights):
+            if error is not None:
+                continue  # keep taking part in the gathers
+            try:
+                if name != specs[index].name:
+                    raise RuntimeError(f"weight {index} is {name!r}, announced {specs[index].name!r}")
+                casts: dict[torch.dtype, torch.Tensor] = {}
+                for sender, sender_specs in zip(senders, announced):
+                    dtype = sender_specs[index].dtype
+                    if dtype not in casts:
+                        casts[dtype] = tensor.to(device="cpu", dtype=dtype).contiguous()
+                    sender.send(casts[dtype])
+            except Exception as exc:  # noqa: BLE001 - re-raised after the iteration
+                error = exc
+    if error is not None:
+        raise error
+    for sender in senders:
+        sender.wait(version)

@@ -1,41 +1,54 @@
-"""Rollouts from `trl-cb serve` replicas (`rollout_server_urls`): the trainer's side, one process.
+"""Rollouts from `trl-cb serve` replicas (`rollout_server_urls`): the trainer's side.
 
-Sync mode invariant: every completion a step trains on was sampled by the weights the trainer holds at that step.
-Before the first round of each optimizer step the main process pushes its weights (`WeightSender`, one version per
-push) to every replica and waits until each serves them. Async mode (`async_generation`): the servers generate ahead
-while the trainer trains (`serving/remote_rollouts.py`), weights pushed after every optimizer step, staleness bounded
-per token version. Either way the client refuses tokens of versions it never pushed, and the server runs the same
-engine, so the sampler-side logprobs feed the IS correction exactly as on the local path. docs/server.md.
+Sync mode invariant: every completion a step trains on was sampled by the weights the trainer holds at that step:
+before the first round of each optimizer step the weights are pushed (one version per push) to every replica, which
+serves them before the round starts. Async mode (`async_generation`, single process): the servers generate ahead while
+the trainer trains (`serving/remote_rollouts.py`), weights pushed after every optimizer step. Either way the client
+refuses tokens of versions it never pushed, and the sampler-side logprobs feed the IS correction as on the local path.
+
+Multi-process sync mode (DDP, ZeRO-3, FSDP2): only the main process talks to the servers. Every rank takes part in
+gathering the weights, one parameter at a time (`engine/weight_export.py`), the main process broadcasts each to the
+servers; each round the main process generates every rank's prompts and hands each rank its own share. A failure on
+the main process is raised on every rank, so no rank waits in a collective for a partner that left. docs/server.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..engine.weight_export import iter_weights, weight_specs
+from ..errors import RolloutServerError
 from ..rollouts.model_access import plain_module
 from . import trl_internals
 
 if TYPE_CHECKING:  # the serving modules need the `serve` extra (requests): imported when servers are used
+    import torch
+
     from ..serving.client import RolloutClient
     from ..serving.remote_rollouts import RemoteRolloutController
     from ..serving.weight_sync import WeightSender
+
+T = TypeVar("T")
+Completions = tuple[list[list[int]], list[list[float]]]
 
 
 class RemoteRolloutsMixin:
     """`_cb_remote_generate`: one round on the rollout servers, weights pushed first when the step changed."""
 
-    _cb_client: RolloutClient | None = None
-    _cb_senders: list[WeightSender] | None = None
+    _cb_remote_ready: bool = False
+    _cb_client: RolloutClient | None = None  # main process only
+    _cb_senders: list[WeightSender] | None = None  # main process only
+    _cb_server_dtypes: list[torch.dtype | None] | None = None  # main process only: each server's weight dtype
     _cb_pushed_step: int | None = None
     _cb_weight_version: int = 0
 
     def _cb_remote_setup(self) -> None:
         args: Any = self.args
-        if self.accelerator.num_processes > 1:
+        if self.accelerator.num_processes > 1 and args.async_generation:
             raise NotImplementedError(
-                "rollout_server_urls supports single-process training for now (got "
-                f"{self.accelerator.num_processes} processes); multi-process trainers are not built yet."
+                "async_generation with rollout_server_urls supports single-process training only (got "
+                f"{self.accelerator.num_processes} processes); use sync mode (async_generation=False)."
             )
         config = self.generation_config
         unsent = {  # settings the HTTP API does not carry yet: refused rather than silently dropped
@@ -48,24 +61,69 @@ class RemoteRolloutsMixin:
                 f"rollout_server_urls cannot apply {[name for name, on in unsent.items() if on]} yet (the server "
                 "samples with temperature, top_p and top_k only); unset them or generate in-process."
             )
-        from ..serving.client import RolloutClient
-        from ..serving.weight_sync import WeightSender
 
-        timeout = args.cb_generation_timeout or 300.0
-        self._cb_client = RolloutClient(args.rollout_server_urls, api_key=args.rollout_server_api_key, timeout=timeout)
-        self._cb_senders = [
-            WeightSender(url, args.rollout_server_api_key, timeout=timeout) for url in self._cb_client.urls
-        ]
+        def connect() -> None:
+            from ..serving.client import RolloutClient
+            from ..serving.weight_sync import WeightSender
 
-    def _cb_remote_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
-        if self._cb_client is None:
+            timeout = args.cb_generation_timeout or 300.0
+            key = args.rollout_server_api_key
+            self._cb_client = RolloutClient(args.rollout_server_urls, api_key=key, timeout=timeout)
+            self._cb_senders = [WeightSender(url, key, timeout=timeout) for url in self._cb_client.urls]
+            self._cb_server_dtypes = [sender.server_dtype() for sender in self._cb_senders]
+
+        self._cb_on_main(connect)
+        self._cb_remote_ready = True
+
+    def _cb_on_main(self, work: Callable[[], T]) -> T:
+        """`work()` on the main process, its result on every rank; its failure raised on every rank."""
+        accelerator = self.accelerator
+        if accelerator.num_processes == 1:
+            return work()
+        from accelerate.utils import broadcast_object_list
+
+        outcome: list[Any] = [None, None]  # (error text, result)
+        error: Exception | None = None
+        if accelerator.is_main_process:
+            try:
+                outcome[1] = work()
+            except Exception as exc:  # noqa: BLE001 - raised below, after the other ranks heard of it
+                error, outcome[0] = exc, f"{type(exc).__name__}: {exc}"
+        broadcast_object_list(outcome, from_process=0)
+        if error is not None:
+            raise error
+        if outcome[0] is not None:
+            raise RolloutServerError(f"the main process failed talking to the rollout servers: {outcome[0]}")
+        return outcome[1]
+
+    def _cb_remote_generate(self, prompt_ids: list[list[int]]) -> Completions:
+        """This rank's completions of `prompt_ids`; a collective in multi-process training (every rank calls it)."""
+        if not self._cb_remote_ready:
             self._cb_remote_setup()
         if self._cb_pushed_step != self.state.global_step:
             self._cb_push_weights()
+        sampling = self._cb_remote_sampling()
+        accelerator = self.accelerator
         with trl_internals.profiling_context(self, "trl_cb.remote_generate"):
-            result = self._cb_client.generate(prompt_ids, 1, **self._cb_remote_sampling())
-        self._cb_last_logprobs = result.policy_logprobs
-        return result.completion_ids, result.policy_logprobs
+            if accelerator.num_processes == 1:
+                shares = [prompt_ids]
+            else:
+                from accelerate.utils import gather_object
+
+                shares = gather_object([prompt_ids])  # one list per rank, in rank order
+
+            def generate_all() -> list[Completions]:
+                result = self._cb_client.generate([p for share in shares for p in share], 1, **sampling)
+                out, start = [], 0
+                for share in shares:  # back to each rank, in its own prompts' order
+                    end = start + len(share)
+                    out.append((result.completion_ids[start:end], result.policy_logprobs[start:end]))
+                    start = end
+                return out
+
+            completion_ids, logprobs = self._cb_on_main(generate_all)[accelerator.process_index]
+        self._cb_last_logprobs = logprobs
+        return completion_ids, logprobs
 
     def _cb_remote_sampling(self) -> dict[str, Any]:
         """The `/v1/completions` sampling fields of the trainer's generation config."""
@@ -78,13 +136,24 @@ class RemoteRolloutsMixin:
         }
 
     def _cb_push_weights(self) -> int:
-        """Push the current weights to every replica as a new version (served once this returns); return it."""
-        self._cb_weight_version += 1
+        """Push the current weights to every replica as the next version (served once this returns) and return it:
+        every rank gathers (a collective when sharded), the main process sends."""
+        version = self._cb_weight_version + 1
         module = plain_module(self.model_wrapped)
-        self._cb_client.known_versions.add(self._cb_weight_version)  # tokens of it may arrive before the push ends
+        specs, weights = weight_specs(module), iter_weights(module)
+
+        def send() -> None:
+            from ..serving.weight_sync import push_weights
+
+            self._cb_client.known_versions.add(version)  # async: tokens of it may arrive before the push ends
+            push_weights(self._cb_senders, specs, weights, version, self._cb_server_dtypes)
+
         with trl_internals.profiling_context(self, "trl_cb.push_weights"):
-            for sender in self._cb_senders:
-                sender.push(module, self._cb_weight_version)
+            if not self.accelerator.is_main_process:
+                for _ in weights:  # take part in the gathers
+                    pass
+            self._cb_on_main(send)
+        self._cb_weight_version = version
         self._cb_pushed_step = self.state.global_step
         return self._cb_weight_version
 
@@ -92,7 +161,7 @@ class RemoteRolloutsMixin:
         self, prompt_stream: Iterator[tuple[Any, list[int]]], validate: Callable[[list[int]], None]
     ) -> RemoteRolloutController:
         """Async rollouts from the servers (`serving/remote_rollouts.py`), with the local controller's bounds."""
-        if self._cb_client is None:
+        if not self._cb_remote_ready:
             self._cb_remote_setup()
         from ..serving.remote_rollouts import RemoteRolloutController
 
@@ -114,6 +183,7 @@ class RemoteRolloutsMixin:
 
     def _cb_remote_close(self) -> None:
         senders, self._cb_senders, self._cb_client = self._cb_senders or [], None, None
+        self._cb_remote_ready = False
         for sender in senders:
             try:
                 sender.close()

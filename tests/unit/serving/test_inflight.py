@@ -63,8 +63,8 @@ def straddling_reference(old, new, prompt: list[int], tokens: list[int], switch:
     """Logprobs of `tokens` when tokens `< switch` were sampled by `old` and the rest by `new` over the KV prefix
     `old` wrote: the step sampling token `switch` runs `new` on input token `switch - 1` and attends to old keys."""
     sequence = torch.tensor([prompt + tokens])
-    if switch == 0:
-        logits = new(sequence).logits[0, len(prompt) - 1 : -1]
+    if switch in (0, len(tokens)):  # one set of weights sampled every token
+        logits = (new if switch == 0 else old)(sequence).logits[0, len(prompt) - 1 : -1]
     else:
         split = len(prompt) + switch - 1  # inputs before it were processed by `old`
         cache = DynamicCache(config=old.config)

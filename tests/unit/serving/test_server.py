@@ -7,6 +7,7 @@ kills it. Every process started here is stopped in the fixture's `finally`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import signal
 import socket
 import time
@@ -19,11 +20,12 @@ from transformers import AutoModelForCausalLM
 
 from tests.unit.rollouts.test_generator import teacher_forced_logprobs
 from tests.unit.trainers.test_trainers import make_trainer
+from trl_cb.engine.weight_export import iter_weights, weight_specs
 from trl_cb.errors import RolloutServerError
 from trl_cb.offline.tiny import tiny_model
 from trl_cb.serving.client import RolloutClient
 from trl_cb.serving.launch import local_rollout_server
-from trl_cb.serving.weight_sync import WeightSender, free_port
+from trl_cb.serving.weight_sync import WeightSender, free_port, push_weights
 
 KEY = "test-key-123"
 ROOT = Path(__file__).resolve().parents[3]
@@ -90,7 +92,7 @@ def test_health_models_metrics(server):
     _, url = server
     assert requests.get(url + "/health", timeout=5).json() == {"status": "ok"}
     card = requests.get(url + "/v1/models", headers=AUTH, timeout=5).json()["data"][0]
-    assert card["weight_version"] == 0
+    assert card["weight_version"] == 0 and card["dtype"] == "float32"
     metrics = requests.get(url + "/metrics", headers=AUTH, timeout=5).json()
     assert {"requests_served", "tokens_generated", "weight_version"} <= set(metrics)
 
@@ -161,6 +163,47 @@ def test_logprobs_match_teacher_forcing_then_weight_sync(server, local_model, pr
     metrics = requests.get(url + "/metrics", headers=AUTH, timeout=5).json()
     assert metrics["weight_version"] == 1 and metrics["requests_served"] >= 2 and metrics["tokens_generated"] > 0
     sender.close()
+
+
+def test_lora_push_serves_the_merged_weights(server, local_model, prompts):
+    """A LoRA (B non-zero) trainer pushes merged weights under the base names; the server then samples from the
+    merged model, and not from the base the adapter sits on."""
+    peft = pytest.importorskip("peft")
+    _, url = server
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    peft_model = peft.get_peft_model(copy.deepcopy(local_model), config).eval()
+    plain = peft_model.get_base_model()
+    sender = WeightSender(url, api_key=KEY, timeout=30)
+    try:
+        dtypes = [sender.server_dtype()]
+        assert dtypes == [torch.float32]
+        push_weights([sender], weight_specs(plain), iter_weights(plain), 2, dtypes)  # the server is at 1
+        client = RolloutClient([url], api_key=KEY, timeout=60)
+        client.known_versions |= sender.pushed_versions
+        n, short = 2, prompts[:3]
+        result = client.generate(short, n, max_tokens=16)
+        merged = copy.deepcopy(peft_model).merge_and_unload()
+        gap, adapter_gap = max_gap(merged, short, result, n), max_gap(peft_model, short, result, n)
+        with peft_model.disable_adapter():
+            control = max_gap(peft_model, short, result, n)
+        print(f"\nLoRA push: merged max|d|={gap:.2e}, LoRA forward {adapter_gap:.2e}; base control {control:.3f}")
+        # The merged model is what the server holds (bit-exact weights: ≤ 1e-5); the un-merged LoRA forward adds
+        # B(Ax) separately, so it differs from the merged one by float rounding only.
+        assert gap <= 1e-5 and adapter_gap <= 1e-4 and control > 0.05
+
+        # Cast on the trainer to the announced dtype (here bf16 into the fp32 server): it serves the rounded weights.
+        push_weights([sender], weight_specs(plain), iter_weights(plain), 3, [torch.bfloat16])
+        client.known_versions |= sender.pushed_versions
+        result = client.generate(short, n, max_tokens=16)
+        rounded = copy.deepcopy(merged)
+        with torch.no_grad():
+            for param in rounded.parameters():
+                param.copy_(param.to(torch.bfloat16).float())
+        gap, control = max_gap(rounded, short, result, n), max_gap(merged, short, result, n)
+        print(f"bf16 push: rounded max|d|={gap:.2e}; unrounded control {control:.2e}")
+        assert gap <= 1e-5 and control > 1e-4
+    finally:  # a failed check must not leave the group open for the tests after it
+        sender.close()
 
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
