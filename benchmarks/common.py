@@ -68,8 +68,11 @@ def background_load(num_processes: int) -> Iterator[list[subprocess.Popen[bytes]
 
 
 @contextmanager
-def served_model(model: Any, tokenizer: Any, threads: int) -> Iterator[str]:
-    """A local `trl-cb serve` replica (`threads` torch threads) holding a copy of `model`; yields its URL.
+def served_model(
+    model: Any, tokenizer: Any, threads: int, device: str = "cpu", dtype: str = "float32"
+) -> Iterator[str]:
+    """A local `trl-cb serve` replica (`threads` torch threads, on `device` in `dtype`) holding a copy of `model`;
+    yields its URL.
 
     The server backends of the benchmarks use it: the model is saved to a temporary directory the server loads. The
     trainer pushes its own weights before the first sample, so the copy only fixes the architecture."""
@@ -80,7 +83,8 @@ def served_model(model: Any, tokenizer: Any, threads: int) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="trl_cb_served_") as directory:
         model.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
-        with local_rollout_server(directory, threads=threads) as server:
+        extra = ["--device", device, "--dtype", dtype]
+        with local_rollout_server(directory, threads=threads, extra_args=extra) as server:
             yield server.url
 
 

@@ -198,6 +198,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=6, help="timed steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--eos-logit-bias", type=float, default=None, help="EOS logit boost (default: per preset)")
+    p.add_argument(
+        "--no-tail",
+        action="store_true",
+        help="no EOS bias: nearly every completion runs to --max-completion-length (no length tail to exploit)",
+    )
     p.add_argument("--max-staleness", type=int, default=2, help="trl_cb_async: max_staleness")
     p.add_argument("--prefetch-depth", type=int, default=1, help="trl_cb_async: prefetch_depth")
     p.add_argument("--seed", type=int, default=0)
@@ -211,7 +216,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.worker is not None:
         return args
-    if args.eos_logit_bias is None:
+    if args.no_tail and args.eos_logit_bias is not None:
+        p.error("--no-tail and --eos-logit-bias exclude each other")
+    if args.eos_logit_bias is None and not args.no_tail:
         args.eos_logit_bias = EOS_BIAS[args.model]
     if args.trainer_threads is None:
         args.trainer_threads = max(1, args.threads - args.server_threads)

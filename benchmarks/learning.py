@@ -108,7 +108,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     model, tokenizer = _model_and_tokenizer(spec)
     with contextlib.ExitStack() as stack:
         if backend in SERVER_BACKENDS:
-            url = stack.enter_context(served_model(model, tokenizer, spec["server_threads"]))
+            device = spec.get("server_device") or spec["device"]
+            served = served_model(model, tokenizer, spec["server_threads"], device, spec["dtype"])
+            url = stack.enter_context(served)
             extra["rollout_server_urls"] = [url]
             torch.set_num_threads(max(1, (os.cpu_count() or 1) - spec["server_threads"]))
         return _train(spec, config_cls, trainer_cls, model, tokenizer, extra)
@@ -366,6 +368,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-staleness", type=int, default=2, help="trl_cb_async: max_staleness")
     p.add_argument("--prefetch-depth", type=int, default=1, help="trl_cb_async: prefetch_depth")
     p.add_argument("--server-threads", type=int, default=1, help="server backends: the local server's threads")
+    p.add_argument("--server-device", default=None, help="server backends: the server's device (default: --device)")
     p.add_argument("--band-share", type=float, default=0.8, help="share of steps that must lie inside a seed band")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     p.add_argument("--quick", action="store_true", help="3 steps of a tiny workload, seeds 0 1: schema smoke test")
@@ -467,6 +470,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "data_seed": 0, "data_file": args.data_file, "reward": args.reward, "char": args.char,
             "min_chars": args.min_chars, "max_staleness": args.max_staleness,
             "prefetch_depth": args.prefetch_depth, "server_threads": args.server_threads,
+            "server_device": args.server_device,
             "output_dir": f"/tmp/trl_cb_learning_{kind}_{backend}_{seed}",
         }  # fmt: skip
         runs.append(run_worker(Path(__file__), spec, timeout=3600))

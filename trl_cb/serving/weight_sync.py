@@ -17,6 +17,7 @@ import secrets
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 
 import requests
@@ -34,6 +35,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def address_towards(url: str) -> str:
+    """This machine's IPv4 address on the route to `url`'s host: what that host can connect back to. No packet is
+    sent (a UDP socket's `connect` only picks the route); loopback for a server on this machine."""
+    parsed = urllib.parse.urlsplit(url)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((parsed.hostname or "127.0.0.1", parsed.port or 80))
+            return sock.getsockname()[0]
+    except OSError as exc:
+        raise RolloutServerError(f"no route to {url} to tell the server where to join the weight sync: {exc}") from exc
 
 
 def _open_group(host: str, port: int, rank: int, timeout_s: float) -> tuple[dist.TCPStore, dist.ProcessGroup]:
@@ -192,9 +205,11 @@ class WeightSender:
     `pushed_versions` holds every version this sender made the server serve (0: the server's initial weights).
     """
 
-    def __init__(self, url: str, api_key: str | None = None, host: str = "127.0.0.1", timeout: float = 60.0) -> None:
+    def __init__(self, url: str, api_key: str | None = None, host: str | None = None, timeout: float = 60.0) -> None:
         self.url = url.rstrip("/")
-        self.host = host
+        #: The address the server connects back to (the group's store): by default this machine's address on the
+        #: route to the server (loopback for a local one, the interface that reaches another node otherwise).
+        self.host = host or address_towards(self.url)
         self.timeout = timeout
         self.pushed_versions: set[int] = {0}
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

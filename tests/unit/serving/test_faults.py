@@ -172,3 +172,17 @@ def test_ctrl_c_stops_a_trainer_blocked_on_a_server_within_2_s():
             proc.wait(timeout=10)
     print(f"\ntrainer SIGINT-to-KeyboardInterrupt while blocked on a server: {raised:.4f} s; to exit: {exited:.2f} s")
     assert proc.returncode == -signal.SIGINT and raised < 0.5 and exited < 4
+
+
+def test_weight_sync_address_is_the_route_to_the_server():
+    from trl_cb.serving.weight_sync import WeightSender, address_towards
+
+    assert address_towards("http://127.0.0.1:8000") == "127.0.0.1"
+    assert WeightSender("http://localhost:8000").host == "127.0.0.1"
+    assert WeightSender("http://10.1.2.3:8000", host="192.168.0.7").host == "192.168.0.7"
+    try:
+        routed = address_towards("http://10.255.255.1:8000")  # another network: the interface on that route
+    except Exception as exc:  # no route at all on this machine: a clear error, not a silent loopback
+        assert "no route" in str(exc)
+    else:
+        assert routed != "127.0.0.1" and routed.count(".") == 3
