@@ -223,7 +223,7 @@ class ServingEngine:
                     return  # the engine must empty before it is rebuilt for this group
                 try:
                     self._build(ticket, signature)
-                except ValueError as exc:  # settings or prompt the engine refuses: this group only
+                except Exception as exc:  # settings, prompt or cache the engine refuses: this group fails, not all
                     self._waiting.popleft().finish(error=exc)
                     continue
             if self._groups.inflight_requests + ticket.n > self.max_num_seqs and self._groups.pending:
