@@ -158,9 +158,9 @@ class ContinuousBatchingArguments:
         metadata={
             "help": "Generate on `trl-cb serve` replicas at these URLs instead of in-process (prompts split across "
             "them, a dead replica's prompts resubmitted to the others). Sync mode: weights pushed before each step's "
-            "first round; multi-process trainers: the main process talks to the servers. With `async_generation` "
-            "(single process): the servers generate while the trainer trains, weights pushed after every optimizer "
-            "step. See docs/server.md."
+            "first round; multi-process trainers: the main process talks to the servers. With `async_generation`: "
+            "the servers generate while the trainer trains, weights pushed after every optimizer step. See "
+            "docs/server.md."
         },
     )
     rollout_server_api_key: str | None = field(

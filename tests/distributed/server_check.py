@@ -4,7 +4,8 @@ Trains GRPO for 2 steps with `rollout_server_urls=[--url]` (DDP or ZeRO-3 throug
 LoRA) and checks every round on every rank: the completions the server returned for this rank's own prompts carry
 logprobs equal to teacher-forced logprobs of the trainer's weights at that moment, gathered whole independently of
 trl_cb (`deepspeed.zero.GatheredParameters` over the whole tiny model) into a fresh copy, LoRA merged by peft.
-Writes one JSON per rank.
+With `--async-mode` (`async_generation=True`) it records instead which groups each rank trained on, and the weight
+versions of their tokens. Writes one JSON per rank.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def main() -> None:
     parser.add_argument("--report", required=True)
     parser.add_argument("--url", required=True)
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--async-mode", action="store_true", help="async_generation: groups taken while training")
     args = parser.parse_args()
 
     import trl_cb
@@ -59,6 +61,7 @@ def main() -> None:
         max_completion_length=12, max_steps=2, logging_steps=1, learning_rate=1e-2, beta=0.0, use_cpu=True,
         report_to=[], save_strategy="no", disable_tqdm=True, seed=0, use_transformers_continuous_batching=True,
         top_k=0, top_p=1.0, rollout_server_urls=[args.url], cb_generation_timeout=120,
+        async_generation=args.async_mode, prefetch_depth=0,
     )  # fmt: skip
     tokenizer = tiny_tokenizer()
     model = tiny_model(tokenizer, eos_logit_bias=4.0, init_std=0.2)  # sharp: logprobs depend on the prompt
@@ -131,6 +134,23 @@ def main() -> None:
         return completion_ids, logprobs
 
     trainer._cb_remote_generate = checked_generate
+    taken: list[dict[str, Any]] = []
+    original_completions = trainer._cb_async_completions
+
+    def recorded_completions(prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        """Async mode: which groups this rank trains on, and the weight versions of their tokens."""
+        groups = trainer._cb_async_groups
+        taken.append(
+            {
+                "num_groups": len(groups),
+                "prompts_digest": hashlib.sha1(json.dumps([g.prompt_ids for g in groups]).encode()).hexdigest(),
+                "versions": sorted({v for g in groups for per_sample in g.versions for v in per_sample}),
+                "holds_client": trainer._cb_client is not None,
+            }
+        )
+        return original_completions(prompt_ids)
+
+    trainer._cb_async_completions = recorded_completions
     trainer.train()
     rank = trainer.accelerator.process_index
     report = {
@@ -138,6 +158,7 @@ def main() -> None:
         "world_size": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type),
         "rounds": rounds,
+        "async_steps": taken,
         "logs": [e for e in trainer.state.log_history if "loss" in e],
         "peak_whole_params": peak[0],
     }

@@ -81,3 +81,27 @@ def test_two_process_zero3_trainer_on_server(server_checkpoint, lora, tmp_path):
         # padded prompts shift positions; with these sharp (std 0.2) weights that alone moves logprobs by ~0.1.
     # Each rank got completions of its own prompts (the gaps above are per rank's prompts), and they differ.
     assert all(a["prompts_digest"] != b["prompts_digest"] for a, b in zip(*(r["rounds"] for r in reports)))
+
+
+def test_two_process_zero3_async_trainer_on_server(server_checkpoint, tmp_path):
+    """async_generation with a 2-process ZeRO-3 trainer: the main process keeps every rank's groups requested while
+    both train, each rank trains on its own groups, and a push (collective gathers) follows every optimizer step."""
+    pytest.importorskip("deepspeed")
+    config = zero3_unpersisted(tmp_path)
+    with running_server(server_checkpoint) as (_, url):
+        launcher = shutil.which("accelerate") or str(Path(sys.executable).with_name("accelerate"))
+        cmd = [launcher, "launch", "--config_file", str(config), "--num_processes", "2",
+               str(HERE / "server_check.py"), "--report", str(tmp_path), "--url", url, "--async-mode"]  # fmt: skip
+        start = time.monotonic()
+        reports = _launch(cmd, tmp_path)
+        print(f"\n2-process ZeRO-3 async against a server: {time.monotonic() - start:.1f} s")
+        metrics = requests.get(url + "/metrics", timeout=5).json()
+    assert metrics["weight_version"] == 3, "one push before the first request, one after each optimizer step"
+    for r in reports:
+        assert len(r["logs"]) == 2 and r["rounds"] == [], "no sync round: every step took async groups"
+        assert [e["async/policy_version"] for e in r["logs"]] == [1.0, 2.0]
+        assert [x["num_groups"] for x in r["async_steps"]] == [1, 1]
+        assert [x["holds_client"] for x in r["async_steps"]] == [r["rank"] == 0] * 2, "only the main process talks"
+        assert all(set(x["versions"]) <= {1, 2} for x in r["async_steps"]), "tokens of pushed versions only"
+    # Every rank trained on its own groups.
+    assert all(a["prompts_digest"] != b["prompts_digest"] for a, b in zip(*(r["async_steps"] for r in reports)))

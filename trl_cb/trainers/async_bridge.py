@@ -28,8 +28,8 @@ from ..rollouts.prompt_stream import PromptStream
 from ..rollouts.rollout_groups import RolloutGroup
 from . import trl_internals
 
-if TYPE_CHECKING:  # needs the `serve` extra
-    from ..serving.remote_rollouts import RemoteRolloutController
+if TYPE_CHECKING:
+    from .remote import ScatteredRemoteRollouts
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class AsyncRolloutsMixin:
     """The async part of `ContinuousBatchingTrainerMixin` (state: the controller, the stream position, the groups of
     the current step and the dataset's longest prompt)."""
 
-    _cb_async: AsyncRolloutController | RemoteRolloutController | None = None
+    _cb_async: AsyncRolloutController | ScatteredRemoteRollouts | None = None
     _cb_async_groups: list[RolloutGroup] | None = None
     #: Stream position the next async controller starts from (advanced when a controller stops; set on resume).
     _cb_async_start: int = 0
@@ -94,18 +94,13 @@ class AsyncRolloutsMixin:
         args = self.args
         if not getattr(args, "async_generation", False):
             return
-        if sharding.is_sharded(self.model, self.accelerator):
+        if not args.rollout_server_urls and sharding.is_sharded(self.model, self.accelerator):
             raise ValueError(
                 "async_generation runs the engine on local, unsharded parameters: use a single process or DDP "
-                "(ZeRO-3 and FSDP shard parameters between steps)."
+                "(ZeRO-3 and FSDP shard parameters between steps), or rollout servers (`rollout_server_urls`)."
             )
         if getattr(self, "tools", None):
             raise ValueError("async_generation does not support tool calling (multi-turn rollouts).")
-        if args.rollout_server_urls and self.accelerator.num_processes > 1:
-            raise NotImplementedError(
-                "async_generation with rollout_server_urls runs in a single training process for now "
-                f"(got {self.accelerator.num_processes}); use sync mode (async_generation=False) with several."
-            )
         self.add_callback(_PauseEngineForOptimizerStep(self))
         self.add_callback(_SaveAsyncState(self))
 
@@ -173,7 +168,7 @@ class AsyncRolloutsMixin:
         )
         return longest
 
-    def _cb_async_controller(self) -> AsyncRolloutController | RemoteRolloutController:
+    def _cb_async_controller(self) -> AsyncRolloutController | ScatteredRemoteRollouts:
         """The async controller, built (and its engine filled) the first time a training step needs it."""
         if self._cb_async is None and self.args.rollout_server_urls:
             module = plain_module(self.model_wrapped)

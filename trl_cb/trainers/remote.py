@@ -2,14 +2,16 @@
 
 Sync mode invariant: every completion a step trains on was sampled by the weights the trainer holds at that step:
 before the first round of each optimizer step the weights are pushed (one version per push) to every replica, which
-serves them before the round starts. Async mode (`async_generation`, single process): the servers generate ahead while
-the trainer trains (`serving/remote_rollouts.py`), weights pushed after every optimizer step. Either way the client
-refuses tokens of versions it never pushed, and the sampler-side logprobs feed the IS correction as on the local path.
+serves them before the round starts. Async mode (`async_generation`): the servers generate ahead while the trainer
+trains (`serving/remote_rollouts.py`, driven by `ScatteredRemoteRollouts`), weights pushed after every optimizer step.
+Either way the client refuses tokens of versions it never pushed, and the sampler-side logprobs feed the IS
+correction as on the local path.
 
-Multi-process sync mode (DDP, ZeRO-3, FSDP2): only the main process talks to the servers. Every rank takes part in
-gathering the weights, one parameter at a time (`engine/weight_export.py`), the main process broadcasts each to the
-servers; each round the main process generates every rank's prompts and hands each rank its own share. A failure on
-the main process is raised on every rank, so no rank waits in a collective for a partner that left. docs/server.md.
+Multi-process (DDP, ZeRO-3, FSDP2): only the main process talks to the servers. Every rank takes part in gathering
+the weights, one parameter at a time (`engine/weight_export.py`), the main process broadcasts each to the servers;
+each round (sync) or step (async) the main process generates or takes every rank's groups and hands each rank its
+own share. A failure on the main process is raised on every rank, so no rank waits in a collective for a partner
+that left. docs/server.md.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from . import trl_internals
 if TYPE_CHECKING:  # the serving modules need the `serve` extra (requests): imported when servers are used
     import torch
 
+    from ..rollouts.async_controller import AsyncMetrics
+    from ..rollouts.rollout_groups import RolloutGroup
     from ..serving.client import RolloutClient
     from ..serving.remote_rollouts import RemoteRolloutController
     from ..serving.weight_sync import WeightSender
@@ -45,11 +49,6 @@ class RemoteRolloutsMixin:
 
     def _cb_remote_setup(self) -> None:
         args: Any = self.args
-        if self.accelerator.num_processes > 1 and args.async_generation:
-            raise NotImplementedError(
-                "async_generation with rollout_server_urls supports single-process training only (got "
-                f"{self.accelerator.num_processes} processes); use sync mode (async_generation=False)."
-            )
         config = self.generation_config
         unsent = {  # settings the HTTP API does not carry yet: refused rather than silently dropped
             "repetition_penalty": config.repetition_penalty not in (None, 1.0),
@@ -159,27 +158,31 @@ class RemoteRolloutsMixin:
 
     def _cb_remote_async_controller(
         self, prompt_stream: Iterator[tuple[Any, list[int]]], validate: Callable[[list[int]], None]
-    ) -> RemoteRolloutController:
-        """Async rollouts from the servers (`serving/remote_rollouts.py`), with the local controller's bounds."""
+    ) -> ScatteredRemoteRollouts:
+        """Async rollouts from the servers (`serving/remote_rollouts.py`) with the local controller's bounds: the main
+        process's controller requests every rank's groups; each rank trains on its own share."""
         if not self._cb_remote_ready:
             self._cb_remote_setup()
-        from ..serving.remote_rollouts import RemoteRolloutController
-
         args: Any = self.args
-        rows_per_step = args.generation_batch_size // self.accelerator.num_processes
-        return RemoteRolloutController(
-            self._cb_client,
-            prompt_stream,
-            num_generations=self.num_generations,
-            groups_per_step=rows_per_step // self.num_generations,
-            sampling=self._cb_remote_sampling(),
-            push_weights=self._cb_push_weights,
-            prefetch_depth=args.prefetch_depth,
-            max_staleness=self._cb_max_staleness(),
-            keep_stale=args.async_keep_stale,
-            timeout=args.cb_generation_timeout,
-            validate=validate,
-        )
+        groups_per_rank = args.generation_batch_size // self.accelerator.num_processes // self.num_generations
+        scattered = ScatteredRemoteRollouts(self, groups_per_rank)
+        if self.accelerator.is_main_process:
+            from ..serving.remote_rollouts import RemoteRolloutController
+
+            scattered.controller = RemoteRolloutController(
+                self._cb_client,
+                prompt_stream,
+                num_generations=self.num_generations,
+                groups_per_step=groups_per_rank * self.accelerator.num_processes,
+                sampling=self._cb_remote_sampling(),
+                push_weights=lambda: scattered.policy_version,  # the push itself is collective: `scattered` does it
+                prefetch_depth=args.prefetch_depth,
+                max_staleness=self._cb_max_staleness(),
+                keep_stale=args.async_keep_stale,
+                timeout=args.cb_generation_timeout,
+                validate=validate,
+            )
+        return scattered
 
     def _cb_remote_close(self) -> None:
         senders, self._cb_senders, self._cb_client = self._cb_senders or [], None, None
@@ -189,3 +192,49 @@ class RemoteRolloutsMixin:
                 sender.close()
             except Exception:  # a dead server has nothing to close
                 pass
+
+
+class ScatteredRemoteRollouts:
+    """The async controller every rank holds when rollouts come from servers (the local controller's interface).
+
+    The main process's `RemoteRolloutController` (`controller`; `None` on the other ranks) takes all ranks' groups at
+    once, oldest first, and rank r trains on slice r. Weight pushes run on every rank (a collective: all ranks gather,
+    the main process sends), so the controller's own push callback only reports the version pushed here. The stream
+    position (`consumed_groups`) is the main process's, shared with every rank for checkpoints.
+    """
+
+    def __init__(self, trainer: RemoteRolloutsMixin, groups_per_step: int) -> None:
+        self.trainer = trainer
+        self.groups_per_step = groups_per_step
+        self.controller: RemoteRolloutController | None = None
+        self.policy_version = 0
+        self.consumed_groups = 0
+
+    def start(self) -> None:
+        self.policy_version = self.trainer._cb_push_weights()  # the servers never sample unsent weights
+        if self.controller is not None:
+            self.controller.start()
+
+    def begin_weight_update(self) -> None:
+        """Nothing to hold: the servers generate on their own copy while the trainer steps."""
+
+    def end_weight_update(self) -> None:
+        self.policy_version = self.trainer._cb_push_weights()
+        if self.controller is not None:
+            self.controller.end_weight_update()  # takes the version just pushed
+
+    def take(self, num_groups: int) -> tuple[list[RolloutGroup], AsyncMetrics]:
+        """This rank's `num_groups` groups; a collective (every rank calls it each step)."""
+        ranks = self.trainer.accelerator.num_processes
+
+        def take_all() -> tuple[list[list[RolloutGroup]], AsyncMetrics, int]:
+            groups, metrics = self.controller.take(num_groups * ranks)
+            shares = [groups[r * num_groups : (r + 1) * num_groups] for r in range(ranks)]
+            return shares, metrics, self.controller.consumed_groups
+
+        shares, metrics, self.consumed_groups = self.trainer._cb_on_main(take_all)
+        return shares[self.trainer.accelerator.process_index], metrics
+
+    def stop(self) -> None:
+        if self.controller is not None:
+            self.controller.stop()
