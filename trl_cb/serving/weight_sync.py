@@ -283,38 +283,52 @@ def push_weights(
     weights: Iterator[tuple[str, torch.Tensor]],
     version: int,
     dtypes: list[torch.dtype | None] | None = None,
-) -> None:
-    """Send `weights` (one `(name, tensor)` per spec, in order) to every sender's server, then wait for `version`.
+) -> dict[WeightSender, str]:
+    """Send `weights` (one `(name, tensor)` per spec, in order) to every sender's server, then wait for `version`;
+    return the senders whose server failed (a dead or broken replica), with the reason.
 
     Each tensor is gathered once and broadcast to every server, cast on the way to that server's dtype (`dtypes[i]`,
     None: the spec's), so a server never converts and the trainer holds one parameter (plus its casts) at a time.
-    `weights` is consumed to the end even when a send fails (on a multi-process trainer the other ranks are in the
-    same gathers), then the first error is raised.
+    A replica that fails is skipped from then on, and the caller must stop sampling from it (it kept older weights).
+    `weights` is consumed to the end whatever fails (on a multi-process trainer the other ranks are in the same
+    gathers); `RolloutServerError` when every replica failed, and the first error when the weights are not those
+    announced.
     """
     dtypes = dtypes or [None] * len(senders)
-    announced = [[WeightSpec(s.name, d or s.dtype, s.shape) for s in specs] for d in dtypes]
-    error: Exception | None = None
-    try:
-        for sender, sender_specs in zip(senders, announced):
-            sender.begin(sender_specs, version)
-    except Exception as exc:  # noqa: BLE001 - re-raised after the iteration
-        error = exc
+    announced = {
+        sender: [WeightSpec(spec.name, dtype or spec.dtype, spec.shape) for spec in specs]
+        for sender, dtype in zip(senders, dtypes)
+    }
+    failed: dict[WeightSender, str] = {}
+    mismatch: Exception | None = None
+
+    def attempt(sender: WeightSender, work: Callable[[], None]) -> None:
+        if sender not in failed:
+            try:
+                work()
+            except Exception as exc:  # noqa: BLE001 - this replica is dropped; the others go on
+                failed[sender] = f"{type(exc).__name__}: {exc}"
+
+    for sender in senders:
+        attempt(sender, lambda sender=sender: sender.begin(announced[sender], version))
     with torch.no_grad():
         for index, (name, tensor) in enumerate(weights):
-            if error is not None:
+            if mismatch is not None or len(failed) == len(senders):
                 continue  # keep taking part in the gathers
-            try:
-                if name != specs[index].name:
-                    raise RuntimeError(f"weight {index} is {name!r}, announced {specs[index].name!r}")
-                casts: dict[torch.dtype, torch.Tensor] = {}
-                for sender, sender_specs in zip(senders, announced):
-                    dtype = sender_specs[index].dtype
-                    if dtype not in casts:
-                        casts[dtype] = tensor.to(device="cpu", dtype=dtype).contiguous()
-                    sender.send(casts[dtype])
-            except Exception as exc:  # noqa: BLE001 - re-raised after the iteration
-                error = exc
-    if error is not None:
-        raise error
+            if name != specs[index].name:
+                mismatch = RuntimeError(f"weight {index} is {name!r}, announced {specs[index].name!r}")
+                continue
+            casts: dict[torch.dtype, torch.Tensor] = {}
+            for sender in senders:
+                dtype = announced[sender][index].dtype
+                if dtype not in casts:
+                    casts[dtype] = tensor.to(device="cpu", dtype=dtype).contiguous()
+                attempt(sender, lambda sender=sender, t=casts[dtype]: sender.send(t))
+    if mismatch is not None:
+        raise mismatch
     for sender in senders:
-        sender.wait(version)
+        attempt(sender, lambda sender=sender: sender.wait(version))
+    if len(failed) == len(senders):
+        reasons = "; ".join(f"{sender.url}: {why}" for sender, why in failed.items())
+        raise RolloutServerError(f"weight version {version} reached no rollout server ({reasons})")
+    return failed

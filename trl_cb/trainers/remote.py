@@ -16,6 +16,7 @@ that left. docs/server.md.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -32,6 +33,8 @@ if TYPE_CHECKING:  # the serving modules need the `serve` extra (requests): impo
     from ..serving.client import RolloutClient
     from ..serving.remote_rollouts import RemoteRolloutController
     from ..serving.weight_sync import WeightSender
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Completions = tuple[list[list[int]], list[list[float]]]
@@ -145,7 +148,8 @@ class RemoteRolloutsMixin:
             from ..serving.weight_sync import push_weights
 
             self._cb_client.known_versions.add(version)  # async: tokens of it may arrive before the push ends
-            push_weights(self._cb_senders, specs, weights, version, self._cb_server_dtypes)
+            failed = push_weights(self._cb_senders, specs, weights, version, self._cb_server_dtypes)
+            self._cb_drop_replicas(failed)
 
         with trl_internals.profiling_context(self, "trl_cb.push_weights"):
             if not self.accelerator.is_main_process:
@@ -183,6 +187,15 @@ class RemoteRolloutsMixin:
                 validate=validate,
             )
         return scattered
+
+    def _cb_drop_replicas(self, failed: dict[WeightSender, str]) -> None:
+        """Stop using replicas a push did not reach: they serve older weights, so sampling there would be silently
+        off-policy (sync) or beyond the recorded versions' meaning. The others take their share."""
+        for sender, why in failed.items():
+            logger.warning("rollout server %s missed a weight push and is dropped: %s", sender.url, why)
+            index = self._cb_senders.index(sender)
+            del self._cb_senders[index], self._cb_server_dtypes[index]
+            self._cb_client.urls = [url for url in self._cb_client.urls if url != sender.url]
 
     def _cb_remote_close(self) -> None:
         senders, self._cb_senders, self._cb_client = self._cb_senders or [], None, None

@@ -177,3 +177,34 @@ def test_async_training_overlaps_with_the_server(server, tokenizer, tmp_path, ki
     assert [entry["async/policy_version"] for entry in logs] == [1.0, 2.0, 3.0]
     assert all(entry["async/staleness_max"] <= 2 for entry in logs)
     assert max(entry["sampling/sampling_logp_difference/max"] for entry in logs[:1]) < 1e-5  # fresh: exact
+
+
+def test_async_training_survives_a_killed_replica(server, checkpoint, tokenizer, tmp_path):
+    """Two replicas share the groups; one is killed after the first step: its groups in flight are resubmitted to
+    the other, the next push drops it (it would serve old weights), and training finishes on the survivor."""
+    from transformers import TrainerCallback
+
+    _, url = server
+    with running_server(checkpoint, "--api-key", KEY) as (victim, second):
+        seen: dict = {}
+
+        class KillAfterFirstStep(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == 1:
+                    seen["before"] = metrics(second)["groups_finished"]
+                    victim.kill()
+                    victim.wait(timeout=10)
+                if state.global_step == 2:  # the push after step 2 found it dead
+                    seen["replicas"] = list(trainer._cb_client.urls)
+
+        trainer = make_trainer(
+            "grpo", tokenizer, tmp_path, max_steps=3, rollout_server_urls=[url, second], rollout_server_api_key=KEY,
+            async_generation=True, prefetch_depth=0,
+        )  # fmt: skip
+        trainer.add_callback(KillAfterFirstStep())
+        trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    print(f"\ngroups served by the killed replica before the kill: {seen['before']}")
+    assert len(logs) == 3 and seen["before"] > 0, "both replicas served"
+    assert seen["replicas"] == [url], "the replica that missed a push is no longer sampled"
+    assert trainer._cb_weight_version == 4 and metrics(url)["weight_version"] == 4
