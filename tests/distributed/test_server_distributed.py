@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from tests.distributed.test_distributed import HERE, _launch
-from tests.unit.serving.test_server import running_server
+from tests.unit.serving.conftest import running_server
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -182,15 +182,17 @@ def test_default_prompts_are_the_vendored_gsm8k_test_split():
 
 @pytest.mark.slow
 def test_learning_quick_records_curves_png_and_async_counts(tmp_path):
-    steps = 3  # --quick: 3 steps, seeds 0 and 1
+    steps = 3  # --quick: 3 steps; one seed keeps the suite short
     backends = ("generate", "trl_cb", "trl_cb_async", "trl_cb_server_async")
     script = str(ROOT / "benchmarks" / "learning.py")
-    proc = run(script, "--quick", "--trainers", "grpo", "--backends", *backends, "--out", str(tmp_path))
+    proc = run(
+        script, "--quick", "--trainers", "grpo", "--seeds", "0", "--backends", *backends, "--out", str(tmp_path)
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
     assert payload["benchmark"] == "learning" and payload["config"]["steps"] == steps
     runs = payload["runs"]
-    assert {(r["backend"], r["seed"]) for r in runs} == {(b, s) for b in backends for s in (0, 1)}
+    assert {(r["backend"], r["seed"]) for r in runs} == {(b, 0) for b in backends}
     for r in runs:  # one point per optimizer step, wall-clock increasing, samples counted
         assert len(r["reward"]) == len(r["wall_clock_s"]) == len(r["samples"]) == steps
         assert all(0.0 <= x <= 1.0 for x in r["reward"])

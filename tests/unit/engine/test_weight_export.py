@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from tests.gloo_workers import run_two_workers
 from trl_cb.engine.sharding import iter_full_parameters
 from trl_cb.engine.weight_export import iter_weights, weight_specs
 from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
-from trl_cb.serving.weight_sync import free_port
 
 
 def lora_model(base: torch.nn.Module, **extra: object) -> torch.nn.Module:
@@ -107,19 +105,7 @@ def _fsdp2_worker(rank: int, port: int, out: str) -> None:
 
 def test_fsdp2_dtensors_are_gathered_one_at_a_time(tmp_path):
     pytest.importorskip("peft")
-    context = mp.start_processes(
-        _fsdp2_worker, (free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn"
-    )
-    start, deadline = time.monotonic(), time.monotonic() + 120
-    try:
-        while not context.join(timeout=1):
-            assert time.monotonic() < deadline, "FSDP2 export workers did not finish within 120 s"
-    finally:
-        for process in context.processes:  # only the two workers started here
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
-    print(f"\n2-process FSDP2 export: {time.monotonic() - start:.1f} s")
+    run_two_workers(_fsdp2_worker, tmp_path, "FSDP2 export")
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for kind, r in report.items():

@@ -21,7 +21,8 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.unit.serving.test_server import AUTH, KEY, checkpoint, perturbed, running_server  # noqa: F401 (fixture)
+from tests.unit.serving.conftest import AUTH, KEY, running_server
+from tests.unit.serving.test_server import checkpoint, perturbed  # noqa: F401 (fixture)
 from trl_cb.errors import RolloutServerError
 from trl_cb.serving.client import RolloutClient
 from trl_cb.serving.weight_sync import WeightSender

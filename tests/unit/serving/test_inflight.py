@@ -14,40 +14,18 @@ import time
 import pytest
 import requests
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
-from tests.unit.serving.test_server import AUTH, KEY, perturbed, running_server
+from tests.unit.serving.conftest import AUTH, KEY, running_server, save_sharp_checkpoint
+from tests.unit.serving.test_server import perturbed
 from tests.unit.trainers.test_trainers import make_trainer
-from trl_cb.offline.tiny import tiny_model
 from trl_cb.serving.client import RolloutClient
 from trl_cb.serving.weight_sync import WeightSender
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tokenizer) -> str:
-    directory = tmp_path_factory.mktemp("ckpt-no-eos")
-    tiny_model(tokenizer, eos_logit_bias=None, init_std=0.2).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return str(directory)
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint):
-    with running_server(checkpoint, "--api-key", KEY) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def local_model(checkpoint):
-    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return save_sharp_checkpoint(tmp_path_factory, tokenizer, "ckpt-no-eos", eos_logit_bias=None)
 
 
 def metrics(url: str) -> dict:
@@ -84,13 +62,14 @@ def test_update_mid_request_switches_versions_per_token_exactly(server, local_mo
     new_model = perturbed(local_model)
     batch = [p for p in prompts for _ in range(2)][:12]
     outcome: dict = {}
-    worker = threading.Thread(target=lambda: outcome.update(result=client.generate(batch, 2, max_tokens=48)))
+    # Completions without an EOS bias (up to 64 tokens) so that the pause lands mid-generation.
+    worker = threading.Thread(target=lambda: outcome.update(result=client.generate(batch, 2, max_tokens=64)))
     worker.start()
     deadline = time.monotonic() + 30
-    while metrics(url)["tokens_generated"] == 0 and metrics(url)["running_groups"] == 0:
+    while metrics(url)["running_groups"] == 0:  # submitted
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    time.sleep(0.05)
+    time.sleep(0.08)  # past the prefill, into decoding
     post(url, "/pause")
     client.known_versions.add(1)
     sender.push(new_model, 1)  # applied while the engine holds its requests

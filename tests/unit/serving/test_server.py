@@ -6,65 +6,27 @@ kills it. Every process started here is stopped in the fixture's `finally`.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import signal
 import socket
 import time
-from pathlib import Path
 
 import pytest
 import requests
 import torch
-from transformers import AutoModelForCausalLM
 
 from tests.unit.rollouts.test_generator import teacher_forced_logprobs
+from tests.unit.serving.conftest import AUTH, KEY, running_server, save_sharp_checkpoint
 from tests.unit.trainers.test_trainers import make_trainer
 from trl_cb.engine.weight_export import iter_weights, weight_specs
 from trl_cb.errors import RolloutServerError
-from trl_cb.offline.tiny import tiny_model
 from trl_cb.serving.client import RolloutClient
-from trl_cb.serving.launch import local_rollout_server
 from trl_cb.serving.weight_sync import WeightSender, free_port, push_weights
-
-KEY = "test-key-123"
-ROOT = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The server runs on one thread; so does this process (2-core machines: leave a core to the server)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tokenizer) -> str:
-    directory = tmp_path_factory.mktemp("ckpt")
-    tiny_model(tokenizer, eos_logit_bias=4.0, init_std=0.2).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return str(directory)
-
-
-@contextlib.contextmanager
-def running_server(checkpoint: str, *extra: str):
-    """A `trl-cb serve` process (one thread) on a free loopback port, up and healthy; stopped on exit."""
-    env = {"PYTHONPATH": str(ROOT)}
-    with local_rollout_server(checkpoint, threads=1, extra_args=extra, env=env, startup_timeout=60) as server:
-        yield server.process, server.url
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint):
-    with running_server(checkpoint, "--api-key", KEY) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def local_model(checkpoint):
-    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return save_sharp_checkpoint(tmp_path_factory, tokenizer, "ckpt", eos_logit_bias=4.0)
 
 
 def perturbed(model: torch.nn.Module) -> torch.nn.Module:
@@ -83,9 +45,6 @@ def max_gap(model, prompts, result, n) -> float:
         ref = teacher_forced_logprobs(model, prompts[i // n], ids, 1.0, 0, 1.0)
         gaps.append((ref - torch.tensor(logprobs)).abs().max().item())
     return max(gaps)
-
-
-AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def test_health_models_metrics(server):

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import torch.multiprocessing as mp
 from transformers import GenerationConfig
 
+from tests.gloo_workers import run_two_workers
 from trl_cb.errors import RolloutServerError
 from trl_cb.serving.client import RemoteGenerationResult
-from trl_cb.serving.weight_sync import free_port
 from trl_cb.trainers.remote import RemoteRolloutsMixin
 
 
@@ -82,17 +80,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 def test_main_process_generates_for_every_rank(tmp_path):
-    context = mp.start_processes(_worker, (free_port(), str(tmp_path)), nprocs=2, join=False, start_method="spawn")
-    start, deadline = time.monotonic(), time.monotonic() + 120
-    try:
-        while not context.join(timeout=1):
-            assert time.monotonic() < deadline, "workers did not finish within 120 s"
-    finally:
-        for process in context.processes:  # only the two workers started here
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
-    print(f"\n2-process remote generation: {time.monotonic() - start:.1f} s")
+    run_two_workers(_worker, tmp_path, "remote generation")
     main, other = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert main["own"] and other["own"], "each rank gets its own prompts' completions, in order"
     assert main["requests"] == [5] and other["requests"] is None, "one request for both ranks, from the main process"

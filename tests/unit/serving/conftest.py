@@ -1,0 +1,56 @@
+"""Shared by the server tests: one torch thread in the test process (2-core machines: the other core is the server's),
+sharp (std 0.2) tiny checkpoints, and a module-scoped `trl-cb serve` process on the module's `checkpoint` fixture,
+stopped at the end of the module, also on failure."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from trl_cb.offline.tiny import tiny_model
+from trl_cb.serving.launch import local_rollout_server
+
+KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def save_sharp_checkpoint(tmp_path_factory, tokenizer, name: str, eos_logit_bias: float | None) -> str:
+    """A tiny std-0.2 model (logprobs far from uniform, so a comparison can fail) and the tokenizer, saved."""
+    directory = tmp_path_factory.mktemp(name)
+    tiny_model(tokenizer, eos_logit_bias=eos_logit_bias, init_std=0.2).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+@contextlib.contextmanager
+def running_server(checkpoint: str, *extra: str):
+    """A `trl-cb serve` process (one thread) on a free loopback port, up and healthy; stopped on exit."""
+    env = {"PYTHONPATH": str(ROOT)}
+    with local_rollout_server(checkpoint, threads=1, extra_args=extra, env=env, startup_timeout=60) as server:
+        yield server.process, server.url
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    """One server per test module, on that module's `checkpoint` fixture, with the API key."""
+    with running_server(checkpoint, "--api-key", KEY) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def local_model(checkpoint):
+    """The module's checkpoint loaded in this process (fp32, eval): the reference the server must match."""
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
