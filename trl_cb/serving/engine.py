@@ -51,7 +51,6 @@ class Ticket:
     group: RolloutGroup | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
-    cancelled: bool = False
     on_done: Callable[[Ticket], None] | None = None
 
     def finish(self, group: RolloutGroup | None = None, error: BaseException | None = None) -> None:
@@ -287,7 +286,6 @@ class ServingEngine:
             self._pause_hold = stack
 
     def _cancel(self, ticket: Ticket) -> None:
-        ticket.cancelled = True
         if ticket in self._waiting:
             self._waiting.remove(ticket)
         elif self._manager is not None:

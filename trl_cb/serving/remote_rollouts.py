@@ -8,8 +8,9 @@ turns; here the servers hold their own copy and generate all the time. The same 
   whichever replica served them; `consumed_groups` is the prompt stream's resume position.
 - Versions: each token carries the server-reported version of the weights that sampled it (servers apply updates
   between engine steps, mid-request); staleness = the trainer's version - a group's oldest token's version.
-- Weight updates: after each optimizer step `end_weight_update` pushes the new weights (`push_weights`) while the
-  servers keep generating; the IS correction uses the recorded per-token logprobs, as locally.
+- Weight updates: the owner (the trainers' `ScatteredRemoteRollouts`, whose pushes are collective) pushes the weights
+  before `start` and after each optimizer step, while the servers keep generating, and reports each version here
+  (`start`, `weights_pushed`); the IS correction uses the recorded per-token logprobs, as locally.
 - Never hangs: `take` waits in short slices (Ctrl-C is prompt) and raises `TimeoutError` past `timeout`; a failed
   group raises its `RolloutServerError` (the client has already tried every replica).
 """
@@ -50,7 +51,6 @@ class RemoteRolloutController:
         num_generations: Samples per prompt (G).
         groups_per_step: Groups `take` returns.
         sampling: `/v1/completions` sampling fields (`max_tokens`, `temperature`, `top_p`, `top_k`).
-        push_weights: Pushes the trainer's current weights to every server; returns the version they now serve.
         prefetch_depth, max_staleness, keep_stale, timeout: as for `AsyncRolloutController`.
         validate: Checks one prompt before it is requested (`ValueError` naming it), e.g. against the model's limits.
     """
@@ -62,7 +62,6 @@ class RemoteRolloutController:
         num_generations: int,
         groups_per_step: int,
         sampling: dict[str, Any],
-        push_weights: Callable[[], int],
         prefetch_depth: int = 1,
         max_staleness: int = 1,
         keep_stale: bool = False,
@@ -77,7 +76,6 @@ class RemoteRolloutController:
         self.num_generations = num_generations
         self.groups_per_step = groups_per_step
         self.sampling = sampling
-        self.push_weights = push_weights
         self.prefetch_depth = prefetch_depth
         self.max_staleness = max_staleness
         self.keep_stale = keep_stale
@@ -97,12 +95,12 @@ class RemoteRolloutController:
     def capacity_groups(self) -> int:
         return (self.prefetch_depth + 1) * self.groups_per_step
 
-    def start(self, max_prompt_len: int | None = None) -> None:
-        """Push the trainer's weights (the servers never sample with weights the trainer did not send), then request
-        the first `capacity_groups` groups. `max_prompt_len` is accepted for parity with the local controller."""
+    def start(self, policy_version: int) -> None:
+        """Request the first `capacity_groups` groups; the servers already serve `policy_version`, which the owner
+        pushed (they never sample with weights the trainer did not send)."""
         if self._started:
             return
-        self.policy_version = self.push_weights()
+        self.policy_version = policy_version
         self._started = True
         self._top_up()
 
@@ -112,14 +110,10 @@ class RemoteRolloutController:
         self._stopped = True
         self._requests.clear()
 
-    # The trainer's optimizer-step callback calls these around every update (as for the local controller).
-    def begin_weight_update(self) -> None:
-        """Nothing to hold: the servers' weights are their own copy and keep generating while the trainer steps."""
-
-    def end_weight_update(self) -> None:
-        """Push the updated weights; the servers apply them between engine steps, mid-request."""
-        if self._started and not self._stopped:
-            self.policy_version = self.push_weights()
+    def weights_pushed(self, policy_version: int) -> None:
+        """The servers now serve `policy_version` (applied between engine steps, mid-request): staleness counts
+        from it."""
+        self.policy_version = policy_version
 
     def take(self, num_groups: int) -> tuple[list[RolloutGroup], AsyncMetrics]:
         """Block until `num_groups` acceptable groups are ready; return them (oldest request first) and metrics."""

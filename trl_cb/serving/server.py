@@ -157,7 +157,8 @@ def create_app(
                     raise HTTPException(status_code=status, detail=f"generation failed: {ticket.error}")
                 yield index[id(ticket)], ticket.group
         finally:
-            engine.cancel(tickets)  # no-op for the groups that ended
+            if not all(ticket.done.is_set() for ticket in tickets):
+                engine.cancel(tickets)  # the client went away (or a group failed): stop what still runs
             requests_seen["served"] += 1
 
     @app.post("/v1/completions", dependencies=guarded)

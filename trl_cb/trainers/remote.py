@@ -179,7 +179,6 @@ class RemoteRolloutsMixin:
                 num_generations=self.num_generations,
                 groups_per_step=groups_per_rank * self.accelerator.num_processes,
                 sampling=self._cb_remote_sampling(),
-                push_weights=lambda: scattered.policy_version,  # the push itself is collective: `scattered` does it
                 prefetch_depth=args.prefetch_depth,
                 max_staleness=self._cb_max_staleness(),
                 keep_stale=args.async_keep_stale,
@@ -226,7 +225,7 @@ class ScatteredRemoteRollouts:
     def start(self) -> None:
         self.policy_version = self.trainer._cb_push_weights()  # the servers never sample unsent weights
         if self.controller is not None:
-            self.controller.start()
+            self.controller.start(self.policy_version)
 
     def begin_weight_update(self) -> None:
         """Nothing to hold: the servers generate on their own copy while the trainer steps."""
@@ -234,7 +233,7 @@ class ScatteredRemoteRollouts:
     def end_weight_update(self) -> None:
         self.policy_version = self.trainer._cb_push_weights()
         if self.controller is not None:
-            self.controller.end_weight_update()  # takes the version just pushed
+            self.controller.weights_pushed(self.policy_version)
 
     def take(self, num_groups: int) -> tuple[list[RolloutGroup], AsyncMetrics]:
         """This rank's `num_groups` groups; a collective (every rank calls it each step)."""

@@ -41,20 +41,28 @@ class ScriptedClient:
 
 def controller(client: ScriptedClient, **kwargs) -> RemoteRolloutController:
     stream = ((f"row{i}", [i]) for i in itertools.count())
-
-    def push() -> int:
-        client.version += 1
-        return client.version
-
-    options = {"num_generations": 2, "groups_per_step": 2, "sampling": {"max_tokens": 1}, "push_weights": push}
+    options = {"num_generations": 2, "groups_per_step": 2, "sampling": {"max_tokens": 1}}
     return RemoteRolloutController(client, stream, **{**options, **kwargs})
+
+
+def push(ctl: RemoteRolloutController, client: ScriptedClient) -> None:
+    """What the trainer does around a push: the servers serve a new version, the controller is told."""
+    client.version += 1
+    ctl.weights_pushed(client.version)
+
+
+def started(client: ScriptedClient, **kwargs) -> RemoteRolloutController:
+    """A controller started as the trainer starts it: the first push (version 1) before any request."""
+    ctl = controller(client, **kwargs)
+    client.version += 1
+    ctl.start(client.version)
+    return ctl
 
 
 def test_groups_come_back_in_request_order_whatever_finishes_first():
     client = ScriptedClient(delay=lambda i: 0.2 if i % 4 == 0 else 0.0)  # every 4th request is the slowest
-    ctl = controller(client, prefetch_depth=1, max_staleness=5)
-    ctl.start()
-    assert ctl.policy_version == 1, "weights are pushed before the first request"
+    ctl = started(client, prefetch_depth=1, max_staleness=5)
+    assert ctl.policy_version == 1, "requests start at the version pushed before them"
     seen = []
     for _ in range(3):
         groups, metrics = ctl.take(2)
@@ -67,12 +75,10 @@ def test_groups_come_back_in_request_order_whatever_finishes_first():
 
 def test_stale_groups_are_dropped_and_counted_in_the_resume_position():
     client = ScriptedClient()
-    ctl = controller(client, prefetch_depth=1, max_staleness=1)
-    ctl.start()
+    ctl = started(client, prefetch_depth=1, max_staleness=1)
     time.sleep(0.1)  # the first 4 groups are sampled with version 1
     for _ in range(2):  # two optimizer steps: version 3, those groups are 2 updates old
-        ctl.begin_weight_update()
-        ctl.end_weight_update()
+        push(ctl, client)
     groups, metrics = ctl.take(2)
     assert metrics.dropped_groups == 4 and metrics.staleness_max == 0
     assert [g.row for g in groups] == ["row4", "row5"] and ctl.consumed_groups == 6
@@ -81,24 +87,21 @@ def test_stale_groups_are_dropped_and_counted_in_the_resume_position():
 
 def test_keep_stale_keeps_them():
     client = ScriptedClient()
-    ctl = controller(client, prefetch_depth=1, max_staleness=0, keep_stale=True)
-    ctl.start()
+    ctl = started(client, prefetch_depth=1, max_staleness=0, keep_stale=True)
     time.sleep(0.1)
-    ctl.end_weight_update()
+    push(ctl, client)
     groups, metrics = ctl.take(2)
     assert [g.row for g in groups] == ["row0", "row1"] and metrics.staleness_max == 1 and metrics.dropped_total == 0
 
 
 def test_a_failed_group_raises_in_the_trainer():
-    ctl = controller(ScriptedClient(fail_on=1))
-    ctl.start()
+    ctl = started(ScriptedClient(fail_on=1))
     with pytest.raises(RolloutServerError, match="replica gone"):
         ctl.take(2)
 
 
 def test_take_times_out_instead_of_hanging():
-    ctl = controller(ScriptedClient(delay=lambda i: 5.0), timeout=0.3)
-    ctl.start()
+    ctl = started(ScriptedClient(delay=lambda i: 5.0), timeout=0.3)
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="No rollouts within 0.3 s"):
         ctl.take(2)
@@ -111,6 +114,5 @@ def test_invalid_prompt_names_its_stream_item():
         if prompt == [2]:
             raise ValueError("too long")
 
-    ctl = controller(ScriptedClient(), validate=validate, prefetch_depth=1)
     with pytest.raises(ValueError, match="item 2: too long"):
-        ctl.start()
+        started(ScriptedClient(), validate=validate, prefetch_depth=1)
