@@ -31,9 +31,47 @@ def _launch(cmd: list[str], report: Path) -> list[dict]:
 
 def _accelerate(config: str, report: Path, *extra: str) -> list[dict]:
     launcher = shutil.which("accelerate") or str(Path(sys.executable).with_name("accelerate"))
-    cmd = [launcher, "launch", "--config_file", str(CONFIGS / config), "--num_processes", "2",
+    cmd = [launcher, "launch", "--config_file", _config_file(config, report), "--num_processes", "2",
            str(HERE / "train_check.py"), "--report", str(report), *extra]  # fmt: skip
     return _launch(cmd, report)
+
+
+def _config_file(config: str, directory: Path) -> str:
+    """The shipped accelerate config `config`, except ZeRO-3: a config that partitions every parameter (persistence
+    threshold 0), written under `directory`. DeepSpeed keeps parameters under `stage3_param_persistence_threshold`
+    (default 1e5 elements: all of the tiny model's) whole on every rank, which would leave generation nothing to
+    gather; a real model's matrices are partitioned and gathered for every round."""
+    if config != "zero3.yaml":
+        return str(CONFIGS / config)
+    (directory / "config").mkdir()
+    return str(zero3_unpersisted(directory / "config"))
+
+
+def zero3_unpersisted(directory: Path) -> Path:
+    """An accelerate config for ZeRO-3 that partitions every parameter: DeepSpeed keeps parameters under
+    `stage3_param_persistence_threshold` (default 1e5 elements: all of the tiny model's) whole on every rank, which
+    would leave nothing to gather."""
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    auto = ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps", "gradient_clipping")
+    (directory / "ds.json").write_text(json.dumps({"zero_optimization": zero, **dict.fromkeys(auto, "auto")}))
+    lines = ["compute_environment: LOCAL_MACHINE", "distributed_type: DEEPSPEED", "deepspeed_config:",
+             f"  deepspeed_config_file: {directory / 'ds.json'}", "  zero3_init_flag: false", "num_machines: 1",
+             "num_processes: 2", "machine_rank: 0", "rdzv_backend: static", "same_network: true",
+             "use_cpu: false"]  # fmt: skip
+    (directory / "zero3.yaml").write_text("\n".join(lines) + "\n")
+    return directory / "zero3.yaml"
+
+
+def _assert_zero3_rounds(report: dict, generation_dtype: str) -> None:
+    """Per round on this rank (train_check.py): every parameter (all have more than world_size elements) was held as
+    this rank's partition only before the round; the engine's forwards read each one whole, equal to the same
+    parameters gathered independently (`GatheredParameters`) and cast to the generation dtype; each was partitioned
+    again after the round."""
+    for x in report["rounds"]:
+        assert x["num_large"] == x["num_params"] == len(x["partitioned_before"]), x
+        assert x["engine_read"] == x["num_params"] and x["engine_dtypes"] == [generation_dtype], x
+        assert x["engine_max_diff"] <= 1e-5, x
+        assert len(x["partitioned_after"]) == x["num_params"] and x["sharded_after"] is True, x
 
 
 @pytest.mark.parametrize(
@@ -62,6 +100,8 @@ def test_trainer_two_processes(config, trainer, lora, expected_type, shards, tmp
         assert len(r["rounds"]) == 2 and all(x["lengths_match"] and x["num_completions"] == 4 for x in r["rounds"])
         # Parameters are partitioned again right after every generation round (ZeRO-3) / never were (DDP).
         assert all(x["sharded_after"] is (True if shards else None) for x in r["rounds"])
+        if shards:  # partitioned before and after every round, gathered whole and equal during it
+            _assert_zero3_rounds(r, "torch.float32")
         assert r["engine_builds"] == 1 and r["generator_closed"]
 
 
@@ -80,6 +120,7 @@ def test_zero3_bf16_two_processes(tmp_path):
         assert len(r["logs"]) == 2 and r["engine_builds"] == 1 and r["generator_closed"]
         assert all(_small_logp_gap(e["sampling/sampling_logp_difference/max"]) for e in r["logs"]), r["logs"]
         assert all(x["sharded_after"] is True and x["lengths_match"] for x in r["rounds"])
+        _assert_zero3_rounds(r, "torch.bfloat16")
         assert r["master_dtypes"] == ["torch.float32"] and r["trainable_param_dtypes"] == ["torch.bfloat16"], r
         # Trained: the bf16 module moved (norm weights near 1.0 may not, at lr 1e-3 in bf16; their masters do).
         assert r["num_trainable_changed"] > r["num_trainable"] // 2, r

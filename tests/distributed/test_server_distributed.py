@@ -7,7 +7,6 @@ logprobs match the trainer's (checked per round, per rank, in server_check.py). 
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.distributed.test_distributed import HERE, _launch
+from tests.distributed.test_distributed import HERE, _launch, zero3_unpersisted
 from tests.unit.serving.conftest import running_server
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -31,21 +30,6 @@ def server_checkpoint(tmp_path_factory) -> str:
     tiny_model(tokenizer, eos_logit_bias=4.0, init_std=0.2, seed=1).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
-
-
-def zero3_unpersisted(directory: Path) -> Path:
-    """An accelerate config for ZeRO-3 that partitions every parameter: DeepSpeed keeps parameters under
-    `stage3_param_persistence_threshold` (default 1e5 elements: all of the tiny model's) whole on every rank, which
-    would leave nothing to gather."""
-    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
-    auto = ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps", "gradient_clipping")
-    (directory / "ds.json").write_text(json.dumps({"zero_optimization": zero, **dict.fromkeys(auto, "auto")}))
-    lines = ["compute_environment: LOCAL_MACHINE", "distributed_type: DEEPSPEED", "deepspeed_config:",
-             f"  deepspeed_config_file: {directory / 'ds.json'}", "  zero3_init_flag: false", "num_machines: 1",
-             "num_processes: 2", "machine_rank: 0", "rdzv_backend: static", "same_network: true",
-             "use_cpu: false"]  # fmt: skip
-    (directory / "zero3.yaml").write_text("\n".join(lines) + "\n")
-    return directory / "zero3.yaml"
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["zero3", "zero3-lora"])

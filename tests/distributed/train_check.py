@@ -4,13 +4,22 @@ Trains GRPO (or RLOO) with the CB flag for 2 steps on the tiny model and writes,
 metrics (whose `sampling_logp_difference/max` is the max over all ranks of |sampling logprob - teacher-forced logprob
 with the full weights|, TRL's old-logprob forward running through the sharded/wrapped model), whether parameters
 were sharded again after every generation round, and how many engines were built.
+
+Under ZeRO-3 (launched with every parameter partitioned: persistence threshold 0) each round also records what the
+gather did, per rank: which parameters were partitioned before the round and after it, and what the engine's forward
+read during it (a forward pre-hook on every module holding parameters), compared with the same parameters gathered
+independently (`deepspeed.zero.GatheredParameters`) just before the round and cast to the generation dtype.
+`TRAIN_CHECK_BROKEN_GATHER=1` (read here only) replaces TRL's gather for generation with one that skips
+`GatheredParameters`, to show these checks fail when generation runs on partitioned parameters.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +59,76 @@ def _full_trainable(trainer: Any) -> dict[str, torch.Tensor]:
         with deepspeed.zero.GatheredParameters(list(params.values())):
             return {n: p.detach().clone() for n, p in params.items()}
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in params.items()}
+
+
+def _partitioned(params: dict[str, torch.nn.Parameter], world_size: int) -> list[str]:
+    """Names of the ZeRO-3 parameters with more than `world_size` elements that are held as this rank's partition
+    only: not available, an empty local tensor, a partition smaller than the whole."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return [
+        n for n, p in params.items()
+        if p.ds_numel > world_size and p.ds_status == ZeroParamStatus.NOT_AVAILABLE
+        and p.numel() < p.ds_numel and p.ds_tensor.numel() < p.ds_numel
+    ]  # fmt: skip
+
+
+class EngineReads:
+    """What the CB engine's forwards read during a generation round: a forward pre-hook on every module holding
+    parameters records, once per round, each parameter's shape and its max |difference| from `reference` (the
+    parameters gathered independently before the round, cast to the generation dtype). A parameter not whole when any
+    forward of the round starts fails that forward at once, with its name."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.reference: dict[str, torch.Tensor] | None = None
+        self.seen: dict[str, dict[str, Any]] = {}
+        for prefix, sub in module.named_modules():
+            if any(p is not None for p in sub._parameters.values()):
+                sub.register_forward_pre_hook(self._hook(prefix))
+
+    def _hook(self, prefix: str) -> Any:
+        def hook(sub: torch.nn.Module, args: Any) -> None:
+            if self.reference is None:  # outside generation rounds
+                return
+            for name, param in sub._parameters.items():
+                full_name = f"{prefix}.{name}" if prefix else name
+                if param is None:
+                    continue
+                # Read from the dict, not `getattr`: DeepSpeed's `ZeROOrderedDict` getter gathers a partitioned
+                # parameter on access during a forward, which would hide a missing gather here.
+                ref = self.reference[full_name]
+                if param.shape != ref.shape:  # every forward of the round
+                    raise AssertionError(
+                        f"the engine's forward got {full_name} not whole: shape {tuple(param.shape)}, "
+                        f"gathered {tuple(ref.shape)}"
+                    )
+                if full_name in self.seen:  # values: once per round (no optimizer step within a round)
+                    continue
+                diff = (param.detach().float() - ref.float()).abs().max().item()
+                self.seen[full_name] = {"dtype": str(param.dtype), "max_diff": diff}
+
+        return hook
+
+    @contextlib.contextmanager
+    def round(self, reference: dict[str, torch.Tensor]) -> Iterator[None]:
+        self.reference, self.seen = reference, {}
+        try:
+            yield
+        finally:
+            self.reference = None
+
+
+@contextlib.contextmanager
+def _broken_unwrap(model: Any, accelerator: Any, **kwargs: Any) -> Iterator[Any]:
+    """TRL's `unwrap_model_for_generation` for ZeRO-3 without its `GatheredParameters`: DeepSpeed's hooks removed
+    as TRL does, the parameters left partitioned (the deliberately broken gather of `TRAIN_CHECK_BROKEN_GATHER`)."""
+    from trl.models.utils import add_hooks, remove_hooks
+
+    remove_hooks(model)
+    try:
+        yield accelerator.unwrap_model(model)
+    finally:
+        add_hooks(model)
 
 
 def _master_dtypes(trainer: Any) -> list[str]:
@@ -96,18 +175,48 @@ def main() -> None:
         train_dataset=Dataset.from_list(synthetic_gsm8k(32, seed=1)),
     )  # fmt: skip
 
+    if os.environ.get("TRAIN_CHECK_BROKEN_GATHER") == "1":
+        import trl.models.utils
+
+        trl.models.utils.unwrap_model_for_generation = _broken_unwrap
+
+    from trl_cb.rollouts.model_access import plain_module
+
     rounds: list[dict[str, Any]] = []
     builds: list[int] = []
     original = trainer._cb_generate
+    generation_module = plain_module(trainer.model)  # the module the engine runs (PEFT: the base, adapters in it)
+    engine_reads = EngineReads(generation_module)
+    generation_dtype = torch.bfloat16 if args.bf16 else torch.float32
 
     def recording_generate(prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
-        completion_ids, logprobs = original(prompt_ids)
+        params = dict(generation_module.named_parameters(remove_duplicate=False))
+        zero3 = any(hasattr(p, "ds_id") for p in params.values())
+        world_size = trainer.accelerator.num_processes
+        zero3_round: dict[str, Any] = {}
+        if zero3:
+            import deepspeed
+
+            zero3_round["num_large"] = sum(p.ds_numel > world_size for p in params.values())
+            zero3_round["partitioned_before"] = _partitioned(params, world_size)
+            with deepspeed.zero.GatheredParameters(list(params.values())):  # every rank, in the same order
+                reference = {n: p.detach().to(generation_dtype, copy=True) for n, p in params.items()}
+            with engine_reads.round(reference):
+                completion_ids, logprobs = original(prompt_ids)
+            zero3_round["partitioned_after"] = _partitioned(params, world_size)
+            zero3_round["num_params"] = len(params)
+            zero3_round["engine_read"] = len(engine_reads.seen)
+            zero3_round["engine_dtypes"] = sorted({x["dtype"] for x in engine_reads.seen.values()})
+            zero3_round["engine_max_diff"] = max((x["max_diff"] for x in engine_reads.seen.values()), default=None)
+        else:
+            completion_ids, logprobs = original(prompt_ids)
         rounds.append(
             {
                 "num_prompts": len(prompt_ids),
                 "num_completions": len(completion_ids),
                 "lengths_match": all(len(c) == len(lp) for c, lp in zip(completion_ids, logprobs)),
                 "sharded_after": params_sharded(trainer.model_wrapped),
+                **zero3_round,
             }
         )
         builds.append(trainer._cb_generator.num_engine_builds)

@@ -566,23 +566,32 @@ def test_trl_cli_pieces_used_by_trl_cb_cli():
 # ------------------------------------------------------------------------------ abort / lifecycle (issue 9)
 
 
-def test_hard_stop_abandons_outstanding_requests_and_marks_the_loop_stopped(model, tokenizer, prompts):
+def test_hard_stop_abandons_outstanding_requests_and_marks_the_loop_stopped(tokenizer, prompts, monkeypatch):
     """`_upstream.stop_now` relies on `request_stop(HARD_STOP)` ending the loop before its next batch (not after
-    generating what is outstanding, as `destroy()` does) and on `local_status == STOPPED` once the thread is done."""
+    generating what is outstanding, as `destroy()` does) and on `local_status == STOPPED` once the thread is done.
+
+    Outstanding by construction: a model that never samples EOS, and the engine parked in its second forward (prefill
+    done, decoding) until the stop is requested (`tests/gates.py`), on any machine speed."""
     from transformers.generation.continuous_batching.continuous_api import BackgroundThreadStatus
+
+    from tests.gates import engine_gate
+    from tests.unit.rollouts.test_reliability import far_from_uniform
+    from trl_cb.offline.tiny import tiny_model
 
     assert BackgroundThreadStatus.HARD_STOP > BackgroundThreadStatus.FLUSH_AND_STOP
     src = inspect.getsource(ContinuousBatchingManager._run_generation_loop)
     assert "finally:" in src and "mark_as_stopped()" in src.split("finally:")[-1], "loop no longer marks STOPPED"
+    model = far_from_uniform(tiny_model(tokenizer), tokenizer)
     manager = _manager(model, tokenizer, 2000, 256, 64, 8)
     try:
         assert isinstance(manager._generation_thread, threading.Thread) and hasattr(manager, "_wake_up_loop")
-        for i, prompt in enumerate(prompts):
-            manager.add_request(prompt, request_id=f"long{i}", max_new_tokens=2000)
-        time.sleep(0.3)
-        start = time.monotonic()
-        assert _upstream.stop_now(manager, timeout=10)
-        assert time.monotonic() - start < 2.0, "hard stop no longer stops promptly"
+        with engine_gate(model, monkeypatch, after=2) as gate:
+            for i, prompt in enumerate(prompts):
+                manager.add_request(prompt, request_id=f"long{i}", max_new_tokens=2000)
+            gate.wait_entered()
+            start = time.monotonic()
+            assert _upstream.stop_now(manager, timeout=10)
+            assert time.monotonic() - start < 2.0, "hard stop no longer stops promptly"
         assert manager._generation_thread is None
         status = manager.background_thread_status
         assert status.local_status == status.STOPPED

@@ -14,6 +14,7 @@ import torch
 from tests.conftest import sampling_config
 from tests.unit.trainers.test_trainers import make_trainer
 from trl_cb import ContinuousBatchingGenerator, EngineDiedError, GenerationError, GRPOConfig
+from trl_cb.engine import _upstream
 from trl_cb.offline.data import synthetic_gsm8k
 from trl_cb.rollouts.async_controller import AsyncMetrics, AsyncRolloutController
 
@@ -112,6 +113,10 @@ def test_behaviour_logprobs_across_a_weight_update(tokenizer):
     ctl = controller(model, tokenizer, max_new_tokens=48, cb_config={"max_requests_per_batch": 4}, prefetch_depth=2)
     try:
         ctl.take(2)  # leaves prefetched groups in flight
+        # Proven, not assumed: let the engine run until a held request has sampled some (not all) of its tokens.
+        while not any(_upstream.inflight_generated_lengths(ctl._manager).values()):
+            with ctl._hold.running():
+                time.sleep(0.002)
         old = copy.deepcopy(model)
         with ctl.weight_update():
             perturb(model)
@@ -233,13 +238,16 @@ def heavy_controller(tokenizer, **kwargs) -> tuple[AsyncRolloutController, torch
     return ctl, model
 
 
-def test_stop_with_rollouts_in_flight_returns_within_2s(tokenizer):
+def test_stop_with_rollouts_in_flight_returns_within_2s(tokenizer, monkeypatch):
+    from tests.gates import engine_gate
     from tests.unit.rollouts.test_reliability import engine_threads
 
     ctl, model = heavy_controller(tokenizer, groups_per_step=4)
     ctl.timeout = 0.5
-    with pytest.raises(TimeoutError, match="No rollouts within 0.5 s"):
-        ctl.take(4)  # the engine ran 0.5 s: every group is mid-generation, then held
+    with engine_gate(model, monkeypatch, after=3) as gate:  # parked mid-generation until `take` holds it again
+        with pytest.raises(TimeoutError, match="No rollouts within 0.5 s"):
+            ctl.take(4)  # every group is mid-generation, then held
+    assert gate.parked
     start = time.monotonic()
     ctl.stop()
     took = time.monotonic() - start
@@ -248,13 +256,15 @@ def test_stop_with_rollouts_in_flight_returns_within_2s(tokenizer):
     ctl.stop()
 
 
-def test_ctrl_c_in_take_reaches_the_caller_within_2s(tokenizer):
-    from tests.unit.rollouts.test_reliability import engine_threads, interrupted
+def test_ctrl_c_in_take_reaches_the_caller_within_2s(tokenizer, monkeypatch):
+    from tests.gates import engine_gate, interrupted_in_round
+    from tests.unit.rollouts.test_reliability import engine_threads
 
     ctl, model = heavy_controller(tokenizer)
     try:
-        latency, _ = interrupted(lambda: ctl.take(2), [0.4])
-        assert latency is not None and latency < 2.0, latency
+        with engine_gate(model, monkeypatch, after=3) as gate:  # no group can finish before the signal
+            latency = interrupted_in_round(lambda: ctl.take(2), gate)
+        assert gate.parked and latency is not None and latency < 2.0, latency
         assert ctl._hold.depth == 1, "the engine must be held again after the interrupt"
     finally:
         start = time.monotonic()

@@ -2,7 +2,10 @@
 exception in the forward, concurrent use from two threads, a failed engine build, interpreter exit.
 
 Every timing test uses a "long round" (a compute-heavier tiny model, many requests, no EOS) that the old
-flush-on-abort code needed 10-30 s to give up on; the assertions allow 2 s. Logprob checks use weights of std 0.2
+flush-on-abort code needed 10-30 s to give up on; the assertions allow 2 s. The round is unfinished when the abort
+comes by construction, not by a race against a sleep: the engine is parked in one of its forwards until the code
+under test asks it to pause or stop (`tests/gates.py`), so the verdict does not depend on the machine's speed.
+Logprob checks use weights of std 0.2
 (far from uniform), so a corrupted forward shows up as errors of 0.1-1 nats against a 1e-4 tolerance.
 """
 
@@ -22,6 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tests.conftest import sampling_config
+from tests.gates import engine_gate, interrupted_in_round
 from trl_cb import ContinuousBatchingGenerator, EngineDiedError, GenerationError
 from trl_cb.offline.tiny import bias_eos, tiny_model
 
@@ -139,15 +143,17 @@ def interrupted(fn: Callable[[], object], delays: list[float]) -> tuple[float | 
 # ----------------------------------------------------------------------------------------------- prompt abort
 
 
-def test_ctrl_c_reaches_the_caller_within_2s_and_next_round_is_exact(heavy, tokenizer):
+def test_ctrl_c_reaches_the_caller_within_2s_and_next_round_is_exact(heavy, tokenizer, monkeypatch):
     prompts = long_round_prompts(tokenizer)
     cfg = sampling_config(tokenizer, max_new_tokens=LONG_TOKENS, eos_token_id=tokenizer.eos_token_id)
     short = sampling_config(tokenizer, max_new_tokens=12, eos_token_id=tokenizer.eos_token_id)
     gen = ContinuousBatchingGenerator(heavy, short, FIXED_CACHE)
     try:
         gen.generate(prompts[:1])  # build the engine outside the measured round (same sampling settings)
-        latency, _ = interrupted(lambda: gen.generate(prompts, LONG_G, generation_config=cfg), [0.5])
-        assert latency is not None, "the long round finished before the signal: make it longer"
+        with engine_gate(heavy, monkeypatch, after=3) as gate:  # decoding when the signal comes
+            latency = interrupted_in_round(lambda: gen.generate(prompts, LONG_G, generation_config=cfg), gate)
+        assert gate.parked, "the round was not held mid-generation"
+        assert latency is not None, "the long round finished before the signal"
         assert latency < SIGNAL_TO_CALLER_S, f"KeyboardInterrupt {latency:.2f}s after SIGINT"
         assert not engine_threads(), "the engine thread outlived the abort"
         assert heavy.config._attn_implementation == "sdpa"
@@ -157,7 +163,7 @@ def test_ctrl_c_reaches_the_caller_within_2s_and_next_round_is_exact(heavy, toke
         gen.close()
 
 
-def test_timeout_raises_within_2s_of_the_deadline(heavy, tokenizer):
+def test_timeout_raises_within_2s_of_the_deadline(heavy, tokenizer, monkeypatch):
     prompts = long_round_prompts(tokenizer)
     cfg = sampling_config(tokenizer, max_new_tokens=LONG_TOKENS, eos_token_id=tokenizer.eos_token_id)
     short = sampling_config(tokenizer, max_new_tokens=12, eos_token_id=tokenizer.eos_token_id)
@@ -165,10 +171,12 @@ def test_timeout_raises_within_2s_of_the_deadline(heavy, tokenizer):
     try:
         gen.generate(prompts[:1])
         gen.timeout = 0.5
-        start = time.monotonic()
-        with pytest.raises(TimeoutError, match="did not finish within 0.5 s"):
-            gen.generate(prompts, LONG_G, generation_config=cfg)
-        late = time.monotonic() - start - gen.timeout
+        with engine_gate(heavy, monkeypatch, after=3) as gate:  # the round cannot end before the deadline
+            start = time.monotonic()
+            with pytest.raises(TimeoutError, match="did not finish within 0.5 s"):
+                gen.generate(prompts, LONG_G, generation_config=cfg)
+            late = time.monotonic() - start - gen.timeout
+        assert gate.parked
         assert late < SIGNAL_TO_CALLER_S, f"TimeoutError {late:.2f}s after the deadline"
         assert not engine_threads()
     finally:
@@ -218,8 +226,9 @@ def test_second_ctrl_c_inside_cleanup_is_delivered_after_the_thread_stopped(ligh
     gen = ContinuousBatchingGenerator(light, sampling_config(tokenizer, max_new_tokens=4), {"num_blocks": 256})
     try:
         gen.generate(prompts[:1])  # build the engine first: the signal must land in the round, not in the build
-        latency, _ = interrupted(lambda: gen.generate(prompts, 4, generation_config=long), [0.4])
-        assert latency is not None and latency < SIGNAL_TO_CALLER_S
+        with engine_gate(light, monkeypatch, after=3) as gate:
+            latency = interrupted_in_round(lambda: gen.generate(prompts, 4, generation_config=long), gate)
+        assert gate.parked and latency is not None and latency < SIGNAL_TO_CALLER_S
         assert seen_alive == [True], "the second signal must land while the engine thread still runs"
         assert not engine_threads() and gen._pool.engine is None
     finally:
@@ -260,8 +269,9 @@ def test_eager_model_ctrl_c_does_not_crash_the_engine_thread(tokenizer, monkeypa
     try:
         gen.generate(prompts[:1])  # build the engine first: the signal must land in the round, not in the build
         switched_under_engine.clear()
-        latency, _ = interrupted(lambda: gen.generate(prompts, 4, generation_config=long), [0.5])
-        assert latency is not None and latency < SIGNAL_TO_CALLER_S
+        with engine_gate(model, monkeypatch, after=2) as gate:  # requests still being prefilled
+            latency = interrupted_in_round(lambda: gen.generate(prompts, 4, generation_config=long), gate)
+        assert gate.parked and latency is not None and latency < SIGNAL_TO_CALLER_S
         assert crashes == [], f"engine thread crashed: {crashes}"
         assert switched_under_engine == [], "attention restored while the engine thread still ran"
         assert model.config._attn_implementation == "eager"

@@ -143,13 +143,38 @@ except KeyboardInterrupt:
 """
 
 
+def read_http_request(connection: socket.socket) -> bytes:
+    """Read one HTTP request (headers, then `Content-Length` bytes of body) from `connection`; bounded by its
+    timeout."""
+    connection.settimeout(60)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = connection.recv(65536)
+        assert chunk, "the client closed the connection before sending its request"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        (int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")),
+        0,
+    )
+    while len(body) < length:
+        chunk = connection.recv(65536)
+        assert chunk, "the client closed the connection inside its request body"
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 def test_ctrl_c_stops_a_trainer_blocked_on_a_server_within_2_s():
     """The blocking read is interrupted at once (measured < 1 ms); the exit then takes the interpreter's teardown
-    of torch & co. (1.1-2.4 s measured on a loaded 2-core machine), not the client's: bounded loosely here."""
-    with socket.socket() as listener:  # accepts connections (backlog), never answers: a server stuck on a request
+    of torch & co. (1.1-2.4 s measured on a loaded 2-core machine), not the client's: bounded loosely here.
+
+    The signal is sent only once the fake server has read the client's whole request (so the client is provably in
+    its blocking read, whatever the machine's speed), and the fake server never answers."""
+    with socket.socket() as listener:  # accepts the connection, reads the request, never answers
         listener.bind(("127.0.0.1", 0))
         listener.listen(4)
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        connection = None
         proc = subprocess.Popen(
             [sys.executable, "-c", BLOCKED_CLIENT, url],
             env=ENV,
@@ -161,7 +186,10 @@ def test_ctrl_c_stops_a_trainer_blocked_on_a_server_within_2_s():
         try:
             lines = Lines(proc)
             lines.expect("calling", timeout=60)
-            time.sleep(0.5)  # inside the blocking read by now
+            listener.settimeout(60)
+            connection, _ = listener.accept()
+            request = read_http_request(connection)  # the whole request arrived: the client is in the read now
+            assert request.startswith(b"POST /v1/completions"), request[:200]
             assert proc.poll() is None, "the client returned although the server never answered"
             start = time.time()
             proc.send_signal(signal.SIGINT)
@@ -171,6 +199,8 @@ def test_ctrl_c_stops_a_trainer_blocked_on_a_server_within_2_s():
         finally:
             proc.kill()
             proc.wait(timeout=10)
+            if connection is not None:
+                connection.close()
     print(f"\ntrainer SIGINT-to-KeyboardInterrupt while blocked on a server: {raised:.4f} s; to exit: {exited:.2f} s")
     assert proc.returncode == -signal.SIGINT and raised < 0.5 and exited < 4
 

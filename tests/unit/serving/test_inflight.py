@@ -52,48 +52,79 @@ def straddling_reference(old, new, prompt: list[int], tokens: list[int], switch:
     return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-def test_update_mid_request_switches_versions_per_token_exactly(server, local_model, prompts):
-    """Pause while requests are mid-generation, push new weights, resume: each token reports the weights that
-    sampled it, and its logprob is exactly that of old weights before the switch and new weights (over the old KV
-    prefix) after it. Controls: the old weights alone, and the new weights recomputing the prefix, both miss."""
-    _, url = server
-    client = RolloutClient([url], api_key=KEY, timeout=120)
-    sender = WeightSender(url, api_key=KEY, timeout=60)
-    new_model = perturbed(local_model)
-    batch = [p for p in prompts for _ in range(2)][:12]
+def pause_push_resume(
+    url: str,
+    client: RolloutClient,
+    sender: WeightSender,
+    batch,
+    new_model,
+    version: int,
+    max_tokens: int,
+    decoding_s: float,
+) -> tuple[object, dict]:
+    """Generate `batch` (2 samples each); once the server runs it and `decoding_s` later, pause, push `new_model`
+    as `version`, resume. Returns the result and the metrics seen while paused."""
     outcome: dict = {}
-    # Completions without an EOS bias (up to 64 tokens) so that the pause lands mid-generation.
-    worker = threading.Thread(target=lambda: outcome.update(result=client.generate(batch, 2, max_tokens=64)))
+    worker = threading.Thread(target=lambda: outcome.update(result=client.generate(batch, 2, max_tokens=max_tokens)))
     worker.start()
     deadline = time.monotonic() + 30
     while metrics(url)["running_groups"] == 0:  # submitted
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    time.sleep(0.08)  # past the prefill, into decoding
+    time.sleep(decoding_s)
     post(url, "/pause")
-    client.known_versions.add(1)
-    sender.push(new_model, 1)  # applied while the engine holds its requests
+    client.known_versions.add(version)
+    sender.push(new_model, version)  # applied while the engine holds its requests
     state = metrics(url)
     post(url, "/resume")
-    worker.join(timeout=120)
-    result = outcome["result"]
-    assert state["paused"] and state["weight_version"] == 1 and state["weight_updates_in_flight"] >= 1
+    worker.join(timeout=300)
+    return outcome["result"], state
+
+
+def test_update_mid_request_switches_versions_per_token_exactly(server, local_model, prompts):
+    """Pause while requests are mid-generation, push new weights, resume: each token reports the weights that
+    sampled it, and its logprob is exactly that of old weights before the switch and new weights (over the old KV
+    prefix) after it. Controls: the old weights alone, and the new weights recomputing the prefix, both miss.
+
+    "Mid-generation" is proven from the per-token versions, not assumed from a sleep: if every completion ended
+    before the pause (a fast machine) the next try generates 4x longer; if none had started decoding (a slow one),
+    the next try waits 4x longer before pausing."""
+    _, url = server
+    client = RolloutClient([url], api_key=KEY, timeout=300)
+    sender = WeightSender(url, api_key=KEY, timeout=60)
+    batch = [p for p in prompts for _ in range(2)][:12]
+    old, max_tokens, decoding_s = local_model, 64, 0.08  # completions without an EOS bias run to max_tokens
+    for version in range(1, 6):
+        new_model = perturbed(old)
+        result, state = pause_push_resume(url, client, sender, batch, new_model, version, max_tokens, decoding_s)
+        assert state["paused"] and state["weight_version"] == version
+        switches = [v.index(version) if version in v else len(v) for v in result.token_weight_versions]
+        if any(0 < s < len(t) for s, t in zip(switches, result.completion_ids)):
+            break
+        if all(s == len(t) for s, t in zip(switches, result.completion_ids)):
+            max_tokens *= 4  # every completion ended before the pause
+        else:
+            decoding_s *= 4  # the pause came before decoding
+        old = new_model
+    assert state["weight_updates_in_flight"] >= 1
 
     gaps, old_only, new_prefix, straddling = [], [], [], 0
     for i, (tokens, logprobs, versions) in enumerate(
         zip(result.completion_ids, result.policy_logprobs, result.token_weight_versions)
     ):
-        assert len(tokens) == len(versions) and versions == sorted(versions) and set(versions) <= {0, 1}
-        switch = versions.index(1) if 1 in versions else len(versions)
+        assert len(tokens) == len(versions) and versions == sorted(versions)
+        assert set(versions) <= {version - 1, version}
+        switch = versions.index(version) if version in versions else len(versions)
         straddling += 0 < switch < len(tokens)
         prompt, got = batch[i // 2], torch.tensor(logprobs)
-        reference = straddling_reference(local_model, new_model, prompt, tokens, switch)
+        reference = straddling_reference(old, new_model, prompt, tokens, switch)
         gaps.append((reference - got).abs().max().item())
         if 0 < switch < len(tokens):
-            old_only.append((straddling_reference(local_model, local_model, prompt, tokens, 0) - got).abs().max())
+            old_only.append((straddling_reference(old, old, prompt, tokens, 0) - got).abs().max())
             new_prefix.append((straddling_reference(new_model, new_model, prompt, tokens, 0) - got).abs().max())
     print(
-        f"\n{straddling}/{len(gaps)} completions straddle the update; max|d|={max(gaps):.2e}; controls: old weights "
+        f"\n{straddling}/{len(gaps)} completions straddle update {version} ({max_tokens} tokens); "
+        f"max|d|={max(gaps):.2e}; controls: old weights "
         f"{min(old_only):.3f}, new weights over a recomputed prefix {min(new_prefix):.3f}"
     )
     assert straddling >= 1, "the update landed between requests, not inside one"

@@ -73,10 +73,19 @@ def test_groups_come_back_in_request_order_whatever_finishes_first():
     assert len(client.calls) >= 6 and len(ctl._requests) == ctl.capacity_groups == 4, "kept full, never more"
 
 
+def answered(ctl: RemoteRolloutController, count: int, timeout: float = 30.0) -> None:
+    """Wait until the first `count` requested groups have their answers (not a sleep: a loaded machine may take
+    longer to run the request threads than any fixed pause)."""
+    deadline = time.monotonic() + timeout
+    while not all(r.done.is_set() for r in list(ctl._requests)[:count]) or len(ctl._requests) < count:
+        assert time.monotonic() < deadline, f"{count} groups not answered within {timeout} s"
+        time.sleep(0.005)
+
+
 def test_stale_groups_are_dropped_and_counted_in_the_resume_position():
     client = ScriptedClient()
     ctl = started(client, prefetch_depth=1, max_staleness=1)
-    time.sleep(0.1)  # the first 4 groups are sampled with version 1
+    answered(ctl, 4)  # the first 4 groups are sampled with version 1
     for _ in range(2):  # two optimizer steps: version 3, those groups are 2 updates old
         push(ctl, client)
     groups, metrics = ctl.take(2)
@@ -88,7 +97,7 @@ def test_stale_groups_are_dropped_and_counted_in_the_resume_position():
 def test_keep_stale_keeps_them():
     client = ScriptedClient()
     ctl = started(client, prefetch_depth=1, max_staleness=0, keep_stale=True)
-    time.sleep(0.1)
+    answered(ctl, 4)
     push(ctl, client)
     groups, metrics = ctl.take(2)
     assert [g.row for g in groups] == ["row0", "row1"] and metrics.staleness_max == 1 and metrics.dropped_total == 0
