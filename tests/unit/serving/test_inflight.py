@@ -128,7 +128,9 @@ def test_update_mid_request_switches_versions_per_token_exactly(server, local_mo
         f"{min(old_only):.3f}, new weights over a recomputed prefix {min(new_prefix):.3f}"
     )
     assert straddling >= 1, "the update landed between requests, not inside one"
-    assert max(gaps) <= 1e-5 and min(old_only) > 0.05 and min(new_prefix) > 1e-3
+    # fp32 noise: the server's batches (and so its matmul blocking) depend on when requests join, i.e. on timing;
+    # measured up to 1.14e-5 on an AVX-512 machine (1e-5 failed 2 runs in 3 there). The controls miss by > 1 nat.
+    assert max(gaps) <= 2e-5 and min(old_only) > 0.05 and min(new_prefix) > 1e-3
     sender.close()
 
 
