@@ -102,12 +102,25 @@ def interrupted_in_round(fn: Callable[[], object], gate: EngineGate) -> float | 
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     sender = threading.Thread(target=fire, daemon=True)
-    sender.start()
-    try:
-        fn()
-    except KeyboardInterrupt:
-        return time.monotonic() - sent[0]
-    finally:
-        gate.closed.set()
-        sender.join()
+    with python_sigint():
+        sender.start()
+        try:
+            fn()
+        except KeyboardInterrupt:
+            return time.monotonic() - sent[0]
+        finally:
+            gate.closed.set()
+            sender.join()
     return None
+
+
+@contextmanager
+def python_sigint() -> Iterator[None]:
+    """SIGINT raises `KeyboardInterrupt` in the main thread for the duration, as in a user's terminal, whatever
+    disposition the test process inherited or an earlier test left (an ignored SIGINT would make every Ctrl-C
+    test pass its round to the end); the previous disposition is restored after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

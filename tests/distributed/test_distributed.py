@@ -29,10 +29,19 @@ def _launch(cmd: list[str], report: Path) -> list[dict]:
     return reports
 
 
+def distinct_port(flag: str) -> list[str]:
+    """`[flag, PORT]` with a port free now: launches that run at the same time (two pytest workers) must not share
+    the launchers' default rendezvous port (29500)."""
+    from trl_cb.serving.weight_sync import free_port
+
+    return [flag, str(free_port())]
+
+
 def _accelerate(config: str, report: Path, *extra: str) -> list[dict]:
     launcher = shutil.which("accelerate") or str(Path(sys.executable).with_name("accelerate"))
     cmd = [launcher, "launch", "--config_file", _config_file(config, report), "--num_processes", "2",
-           str(HERE / "train_check.py"), "--report", str(report), *extra]  # fmt: skip
+           *distinct_port("--main_process_port"), str(HERE / "train_check.py"), "--report", str(report),
+           *extra]  # fmt: skip
     return _launch(cmd, report)
 
 
@@ -129,7 +138,8 @@ def test_zero3_bf16_two_processes(tmp_path):
 @pytest.mark.parametrize("bf16", [None, "cast", "mp"], ids=["fp32", "bf16-cast", "bf16-mixed-precision-policy"])
 def test_fsdp2_adapter_two_processes(bf16, tmp_path):
     launcher = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
-    cmd = [launcher, "--nproc_per_node", "2", str(HERE / "fsdp2_check.py"), "--report", str(tmp_path)]
+    cmd = [launcher, "--nproc_per_node", "2", *distinct_port("--master_port"), str(HERE / "fsdp2_check.py"),
+           "--report", str(tmp_path)]  # fmt: skip
     for r in _launch(cmd + (["--bf16", bf16] if bf16 else []), tmp_path):
         assert r["world_size"] == 2 and r["engine_builds"] == 1 and r["sharded_at_end"]
         for step in r["rounds"]:  # step 1 follows an optimizer step: fresh weights

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.distributed.test_distributed import HERE, _launch, zero3_unpersisted
+from tests.distributed.test_distributed import HERE, _launch, distinct_port, zero3_unpersisted
 from tests.unit.serving.conftest import running_server
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -41,7 +41,8 @@ def test_two_process_zero3_trainer_on_server(server_checkpoint, lora, tmp_path):
     with running_server(server_checkpoint) as (_, url):
         launcher = shutil.which("accelerate") or str(Path(sys.executable).with_name("accelerate"))
         cmd = [launcher, "launch", "--config_file", str(config), "--num_processes", "2",
-               str(HERE / "server_check.py"), "--report", str(tmp_path), "--url", url]  # fmt: skip
+               *distinct_port("--main_process_port"), str(HERE / "server_check.py"), "--report", str(tmp_path),
+               "--url", url]  # fmt: skip
         cmd += ["--lora"] if lora else []
         start = time.monotonic()
         reports = _launch(cmd, tmp_path)
@@ -75,7 +76,8 @@ def test_two_process_zero3_async_trainer_on_server(server_checkpoint, tmp_path):
     with running_server(server_checkpoint) as (_, url):
         launcher = shutil.which("accelerate") or str(Path(sys.executable).with_name("accelerate"))
         cmd = [launcher, "launch", "--config_file", str(config), "--num_processes", "2",
-               str(HERE / "server_check.py"), "--report", str(tmp_path), "--url", url, "--async-mode"]  # fmt: skip
+               *distinct_port("--main_process_port"), str(HERE / "server_check.py"), "--report", str(tmp_path),
+               "--url", url, "--async-mode"]  # fmt: skip
         start = time.monotonic()
         reports = _launch(cmd, tmp_path)
         print(f"\n2-process ZeRO-3 async against a server: {time.monotonic() - start:.1f} s")

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed.test_distributed import distinct_port
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "examples" / "recipes"
 IS_METRIC = "'sampling/importance_sampling_ratio/mean'"  # logged by trl_cb's trainers on the CB path only
@@ -82,7 +84,7 @@ def test_two_processes_with_the_shipped_ddp_config(tmp_path):
     proc = trl_cb(
         "rloo", "--config", str(RECIPES / "rloo_tiny.yaml"), "--max_steps", "2", "--logging_steps", "1",
         "--output_dir", str(out), "--accelerate_config", str(ROOT / "examples" / "accelerate_configs" / "ddp.yaml"),
-        "--num_processes", "2", "--use_cpu", "true", tmp_path=tmp_path,
+        "--num_processes", "2", *distinct_port("--main_process_port"), "--use_cpu", "true", tmp_path=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):

@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tests.conftest import sampling_config
-from tests.gates import engine_gate, interrupted_in_round
+from tests.gates import engine_gate, interrupted_in_round, python_sigint
 from trl_cb import ContinuousBatchingGenerator, EngineDiedError, GenerationError
 from trl_cb.offline.tiny import bias_eos, tiny_model
 
@@ -128,15 +128,16 @@ class SigintTimers:
 def interrupted(fn: Callable[[], object], delays: list[float]) -> tuple[float | None, SigintTimers]:
     """Run `fn` under SIGINTs at `delays`; return (seconds from the first signal to the exception, timers).
     `None` when `fn` finished without a `KeyboardInterrupt`."""
-    timers = SigintTimers(delays).start()
     latency = None
-    try:
+    with python_sigint():
+        timers = SigintTimers(delays).start()
         try:
-            fn()
-        except KeyboardInterrupt:
-            latency = time.monotonic() - timers.sent[0]
-    finally:
-        timers.drain()
+            try:
+                fn()
+            except KeyboardInterrupt:
+                latency = time.monotonic() - timers.sent[0]
+        finally:
+            timers.drain()
     return latency, timers
 
 

@@ -131,7 +131,8 @@ def test_killed_trainer_frees_the_server_and_a_live_one_keeps_it(checkpoint, pro
 #: A trainer blocked in `RolloutClient.generate` on a server that accepts and never answers; it reports when the
 #: KeyboardInterrupt reached it (wall clock), then lets it end the process.
 BLOCKED_CLIENT = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, whatever the test process ignores
 from trl_cb.serving.client import RolloutClient
 client = RolloutClient([sys.argv[1]], timeout=300)
 print("calling", flush=True)
