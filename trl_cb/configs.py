@@ -28,6 +28,9 @@ from .importance_sampling import IS_MODES, validate_mode
 from .rollouts.async_controller import validate_async_bounds
 from .trainers.upstream_warnings import trl_config_post_init
 
+#: Fields holding secrets: masked in `to_dict`, `str` and `repr` (`repr=False`).
+_SECRET_FIELDS = ("rollout_server_api_key",)
+
 
 @dataclass
 class ContinuousBatchingArguments:
@@ -165,7 +168,8 @@ class ContinuousBatchingArguments:
     )
     rollout_server_api_key: str | None = field(
         default=None,
-        metadata={"help": "The servers' `--api-key`, sent as 'Authorization: Bearer KEY'."},
+        repr=False,  # a secret: masked in every dump (`_SECRET_FIELDS`)
+        metadata={"help": "The servers' `--api-key`, sent as 'Authorization: Bearer KEY' (masked in config dumps)."},
     )
 
     # Deprecated parameters
@@ -173,6 +177,23 @@ class ContinuousBatchingArguments:
         default=False,
         metadata={"help": "Deprecated. Use `use_transformers_continuous_batching` instead."},
     )
+
+    def to_dict(self) -> dict[str, Any]:
+        """TRL's dict (what trackers log and `to_json_string` writes) with every secret masked as `<FIELD_NAME>`, as
+        `TrainingArguments` masks its `*_token` fields."""
+        d = super().to_dict()
+        for name in _SECRET_FIELDS:
+            if d.get(name) is not None:
+                d[name] = f"<{name.upper()}>"
+        return d
+
+    def __str__(self) -> str:
+        text = super().__str__()  # TrainingArguments' own, from `asdict`: masks `*_token` only
+        for name in _SECRET_FIELDS:
+            value = getattr(self, name, None)
+            if value:
+                text = text.replace(str(value), f"<{name.upper()}>")
+        return text
 
     def _default_importance_sampling_mode(self) -> str:
         """The IS mode used when the user sets none: one weight per sequence, zeroed outside the bounds."""
