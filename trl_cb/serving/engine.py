@@ -7,13 +7,19 @@ Invariants:
 - Weights change between two engine steps, never during one (`manager.pause()`): in-flight requests keep their KV
   prefix and continue on the new weights; every token records the weight version that sampled it.
 - Bounded: at most `max_num_seqs` sequences in the engine; more wait in a FIFO queue (`queue_groups` in metrics).
-- One sampling setting at a time: a group with other settings waits until the engine is empty, which is then rebuilt.
+- Mixed sampling settings share the engine: with `per_request` (transformers' `per_request_processors`, the server's
+  default) each group carries its own temperature / top_k / top_p to the engine's per-request warpers, and the
+  engine's own config holds placeholders that only make transformers build those warpers (`_engine_settings`), so
+  requests that differ in these never rebuild it; logprobs stay exact per request (tests/unit/serving/
+  test_mixed_sampling.py). Settings outside those (and every setting without `per_request`) must match the running
+  engine's: a group with others waits until the engine is empty, which is then rebuilt.
 - Every group submitted ends exactly once: finished, failed (engine error, bad settings) or cancelled.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import queue
 import threading
@@ -36,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 #: Longest wait of the engine loop between looks at its operation queue.
 _POLL_SECONDS = 0.005
+#: Placeholder warper settings of a per-request engine: any value that makes transformers build the warper (a
+#: temperature other than 1, a top_p under 1; top_k is the vocabulary size); every request overrides them.
+_PER_REQUEST_PLACEHOLDERS = {"temperature": 0.5, "top_p": 0.5}
 #: Prompt lengths the engine is sized for are rounded up to a power of two, at least this: varying prompt lengths
 #: then rarely force a rebuild (which waits for the engine to empty).
 _MIN_SIZED_PROMPT = 256
@@ -47,7 +56,8 @@ class Ticket:
 
     prompt_ids: list[int]
     n: int
-    config: GenerationConfig
+    config: GenerationConfig  # what the engine is built with (per-request settings replaced by placeholders)
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)  # the group's own temperature, top_k, top_p
     group: RolloutGroup | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -84,12 +94,21 @@ class ServingEngine:
         generator: The server's generator (its engine is built on demand and kept).
         model: The served model (eval mode; never trained here).
         max_num_seqs: Most sequences in the engine at once (its cache is sized for that many).
+        per_request: The generator's engine is built with `per_request_processors=True`: groups carry their own
+            temperature / top_k / top_p (see the module docstring).
     """
 
-    def __init__(self, generator: ContinuousBatchingGenerator, model: torch.nn.Module, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        generator: ContinuousBatchingGenerator,
+        model: torch.nn.Module,
+        max_num_seqs: int,
+        per_request: bool = False,
+    ) -> None:
         self.generator = generator
         self.model = model
         self.max_num_seqs = max_num_seqs
+        self.per_request = per_request
         self.version = 0
         self.paused = False
         self.stats = ServingStats()
@@ -115,9 +134,26 @@ class ServingEngine:
     ) -> list[Ticket]:
         """Queue each prompt as a group of `n` samples; `on_done(ticket)` runs (on the engine loop) as each ends, in
         whatever order they finish."""
-        tickets = [Ticket(list(prompt), n, config, on_done=on_done) for prompt in prompts]
+        config, kwargs = self._engine_settings(config)
+        tickets = [Ticket(list(prompt), n, config, kwargs, on_done=on_done) for prompt in prompts]
         self._post(lambda: self._waiting.extend(tickets))
         return tickets
+
+    def _engine_settings(self, config: GenerationConfig) -> tuple[GenerationConfig, dict[str, Any]]:
+        """(the engine's config, the request's own warper settings): with `per_request`, temperature / top_k /
+        top_p move to the request (top_k 0, "no top-k", becomes the vocabulary size: the per-request warper would
+        read 0 as 1) and the engine's config gets placeholders, so these never change its signature."""
+        if not self.per_request:
+            return config, {}
+        vocab = int(self.model.config.get_text_config().vocab_size)
+        own = {
+            "temperature": float(config.temperature if config.temperature is not None else 1.0),
+            "top_k": min(int(config.top_k or vocab), vocab),
+            "top_p": float(config.top_p if config.top_p is not None else 1.0),
+        }
+        engine_config = copy.deepcopy(config)
+        engine_config.update(**_PER_REQUEST_PLACEHOLDERS, top_k=vocab)
+        return engine_config, own
 
     def cancel(self, tickets: list[Ticket]) -> None:
         """Drop groups nobody waits for any more (a client went away): queued ones never start, running ones stop."""
@@ -204,7 +240,18 @@ class ServingEngine:
             group.row = None
             self.stats.groups_finished += 1
             self.stats.tokens_generated += sum(len(ids) for ids in group.completion_ids)
+            if self._only_temperature(ticket):  # as on an engine without per-request warpers: one quantity
+                group.policy_logprobs = [list(values) for values in group.logprobs]
             ticket.finish(group)
+
+    def _only_temperature(self, ticket: Ticket) -> bool:
+        """Whether nothing but temperature shaped this group's distribution on a per-request engine: then its
+        processed logprob is `log_softmax(logits / T)` itself (the engine's top-k keeps the whole vocabulary, top-p
+        1 keeps every token of non-zero probability), reported for both, as an engine without the placeholders
+        would (`_upstream_sampling.output_logprobs`)."""
+        own = ticket.processor_kwargs
+        vocab = int(self.model.config.get_text_config().vocab_size)
+        return bool(own) and own["top_k"] >= vocab and own["top_p"] >= 1.0
 
     def _schedule(self) -> None:
         """Move queued groups into the engine while they fit; rebuild it (only once empty) when one cannot fit."""
@@ -229,7 +276,9 @@ class ServingEngine:
                 return
             self._waiting.popleft()
             max_new = int(ticket.config.max_new_tokens)
-            self._groups.submit(self._manager, ticket, ticket.prompt_ids, ticket.n, max_new, self.version)
+            self._groups.submit(
+                self._manager, ticket, ticket.prompt_ids, ticket.n, max_new, self.version, ticket.processor_kwargs
+            )
 
     def _build(self, ticket: Ticket, signature: Any) -> None:
         self._drop_engine()

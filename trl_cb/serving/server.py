@@ -70,10 +70,13 @@ def create_app(
     defaults = {"eos_token_id": model.generation_config.eos_token_id, "pad_token_id": model.config.pad_token_id}
     defaults.update(generation_defaults or {})
     model.eval()
+    # Requests with different temperature / top_k / top_p share the running engine (engine.py), unless turned off.
+    continuous_batching_config = {"per_request_processors": True, **(continuous_batching_config or {})}
     generator = ContinuousBatchingGenerator(
         model, GenerationConfig(do_sample=True, max_new_tokens=16, **defaults), continuous_batching_config
     )
-    engine = ServingEngine(generator, model, max_num_seqs)
+    per_request = bool(continuous_batching_config["per_request_processors"])
+    engine = ServingEngine(generator, model, max_num_seqs, per_request=per_request)
     weights = WeightReceiver(model, engine.apply_weights)
     requests_seen = {"served": 0, "rejected": 0}
 
@@ -134,7 +137,7 @@ def create_app(
     def start(body: CompletionRequest, on_done: Callable[[Ticket], None]) -> list[Ticket]:
         """Check the request (400 naming the reason) and queue its groups."""
         try:
-            validate_prompts(body.prompt, model, body.max_tokens, continuous_batching_config or {})
+            validate_prompts(body.prompt, model, body.max_tokens, continuous_batching_config)
             config = GenerationConfig(
                 do_sample=True,
                 max_new_tokens=body.max_tokens,
