@@ -11,8 +11,10 @@ Invariants:
   default) each group carries its own temperature / top_k / top_p to the engine's per-request warpers, and the
   engine's own config holds placeholders that only make transformers build those warpers (`_engine_settings`), so
   requests that differ in these never rebuild it; logprobs stay exact per request (tests/unit/serving/
-  test_mixed_sampling.py). Settings outside those (and every setting without `per_request`) must match the running
-  engine's: a group with others waits until the engine is empty, which is then rebuilt.
+  test_mixed_sampling.py). The engine has only the warpers some request needed so far (`_warpers`, grow-only: at most
+  three rebuilds in a server's life), so traffic that never truncates pays for no sort. Settings outside those (and
+  every setting without `per_request`) must match the running engine's: a group with others waits until the engine
+  is empty, which is then rebuilt.
 - Every group submitted ends exactly once: finished, failed (engine error, bad settings) or cancelled.
 """
 
@@ -56,8 +58,8 @@ class Ticket:
 
     prompt_ids: list[int]
     n: int
-    config: GenerationConfig  # what the engine is built with (per-request settings replaced by placeholders)
-    processor_kwargs: dict[str, Any] = field(default_factory=dict)  # the group's own temperature, top_k, top_p
+    config: GenerationConfig
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)  # per-request warper settings, set when scheduled
     group: RolloutGroup | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -109,6 +111,7 @@ class ServingEngine:
         self.model = model
         self.max_num_seqs = max_num_seqs
         self.per_request = per_request
+        self._warpers: frozenset[str] = frozenset()  # per-request warpers the engine has (grow-only)
         self.version = 0
         self.paused = False
         self.stats = ServingStats()
@@ -134,26 +137,9 @@ class ServingEngine:
     ) -> list[Ticket]:
         """Queue each prompt as a group of `n` samples; `on_done(ticket)` runs (on the engine loop) as each ends, in
         whatever order they finish."""
-        config, kwargs = self._engine_settings(config)
-        tickets = [Ticket(list(prompt), n, config, kwargs, on_done=on_done) for prompt in prompts]
+        tickets = [Ticket(list(prompt), n, config, on_done=on_done) for prompt in prompts]
         self._post(lambda: self._waiting.extend(tickets))
         return tickets
-
-    def _engine_settings(self, config: GenerationConfig) -> tuple[GenerationConfig, dict[str, Any]]:
-        """(the engine's config, the request's own warper settings): with `per_request`, temperature / top_k /
-        top_p move to the request (top_k 0, "no top-k", becomes the vocabulary size: the per-request warper would
-        read 0 as 1) and the engine's config gets placeholders, so these never change its signature."""
-        if not self.per_request:
-            return config, {}
-        vocab = int(self.model.config.get_text_config().vocab_size)
-        own = {
-            "temperature": float(config.temperature if config.temperature is not None else 1.0),
-            "top_k": min(int(config.top_k or vocab), vocab),
-            "top_p": float(config.top_p if config.top_p is not None else 1.0),
-        }
-        engine_config = copy.deepcopy(config)
-        engine_config.update(**_PER_REQUEST_PLACEHOLDERS, top_k=vocab)
-        return engine_config, own
 
     def cancel(self, tickets: list[Ticket]) -> None:
         """Drop groups nobody waits for any more (a client went away): queued ones never start, running ones stop."""
@@ -249,15 +235,54 @@ class ServingEngine:
         processed logprob is `log_softmax(logits / T)` itself (the engine's top-k keeps the whole vocabulary, top-p
         1 keeps every token of non-zero probability), reported for both, as an engine without the placeholders
         would (`_upstream_sampling.output_logprobs`)."""
-        own = ticket.processor_kwargs
-        vocab = int(self.model.config.get_text_config().vocab_size)
-        return bool(own) and own["top_k"] >= vocab and own["top_p"] >= 1.0
+        own, vocab = ticket.processor_kwargs, self._vocab_size()
+        return bool(own) and own.get("top_k", vocab) >= vocab and own.get("top_p", 1.0) >= 1.0
+
+    def _warpers_needed(self, config: GenerationConfig) -> frozenset[str]:
+        """The per-request warpers `config` needs (a temperature other than 1, a top_k under the vocabulary, a
+        top_p under 1)."""
+        vocab = self._vocab_size()
+        needed = set()
+        if config.temperature is not None and config.temperature != 1.0:
+            needed.add("temperature")
+        if config.top_k and config.top_k < vocab:
+            needed.add("top_k")
+        if config.top_p is not None and config.top_p < 1.0:
+            needed.add("top_p")
+        return frozenset(needed)
+
+    def _engine_settings(
+        self, config: GenerationConfig, warpers: frozenset[str]
+    ) -> tuple[GenerationConfig, dict[str, Any]]:
+        """(the engine's config, the group's own warper settings) for an engine with `warpers`: each one's setting
+        moves to the request, the engine's config gets a placeholder for it (or the neutral value for a warper it
+        lacks, which the request does not need), so request values never change the engine's signature. top_k 0,
+        "no top-k", is sent as the vocabulary size (the per-request warper would read 0 as 1)."""
+        if not self.per_request:
+            return config, {}
+        vocab = self._vocab_size()
+        values = {
+            "temperature": float(config.temperature if config.temperature is not None else 1.0),
+            "top_k": min(int(config.top_k or vocab), vocab),
+            "top_p": float(config.top_p if config.top_p is not None else 1.0),
+        }
+        placeholders = {"temperature": _PER_REQUEST_PLACEHOLDERS["temperature"], "top_k": vocab}
+        placeholders["top_p"] = _PER_REQUEST_PLACEHOLDERS["top_p"]
+        neutral = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+        engine_config = copy.deepcopy(config)
+        engine_config.update(**{name: placeholders[name] if name in warpers else neutral[name] for name in neutral})
+        return engine_config, {name: values[name] for name in sorted(warpers)}
+
+    def _vocab_size(self) -> int:
+        return int(self.model.config.get_text_config().vocab_size)
 
     def _schedule(self) -> None:
         """Move queued groups into the engine while they fit; rebuild it (only once empty) when one cannot fit."""
         while self._waiting and not self.paused:
             ticket = self._waiting[0]
-            signature = sampling_signature(ticket.config)
+            warpers = self._warpers | self._warpers_needed(ticket.config) if self.per_request else frozenset()
+            engine_config, ticket.processor_kwargs = self._engine_settings(ticket.config, warpers)
+            signature = sampling_signature(engine_config)
             fits = (
                 self._manager is not None
                 and signature == self._signature
@@ -268,7 +293,8 @@ class ServingEngine:
                 if self._groups.pending:
                     return  # the engine must empty before it is rebuilt for this group
                 try:
-                    self._build(ticket, signature)
+                    self._build(ticket, engine_config, signature)
+                    self._warpers = warpers
                 except Exception as exc:  # settings, prompt or cache the engine refuses: this group fails, not all
                     self._waiting.popleft().finish(error=exc)
                     continue
@@ -280,9 +306,9 @@ class ServingEngine:
                 self._manager, ticket, ticket.prompt_ids, ticket.n, max_new, self.version, ticket.processor_kwargs
             )
 
-    def _build(self, ticket: Ticket, signature: Any) -> None:
+    def _build(self, ticket: Ticket, engine_config: GenerationConfig, signature: Any) -> None:
         self._drop_engine()
-        self.generator.generation_config = self.generator.checked_generation_config(ticket.config)
+        self.generator.generation_config = self.generator.checked_generation_config(engine_config)
         self.generator.validate_prompts([ticket.prompt_ids], self.model)
         previous = self._workload
         prompt_len = max(_MIN_SIZED_PROMPT, 1 << (len(ticket.prompt_ids) - 1).bit_length())
@@ -296,7 +322,7 @@ class ServingEngine:
             max_new_tokens=max_new,
             prefill_tokens=prompt_len,
         )
-        if previous is not None and signature == self._signature:
+        if previous is not None and (signature == self._signature or self.per_request):  # grow, never thrash
             workload = workload.union(previous)
         self._manager = self.generator.engine_for(self.model, workload)
         self._signature, self._workload = signature, workload

@@ -40,7 +40,8 @@ def metrics(url: str) -> dict:
 
 def test_mixed_settings_share_one_engine_with_exact_logprobs(server, local_model, prompts):
     _, url = server
-    warm = {"prompt": [prompts[0]], "max_tokens": 16}  # the same budget: no rebuild for size
+    # Warm-up: the engine gets every warper (it adds one the first time a request needs it) and this budget.
+    warm = {"prompt": [prompts[0]], "max_tokens": 16, "temperature": 0.9, "top_k": 30, "top_p": 0.95}
     assert requests.post(url + "/v1/completions", json=warm, headers=AUTH, timeout=60).status_code == 200
     builds = metrics(url)["engine_builds"]
 
