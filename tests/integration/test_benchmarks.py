@@ -267,3 +267,16 @@ def test_precision_memory_quick_measures_kept_and_per_round_copies(tmp_path):
     for p in points.values():
         assert p["peak_train_mib"] >= p["held_between_steps_mib"] > 0 and p["param_dtypes_after"] == ["torch.float32"]
     assert "peak - generate" in proc.stdout and len(list(tmp_path.glob("precision_memory-*.json"))) == 1
+
+
+@pytest.mark.slow
+def test_mixed_sampling_quick(tmp_path):
+    proc = run(str(ROOT / "benchmarks" / "mixed_sampling.py"), "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert payload["benchmark"] == "mixed_sampling" and {"device", "git_commit"} <= set(payload["env"])
+    points = {(p["engine"], p["load"]): p for p in payload["points"]}
+    assert set(points) == {(e, load) for e in ("per_request", "rebuild") for load in ("one", "two")}
+    assert all(p["requests"] > 0 and p["errors"] == 0 for p in points.values())
+    assert points["per_request", "two"]["engine_rebuilds"] == 0  # a count, not a timing
+    assert len(list(tmp_path.glob("mixed_sampling-*.json"))) == 1
