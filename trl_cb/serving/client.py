@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
 from ..errors import RolloutServerError
-from .protocol import MAX_PROMPTS, Choice, CompletionRequest, CompletionResponse
+from .protocol import MAX_PROMPTS, Choice, CompletionRequest, CompletionResponse, StreamLine
 
 logger = logging.getLogger(__name__)
 
@@ -131,14 +132,90 @@ class RolloutClient:
         done = [c for c in slots if c is not None]
         if len(done) != len(slots):  # `_complete` checked each answer; a gap here is a client bug, said plainly
             raise RolloutServerError(f"{len(slots) - len(done)} of {len(slots)} completions missing")
-        return RemoteGenerationResult(
-            completion_ids=[c.token_ids for c in done],
-            logprobs=[c.logprobs for c in done],
-            policy_logprobs=[c.policy_logprobs for c in done],
-            weight_versions=[c.weight_version for c in done],
-            token_weight_versions=[c.token_weight_versions for c in done],
-            num_generations=n,
-        )
+        return _result(done, n)
+
+    def stream_generate(
+        self,
+        prompts: list[list[int]],
+        num_generations: int,
+        on_group: Callable[[int, RemoteGenerationResult], None],
+        preferred: int = 0,
+        **sampling: Any,
+    ) -> None:
+        """Sample `num_generations` completions per prompt with one streaming request (`/v1/completions/stream`),
+        calling `on_group(i, result)` as prompt i's group finishes (finishing order, each exactly once). Replica
+        `preferred` (an index, modulo the replicas) is asked first; one that fails after its retries, also mid-stream,
+        gets its undelivered groups resent to the next. `RolloutServerError` when none is left; `ValueError` for a
+        request the server refuses (4xx)."""
+        n = num_generations
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per streaming call, got {len(prompts)}")
+        CompletionRequest(prompt=[[0]], n=n, **sampling)  # a bad setting is the caller's error: ValueError, here
+        urls = list(self.urls)
+        start = preferred % len(urls)
+        left = list(range(len(prompts)))
+        failures: dict[str, str] = {}
+        for url in urls[start:] + urls[:start]:
+            batch = list(left)
+            try:
+                for j, result in self._stream(url, [list(prompts[i]) for i in batch], n, sampling):
+                    left.remove(batch[j])
+                    on_group(batch[j], result)
+                if left:
+                    raise RolloutServerError(f"the stream ended with {len(left)} of {len(batch)} groups missing")
+                return
+            except RolloutServerError as exc:
+                logger.warning("rollout server %s failed, resending its %d groups: %s", url, len(left), exc)
+                failures[url] = str(exc)
+        reasons = "; ".join(f"{url}: {why}" for url, why in failures.items())
+        raise RolloutServerError(f"no rollout server could serve the request ({reasons})")
+
+    def _stream(
+        self, url: str, prompts: list[list[int]], n: int, sampling: dict[str, Any]
+    ) -> Iterator[tuple[int, RemoteGenerationResult]]:
+        """(prompt index in `prompts`, its group) per line of one streaming request, each checked."""
+        body = CompletionRequest(prompt=prompts, n=n, return_token_ids=True, **sampling)
+        seen: set[int] = set()
+        try:
+            with self.session.post(
+                url + "/v1/completions/stream",
+                json=body.model_dump(exclude_none=True),
+                timeout=self.timeout,  # also bounds the wait for each next line
+                stream=True,
+            ) as response:
+                if response.status_code >= 500:
+                    raise RolloutServerError(f"HTTP {response.status_code}: {response.text[:300]}")
+                if response.status_code != 200:
+                    raise ValueError(f"{url} refused the request: HTTP {response.status_code} {response.text[:500]}")
+                for raw in response.iter_lines():
+                    if not raw:
+                        continue
+                    try:
+                        line = StreamLine.model_validate_json(raw)
+                    except ValidationError as exc:
+                        raise RolloutServerError(f"a stream line breaks the protocol: {str(exc)[:300]}") from exc
+                    if line.error is not None:
+                        if line.status is not None and 400 <= line.status < 500:
+                            raise ValueError(f"{url} refused the request: HTTP {line.status} {line.error[:500]}")
+                        raise RolloutServerError(f"HTTP {line.status}: {line.error[:300]}")
+                    i = line.prompt_index
+                    samples = sorted(c.index - i * n for c in line.choices) if i is not None else []
+                    if i is None or not 0 <= i < len(prompts) or i in seen or samples != list(range(n)):
+                        raise RolloutServerError(f"a stream line does not hold one new group of {n} samples")
+                    if any(c.prompt_index != i for c in line.choices):
+                        raise RolloutServerError("a stream line mixes prompts")
+                    seen.add(i)
+                    self._check_versions(line.choices)
+                    choices = sorted(line.choices, key=lambda c: c.index)
+                    yield i, _result(choices, n)
+        except requests.RequestException as exc:
+            raise RolloutServerError(f"{type(exc).__name__}: {exc}") from exc
+
+    def _check_versions(self, choices: list[Choice]) -> None:
+        versions = {v for c in choices for v in [c.weight_version, *c.token_weight_versions]}
+        unknown = versions - self.known_versions
+        if unknown:
+            raise RolloutServerError(f"completions sampled with weight versions {sorted(unknown)} never pushed")
 
     def _complete(self, url: str, prompts: list[list[int]], n: int, sampling: dict[str, Any]) -> list[Choice]:
         body = CompletionRequest(prompt=prompts, n=n, return_token_ids=True, **sampling)
@@ -162,8 +239,16 @@ class RolloutClient:
             raise RolloutServerError(
                 f"returned {len(choices)} completions that do not cover the {len(prompts)} prompts x {n} samples asked"
             )
-        versions = {v for c in choices for v in [c.weight_version, *c.token_weight_versions]}
-        unknown = versions - self.known_versions
-        if unknown:
-            raise RolloutServerError(f"completions sampled with weight versions {sorted(unknown)} never pushed")
+        self._check_versions(choices)
         return choices
+
+
+def _result(choices: list[Choice], n: int) -> RemoteGenerationResult:
+    return RemoteGenerationResult(
+        completion_ids=[c.token_ids for c in choices],
+        logprobs=[c.logprobs for c in choices],
+        policy_logprobs=[c.policy_logprobs for c in choices],
+        weight_versions=[c.weight_version for c in choices],
+        token_weight_versions=[c.token_weight_versions for c in choices],
+        num_generations=n,
+    )

@@ -88,6 +88,16 @@ class CompletionResponse(BaseModel):
     usage: dict[str, int]
 
 
+class StreamLine(BaseModel):
+    """One line of `/v1/completions/stream`: a finished group (`prompt_index`, its `n` choices), or an error that
+    ends the stream (`error`, with the HTTP `status` the request would have had)."""
+
+    prompt_index: int | None = None
+    choices: list[Choice] = Field(default_factory=list)
+    error: str | None = None
+    status: int | None = None
+
+
 class WeightsInit(_Strict):
     """Join the trainer's weight-sync group: a TCPStore at `host:port` (the trainer is its master, rank 0)."""
 

@@ -13,11 +13,18 @@ turns; here the servers hold their own copy and generate all the time. The same 
   (`start`, `weights_pushed`); the IS correction uses the recorded per-token logprobs, as locally.
 - Never hangs: `take` waits in short slices (Ctrl-C is prompt) and raises `TimeoutError` past `timeout`; a failed
   group raises its `RolloutServerError` (the client has already tried every replica).
+- Threads O(replicas), not O(groups): requested groups queue for a fixed pool of `streams_per_replica` workers per
+  replica (started by `start`); a free worker takes the queued groups (at most `capacity_groups / workers`, so the
+  first fill spreads over every replica) and sends them as one streaming request (`RolloutClient.stream_generate`),
+  handing each group out as its line arrives. A group queued while every worker's stream is busy waits for one to
+  end: `streams_per_replica` bounds that wait.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import queue
 import threading
 import time
 from collections import deque
@@ -27,7 +34,8 @@ from typing import Any
 
 from ..rollouts.async_controller import AsyncMetrics, validate_async_bounds
 from ..rollouts.rollout_groups import RolloutGroup
-from .client import RolloutClient
+from .client import RemoteGenerationResult, RolloutClient
+from .protocol import MAX_PROMPTS
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +61,7 @@ class RemoteRolloutController:
         sampling: `/v1/completions` sampling fields (`max_tokens`, `temperature`, `top_p`, `top_k`).
         prefetch_depth, max_staleness, keep_stale, timeout: as for `AsyncRolloutController`.
         validate: Checks one prompt before it is requested (`ValueError` naming it), e.g. against the model's limits.
+        streams_per_replica: Worker threads (each one streaming request at a time) per replica.
     """
 
     def __init__(
@@ -67,6 +76,7 @@ class RemoteRolloutController:
         keep_stale: bool = False,
         timeout: float | None = None,
         validate: Callable[[list[int]], None] | None = None,
+        streams_per_replica: int = 2,
     ) -> None:
         validate_async_bounds(max_staleness, prefetch_depth)
         if groups_per_step <= 0 or num_generations <= 0:
@@ -90,6 +100,10 @@ class RemoteRolloutController:
         self._drawn = 0  # stream items drawn so far
         self._started = False
         self._stopped = False
+        self.streams_per_replica = max(1, streams_per_replica)
+        self._unsent: queue.SimpleQueue[_Request] = queue.SimpleQueue()  # requested, not yet in a stream
+        self._workers: list[threading.Thread] = []
+        self._batch_limit = 1
 
     @property
     def capacity_groups(self) -> int:
@@ -102,13 +116,25 @@ class RemoteRolloutController:
             return
         self.policy_version = policy_version
         self._started = True
+        count = self.streams_per_replica * max(1, len(self.client.urls))
+        # Each stream takes at most its share of a full window, so the first fill spreads over every replica.
+        self._batch_limit = min(MAX_PROMPTS, max(1, math.ceil(self.capacity_groups / count)))
+        for k in range(count):
+            worker = threading.Thread(target=self._work, args=(k,), name=f"trl_cb-remote-stream-{k}", daemon=True)
+            worker.start()
+            self._workers.append(worker)
         self._top_up()
 
     def stop(self) -> None:
-        """Stop requesting; requests in flight are abandoned (their threads are daemons; a server cancels a group
-        whose client has gone when the process exits)."""
+        """Stop requesting; idle workers end within `_WAIT_SLICE_S`, streams in flight are abandoned (daemon
+        threads; a server cancels a group whose client has gone when the process exits)."""
         self._stopped = True
         self._requests.clear()
+
+    @property
+    def num_threads(self) -> int:
+        """Worker threads started (`streams_per_replica` x replicas)."""
+        return len(self._workers)
 
     def weights_pushed(self, policy_version: int) -> None:
         """The servers now serve `policy_version` (applied between engine steps, mid-request): staleness counts
@@ -172,17 +198,38 @@ class RemoteRolloutController:
             group = RolloutGroup(row=row, prompt_ids=list(prompt_ids), submitted_version=self.policy_version)
             request = _Request(group)
             self._requests.append(request)
-            threading.Thread(target=self._fetch, args=(request,), name="trl_cb-remote-group", daemon=True).start()
+            self._unsent.put(request)
 
-    def _fetch(self, request: _Request) -> None:
-        group = request.group
-        try:
-            result = self.client.generate([group.prompt_ids], self.num_generations, **self.sampling)
+    def _work(self, index: int) -> None:
+        """Worker `index`: take the queued groups (bounded), stream them from replica `index` first, repeat."""
+        limit = self._batch_limit
+        while not self._stopped:
+            try:
+                batch = [self._unsent.get(timeout=_WAIT_SLICE_S)]
+            except queue.Empty:
+                continue
+            while len(batch) < limit:
+                try:
+                    batch.append(self._unsent.get_nowait())
+                except queue.Empty:
+                    break
+            if not self._stopped:
+                self._fetch(batch, index)
+
+    def _fetch(self, batch: list[_Request], index: int) -> None:
+        def deliver(i: int, result: RemoteGenerationResult) -> None:
+            request, group = batch[i], batch[i].group
             group.completion_ids = result.completion_ids
             group.logprobs = result.logprobs
             group.policy_logprobs = result.policy_logprobs
             group.versions = result.token_weight_versions
-        except BaseException as exc:  # handed to the trainer by `take`
-            request.error = exc
-        finally:
             request.done.set()
+
+        prompts = [request.group.prompt_ids for request in batch]
+        try:
+            self.client.stream_generate(prompts, self.num_generations, deliver, preferred=index, **self.sampling)
+        except BaseException as exc:  # handed to the trainer by `take`, for every group not delivered
+            for request in batch:
+                if not request.done.is_set():
+                    request.error = exc
+                    request.done.set()

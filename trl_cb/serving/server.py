@@ -13,7 +13,6 @@ weights are refused (400 from `/weights/wait`) with the served weights unchanged
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -37,6 +36,7 @@ from .protocol import (
     Choice,
     CompletionRequest,
     CompletionResponse,
+    StreamLine,
     WeightsClose,
     WeightsInit,
     WeightsUpdate,
@@ -196,10 +196,11 @@ def create_app(
         async def lines() -> AsyncIterator[str]:
             try:
                 async for i, group in groups:
-                    choices = [c.model_dump() for c in _choices(group, i, body.n, defaults)]
-                    yield json.dumps({"prompt_index": i, "choices": choices}) + "\n"
+                    line = StreamLine(prompt_index=i, choices=_choices(group, i, body.n, defaults))
+                    yield line.model_dump_json(exclude_none=True) + "\n"
             except HTTPException as exc:
-                yield json.dumps({"error": exc.detail, "status": exc.status_code}) + "\n"
+                line = StreamLine(error=str(exc.detail), status=exc.status_code)
+                yield line.model_dump_json(exclude_none=True) + "\n"
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
