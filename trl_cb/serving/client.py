@@ -19,12 +19,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import requests
-from pydantic import ValidationError
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
 from ..errors import RolloutServerError
-from .protocol import MAX_PROMPTS, Choice, CompletionRequest, CompletionResponse, StreamLine
+from .protocol import (
+    MAX_PROMPTS,
+    Choice,
+    CompletionRequest,
+    CompletionResponse,
+    PackedCompletionResponse,
+    PackedStreamLine,
+    StreamLine,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +80,8 @@ class RemoteGenerationResult:
 
 class RolloutClient:
     """Talks to rollout servers at `urls` (`http://host:port`); `timeout` bounds every request, in seconds;
-    `retries` and `backoff_s` shape the retries of transient faults (see the module docstring)."""
+    `retries` and `backoff_s` shape the retries of transient faults (see the module docstring); `encoding` is how
+    answers carry per-token arrays (`packed`: base64 arrays, `protocol.PackedChoice`; `json`: lists)."""
 
     def __init__(
         self,
@@ -82,9 +90,11 @@ class RolloutClient:
         timeout: float = 300.0,
         retries: int = 3,
         backoff_s: float = 0.2,
+        encoding: str = "packed",
     ) -> None:
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL")
+        self.encoding = encoding
         self.urls = [url.rstrip("/") for url in urls]
         self.timeout = timeout
         self.session = retrying_session(api_key, retries, backoff_s)
@@ -174,7 +184,8 @@ class RolloutClient:
         self, url: str, prompts: list[list[int]], n: int, sampling: dict[str, Any]
     ) -> Iterator[tuple[int, RemoteGenerationResult]]:
         """(prompt index in `prompts`, its group) per line of one streaming request, each checked."""
-        body = CompletionRequest(prompt=prompts, n=n, return_token_ids=True, **sampling)
+        body = CompletionRequest(prompt=prompts, n=n, return_token_ids=True, encoding=self.encoding, **sampling)
+        line_type = PackedStreamLine if self.encoding == "packed" else StreamLine
         seen: set[int] = set()
         try:
             with self.session.post(
@@ -191,23 +202,23 @@ class RolloutClient:
                     if not raw:
                         continue
                     try:
-                        line = StreamLine.model_validate_json(raw)
-                    except ValidationError as exc:
+                        line = line_type.model_validate_json(raw)
+                        choices = [_unpacked(c) for c in line.choices]
+                    except ValueError as exc:  # pydantic's ValidationError too
                         raise RolloutServerError(f"a stream line breaks the protocol: {str(exc)[:300]}") from exc
                     if line.error is not None:
                         if line.status is not None and 400 <= line.status < 500:
                             raise ValueError(f"{url} refused the request: HTTP {line.status} {line.error[:500]}")
                         raise RolloutServerError(f"HTTP {line.status}: {line.error[:300]}")
                     i = line.prompt_index
-                    samples = sorted(c.index - i * n for c in line.choices) if i is not None else []
+                    samples = sorted(c.index - i * n for c in choices) if i is not None else []
                     if i is None or not 0 <= i < len(prompts) or i in seen or samples != list(range(n)):
                         raise RolloutServerError(f"a stream line does not hold one new group of {n} samples")
-                    if any(c.prompt_index != i for c in line.choices):
+                    if any(c.prompt_index != i for c in choices):
                         raise RolloutServerError("a stream line mixes prompts")
                     seen.add(i)
-                    self._check_versions(line.choices)
-                    choices = sorted(line.choices, key=lambda c: c.index)
-                    yield i, _result(choices, n)
+                    self._check_versions(choices)
+                    yield i, _result(sorted(choices, key=lambda c: c.index), n)
         except requests.RequestException as exc:
             raise RolloutServerError(f"{type(exc).__name__}: {exc}") from exc
 
@@ -218,7 +229,7 @@ class RolloutClient:
             raise RolloutServerError(f"completions sampled with weight versions {sorted(unknown)} never pushed")
 
     def _complete(self, url: str, prompts: list[list[int]], n: int, sampling: dict[str, Any]) -> list[Choice]:
-        body = CompletionRequest(prompt=prompts, n=n, return_token_ids=True, **sampling)
+        body = CompletionRequest(prompt=prompts, n=n, return_token_ids=True, encoding=self.encoding, **sampling)
         try:
             response = self.session.post(
                 url + "/v1/completions", json=body.model_dump(exclude_none=True), timeout=self.timeout
@@ -229,9 +240,10 @@ class RolloutClient:
             raise RolloutServerError(f"HTTP {response.status_code}: {response.text[:300]}")
         if response.status_code != 200:  # the request itself is wrong: another replica would refuse it too
             raise ValueError(f"{url} refused the request: HTTP {response.status_code} {response.text[:500]}")
+        answer_type = PackedCompletionResponse if self.encoding == "packed" else CompletionResponse
         try:
-            choices = CompletionResponse.model_validate_json(response.content).choices
-        except ValidationError as exc:
+            choices = [_unpacked(c) for c in answer_type.model_validate_json(response.content).choices]
+        except ValueError as exc:  # pydantic's ValidationError too
             raise RolloutServerError(f"the answer breaks the protocol: {str(exc)[:300]}") from exc
         expected = {(i, k) for i in range(len(prompts)) for k in range(n)}
         got = {(c.prompt_index, c.index - c.prompt_index * n) for c in choices}
@@ -241,6 +253,10 @@ class RolloutClient:
             )
         self._check_versions(choices)
         return choices
+
+
+def _unpacked(choice: Any) -> Choice:
+    return choice if isinstance(choice, Choice) else choice.unpack()
 
 
 def _result(choices: list[Choice], n: int) -> RemoteGenerationResult:

@@ -13,6 +13,7 @@ weights are refused (400 from `/weights/wait`) with the served weights unchanged
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -23,7 +24,7 @@ import torch
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import GenerationConfig
 
 from ..checks.inputs import validate_prompts
@@ -36,6 +37,8 @@ from .protocol import (
     Choice,
     CompletionRequest,
     CompletionResponse,
+    PackedChoice,
+    PackedCompletionResponse,
     StreamLine,
     WeightsClose,
     WeightsInit,
@@ -80,6 +83,8 @@ def create_app(
     weights = WeightReceiver(model, engine.apply_weights)
     requests_seen = {"served": 0, "rejected": 0}
 
+    eos = defaults.get("eos_token_id")
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
     app = FastAPI(title="trl_cb rollout server")
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes)  # auth and size, on headers
     app.state.engine = engine
@@ -176,28 +181,38 @@ def create_app(
                 engine.cancel(tickets)  # the client went away (or a group failed): stop what still runs
             requests_seen["served"] += 1
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> CompletionResponse:
+    @app.post("/v1/completions", response_model=CompletionResponse | PackedCompletionResponse)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         groups = dict([item async for item in finished(body, request)])
         if len(groups) < len(body.prompt):  # the client went away: nobody reads this
             raise HTTPException(status_code=499, detail="client disconnected")
-        choices = [choice for i in range(len(body.prompt)) for choice in _choices(groups[i], i, body.n, defaults)]
-        prompt_tokens = sum(len(p) for p in body.prompt)
-        generated = sum(len(c.token_ids) for c in choices)
-        total = prompt_tokens + generated
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": total}
-        return CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", model=model_name, choices=choices, usage=usage)
+
+        def encode() -> bytes:  # in a worker thread, one choice per call: the event loop gets the GIL in between
+            parts = [part for i in range(len(body.prompt)) for part in encode_choices(groups[i], i, body, eos_ids)]
+            prompt_tokens = sum(len(p) for p in body.prompt)
+            generated = sum(len(ids) for group in groups.values() for ids in group.completion_ids)
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": generated}
+            usage["total_tokens"] = prompt_tokens + generated
+            head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": model_name}
+            # The response model's JSON, assembled around the choices encoded one by one.
+            envelope = [json.dumps(head)[:-1].encode(), b', "choices": [', b",".join(parts), b'], "usage": ']
+            return b"".join([*envelope, json.dumps(usage).encode(), b"}"])
+
+        return Response(await run_in_threadpool(encode), media_type="application/json")
 
     @app.post("/v1/completions/stream")
     async def completions_stream(body: CompletionRequest, request: Request) -> StreamingResponse:
         """One JSON line per group (a prompt's `n` choices) as it finishes, in finishing order; errors as a line."""
         groups = finished(body, request)
 
+        def encode(i: int, group: RolloutGroup) -> str:
+            parts = encode_choices(group, i, body, eos_ids)
+            return f'{{"prompt_index": {i}, "choices": [{b",".join(parts).decode()}]}}\n'
+
         async def lines() -> AsyncIterator[str]:
             try:
                 async for i, group in groups:
-                    line = StreamLine(prompt_index=i, choices=_choices(group, i, body.n, defaults))
-                    yield line.model_dump_json(exclude_none=True) + "\n"
+                    yield await run_in_threadpool(encode, i, group)  # a `StreamLine` (`PackedStreamLine`)
             except HTTPException as exc:
                 line = StreamLine(error=str(exc.detail), status=exc.status_code)
                 yield line.model_dump_json(exclude_none=True) + "\n"
@@ -256,19 +271,22 @@ def create_app(
     return app
 
 
-def _choices(group: RolloutGroup, prompt_index: int, n: int, defaults: dict[str, Any]) -> list[Choice]:
-    eos = defaults.get("eos_token_id")
-    eos_ids = set(eos if isinstance(eos, list) else [eos])
-    return [
-        Choice(
-            index=prompt_index * n + k,
-            prompt_index=prompt_index,
-            token_ids=ids,
-            logprobs=group.logprobs[k],
-            policy_logprobs=group.policy_logprobs[k],
-            weight_version=min(group.versions[k], default=group.submitted_version),
-            token_weight_versions=group.versions[k],
-            finish_reason="stop" if ids and ids[-1] in eos_ids else "length",
-        )
-        for k, ids in enumerate(group.completion_ids)
-    ]
+def encode_choices(group: RolloutGroup, prompt_index: int, body: CompletionRequest, eos_ids: set[int]) -> list[bytes]:
+    """The group's choices as JSON objects, one `Choice` (or `PackedChoice`, `encoding="packed"`) each."""
+    parts = []
+    for k, ids in enumerate(group.completion_ids):
+        arrays = {
+            "token_ids": ids,
+            "logprobs": group.logprobs[k],
+            "policy_logprobs": group.policy_logprobs[k],
+            "token_weight_versions": group.versions[k],
+        }
+        fields = {
+            "index": prompt_index * body.n + k,
+            "prompt_index": prompt_index,
+            "weight_version": min(group.versions[k], default=group.submitted_version),
+            "finish_reason": "stop" if ids and ids[-1] in eos_ids else "length",
+        }
+        choice = PackedChoice.pack(arrays, **fields) if body.encoding == "packed" else Choice(**arrays, **fields)
+        parts.append(choice.model_dump_json().encode())
+    return parts

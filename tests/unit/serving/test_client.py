@@ -116,6 +116,51 @@ def test_replica_fails_over_only_after_its_retries(server, prompts):
 )
 def test_answer_breaking_the_protocol_raises_rollout_server_error(answer):
     with front(None, failures=0, answer=answer) as (fake, _):
-        client = RolloutClient([fake], timeout=30, retries=0)
+        client = RolloutClient([fake], timeout=30, retries=0, encoding="json")
         with pytest.raises(RolloutServerError):
             client.generate([[5, 6]], 2, max_tokens=4)
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "logprobs"),
+    [("not base64!", "AACAvw=="), ("BQAAAA==", "AACA"), ("BQAAAAYAAAA=", "AACAvw==")],
+    ids=["bad-base64", "partial-element", "lengths-differ"],
+)
+def test_packed_answer_breaking_the_protocol_raises_rollout_server_error(token_ids, logprobs):
+    choice = {"prompt_index": 0, "token_ids": token_ids, "logprobs": logprobs, "policy_logprobs": logprobs}
+    choice.update(weight_version=0, token_weight_versions="AAAAAA==")
+    answer = {"id": "x", "model": "m", "usage": {}, "choices": [{**choice, "index": 0}, {**choice, "index": 1}]}
+    with front(None, failures=0, answer=answer) as (fake, _):
+        with pytest.raises(RolloutServerError, match="protocol"):
+            RolloutClient([fake], timeout=30, retries=0).generate([[5, 6]], 2, max_tokens=4)
+
+
+@pytest.mark.parametrize("encoding", ["json", "packed"])
+def test_encodings_carry_the_same_completions(server, prompts, encoding):
+    """Packed and JSON answers hold the same values (the server's fp32 logprobs and int ids round-trip exactly),
+    through `/v1/completions` and the stream."""
+    _, url = server
+    client = RolloutClient([url], api_key=KEY, timeout=60, encoding=encoding)
+    result = client.generate(prompts[:2], 2, max_tokens=8)
+    assert len(result.completion_ids) == 4 and all(result.completion_ids)
+    assert all(
+        len(ids) == len(lp) == len(v)
+        for ids, lp, v in zip(result.completion_ids, result.logprobs, result.token_weight_versions)
+    )
+    assert all(isinstance(x, float) for lp in result.logprobs for x in lp)
+    streamed = {}
+    client.stream_generate(prompts[:3], 2, lambda i, group: streamed.setdefault(i, group), max_tokens=8)
+    assert sorted(streamed) == [0, 1, 2] and all(len(g.completion_ids) == 2 for g in streamed.values())
+
+
+def test_packed_choice_round_trips_exactly():
+    import torch
+
+    from trl_cb.serving.protocol import PackedChoice
+
+    logprobs = torch.log_softmax(torch.randn(8192), -1).tolist()  # fp32 values, as the engine returns them
+    arrays = {"token_ids": list(range(8192)), "logprobs": logprobs, "policy_logprobs": logprobs[::-1]}
+    arrays["token_weight_versions"] = [0] * 4096 + [1] * 4096
+    choice = PackedChoice.pack(arrays, index=3, prompt_index=1, weight_version=0, finish_reason="length").unpack()
+    assert {name: getattr(choice, name) for name in arrays} == arrays
+    assert (choice.index, choice.prompt_index, choice.weight_version) == (3, 1, 0)
