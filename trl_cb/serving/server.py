@@ -24,7 +24,7 @@ import torch
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from transformers import GenerationConfig
 
 from ..checks.inputs import validate_prompts
@@ -182,23 +182,31 @@ def create_app(
             requests_seen["served"] += 1
 
     @app.post("/v1/completions", response_model=CompletionResponse | PackedCompletionResponse)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> StreamingResponse:
         groups = dict([item async for item in finished(body, request)])
         if len(groups) < len(body.prompt):  # the client went away: nobody reads this
             raise HTTPException(status_code=499, detail="client disconnected")
 
-        def encode() -> bytes:  # in a worker thread, one choice per call: the event loop gets the GIL in between
-            parts = [part for i in range(len(body.prompt)) for part in encode_choices(groups[i], i, body, eos_ids)]
-            prompt_tokens = sum(len(p) for p in body.prompt)
-            generated = sum(len(ids) for group in groups.values() for ids in group.completion_ids)
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": generated}
-            usage["total_tokens"] = prompt_tokens + generated
-            head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": model_name}
-            # The response model's JSON, assembled around the choices encoded one by one.
-            envelope = [json.dumps(head)[:-1].encode(), b', "choices": [', b",".join(parts), b'], "usage": ']
-            return b"".join([*envelope, json.dumps(usage).encode(), b"}"])
+        prompt_tokens = sum(len(p) for p in body.prompt)
+        generated = sum(len(ids) for group in groups.values() for ids in group.completion_ids)
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": generated,
+            "total_tokens": prompt_tokens + generated,
+        }
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": model_name}
 
-        return Response(await run_in_threadpool(encode), media_type="application/json")
+        async def parts() -> AsyncIterator[bytes]:
+            """The response model's JSON in pieces: each group's choices encoded in a worker thread, one choice per
+            call (the event loop gets the GIL in between), and sent as it is ready, so that no step of a large answer
+            (an encode, a join, a socket write of the whole body) holds the loop for long."""
+            yield json.dumps(head)[:-1].encode() + b', "choices": ['
+            for i in range(len(body.prompt)):
+                encoded = await run_in_threadpool(encode_choices, groups[i], i, body, eos_ids)
+                yield (b"," if i else b"") + b",".join(encoded)
+            yield b'], "usage": ' + json.dumps(usage).encode() + b"}"
+
+        return StreamingResponse(parts(), media_type="application/json")
 
     @app.post("/v1/completions/stream")
     async def completions_stream(body: CompletionRequest, request: Request) -> StreamingResponse:
