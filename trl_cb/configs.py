@@ -17,7 +17,7 @@ Invariants after `__post_init__`:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import trl
@@ -188,12 +188,13 @@ class ContinuousBatchingArguments:
         return d
 
     def __str__(self) -> str:
-        text = super().__str__()  # TrainingArguments' own, from `asdict`: masks `*_token` only
-        for name in _SECRET_FIELDS:
-            value = getattr(self, name, None)
-            if value:
-                text = text.replace(str(value), f"<{name.upper()}>")
-        return text
+        """`TrainingArguments.__str__`'s format (it masks `*_token` fields only), with the secrets masked too."""
+        values = asdict(self)
+        for name, value in values.items():
+            if name.endswith("_token") or (name in _SECRET_FIELDS and value is not None):
+                values[name] = f"<{name.upper()}>"
+        lines = "".join(f"{name}={value},\n" for name, value in sorted(values.items()))
+        return f"{self.__class__.__name__}(\n{lines})"
 
     def _default_importance_sampling_mode(self) -> str:
         """The IS mode used when the user sets none: one weight per sequence, zeroed outside the bounds."""

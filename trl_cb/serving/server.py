@@ -197,9 +197,9 @@ def create_app(
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": model_name}
 
         async def parts() -> AsyncIterator[bytes]:
-            """The response model's JSON in pieces: each group's choices encoded in a worker thread, one choice per
-            call (the event loop gets the GIL in between), and sent as it is ready, so that no step of a large answer
-            (an encode, a join, a socket write of the whole body) holds the loop for long."""
+            """The response model's JSON in pieces: each group's choices encoded in a worker thread (one short
+            encoder call per choice, so the event loop gets the GIL in between) and sent as it is ready, so that no
+            step of a large answer (an encode, a join, a socket write of the whole body) holds the loop for long."""
             yield json.dumps(head)[:-1].encode() + b', "choices": ['
             for i in range(len(body.prompt)):
                 encoded = await run_in_threadpool(encode_choices, groups[i], i, body, eos_ids)

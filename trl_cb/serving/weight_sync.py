@@ -291,11 +291,18 @@ class WeightSender:
         self._token = secrets.token_hex(16)
         self._group: tuple[dist.TCPStore, dist.ProcessGroup] | None = None
 
-    def _request(self, method: str, path: str, body: BaseModel | None = None, ok: tuple[int, ...] = (200,)) -> Any:
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: BaseModel | None = None,
+        ok: tuple[int, ...] = (200,),
+        timeout: float | None = None,
+    ) -> Any:
         """(status, JSON answer) of one call; `RolloutServerError` for a transport failure or a status not in `ok`."""
         try:
             payload = None if body is None else body.model_dump()
-            response = self._session.request(method, self.url + path, json=payload, timeout=self.timeout)
+            response = self._session.request(method, self.url + path, json=payload, timeout=timeout or self.timeout)
         except requests.RequestException as exc:
             raise RolloutServerError(f"{self.url}{path}: {exc}") from exc
         if response.status_code not in ok:
@@ -341,8 +348,9 @@ class WeightSender:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RolloutServerError(f"{self.url}: weight version {version} not applied within {self.timeout} s")
-            body = WeightsWait(token=self._token, version=version, timeout_s=min(left, 30.0))
-            status, _ = self._request("POST", "/weights/wait", body, ok=(200, 202))
+            wait_s = min(left, 30.0)  # the server answers 202 after this: the read timeout leaves it room to
+            body = WeightsWait(token=self._token, version=version, timeout_s=wait_s)
+            status, _ = self._request("POST", "/weights/wait", body, ok=(200, 202), timeout=wait_s + 10.0)
             if status == 200:
                 self.pushed_versions.add(version)
                 return
