@@ -16,12 +16,16 @@ Prints a table, then one JSON document as the last line.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +136,9 @@ def serve_fake(port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
-def over_http(args: argparse.Namespace) -> list[dict[str, Any]]:
+@contextlib.contextmanager
+def fake_server() -> Iterator[str]:
+    """A `--serve-fake` server process on a free loopback port; yields its URL once `/health` answers."""
     from trl_cb.serving.weight_sync import free_port
 
     port = free_port()
@@ -152,6 +158,18 @@ def over_http(args: argparse.Namespace) -> list[dict[str, Any]]:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError("the fake server did not start")
             time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def over_http(args: argparse.Namespace) -> list[dict[str, Any]]:
+    with fake_server() as url:
         rows = []
         warm = {"prompt": [[5] * 8] * args.prompts, "n": args.n, "max_tokens": args.tokens}
         requests.post(url + "/v1/completions", json=warm, timeout=600).raise_for_status()  # the fake builds its groups
@@ -194,13 +212,46 @@ def over_http(args: argparse.Namespace) -> list[dict[str, Any]]:
                 }
             )
         return rows
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+
+
+def controller(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The trainer's side of async rollouts from a server (`RemoteRolloutController`, what the trainers use) at
+    `--prompts` groups of `--n` x `--tokens` per step, `--prefetch-depth` steps ahead: CPU seconds per step of the
+    whole trainer process (its rollout threads included), wall seconds per step, threads."""
+    from trl_cb.serving.client import RolloutClient
+    from trl_cb.serving.remote_rollouts import RemoteRolloutController
+
+    with fake_server() as url:
+        client = RolloutClient([url], timeout=600)
+        client.known_versions.add(1)  # the fake groups switch to version 1 halfway
+        stream = ((i, [5] * 8) for i in itertools.count())
+        sampling = {"max_tokens": args.tokens}
+        ctl = RemoteRolloutController(
+            client, stream, args.n, args.prompts, sampling, prefetch_depth=args.prefetch_depth, max_staleness=10
+        )
+        threads_before = threading.active_count()
+        ctl.start(0)
+        cpu, wall, peak_threads = [], [], 0
+        for step in range(args.steps + 1):
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+            groups, _ = ctl.take(args.prompts)
+            peak_threads = max(peak_threads, threading.active_count() - threads_before)
+            if step:  # the first take waits for the first fill
+                cpu.append(time.process_time() - cpu0)
+                wall.append(time.perf_counter() - wall0)
+            assert len(groups) == args.prompts and len(groups[0].completion_ids[0]) == args.tokens
+        ctl.stop()
+    in_flight = (args.prefetch_depth + 1) * args.prompts
+    return [
+        {
+            "part": "controller",
+            "encoding": getattr(client, "encoding", "json"),
+            "groups_in_flight": in_flight,
+            "trainer_cpu_s_per_step": statistics.median(cpu),
+            "step_wall_s": statistics.median(wall),
+            "rollout_threads": peak_threads,
+        }
+    ]
 
 
 def main() -> None:
@@ -210,7 +261,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--requests", type=int, default=2, help="HTTP requests per encoding (the fastest is kept)")
     parser.add_argument("--quick", action="store_true", help="64 completions x 1,024 tokens, one request")
-    parser.add_argument("--parts", nargs="+", default=["in-process", "http"], choices=["in-process", "http"])
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        default=["in-process", "http", "controller"],
+        choices=["in-process", "http", "controller"],
+    )
+    parser.add_argument("--prefetch-depth", type=int, default=1, help="controller part: steps requested ahead")
+    parser.add_argument("--steps", type=int, default=3, help="controller part: steps timed (after the first)")
     parser.add_argument(
         "--encodings",
         nargs="+",
@@ -225,8 +283,9 @@ def main() -> None:
         serve_fake(args.serve_fake)
         return
     if args.quick:
-        args.prompts, args.n, args.tokens, args.requests = 16, 4, 1024, 1
-    rows = (in_process(args) if "in-process" in args.parts else []) + (over_http(args) if "http" in args.parts else [])
+        args.prompts, args.n, args.tokens, args.requests, args.steps = 16, 4, 1024, 1, 1
+    parts = {"in-process": in_process, "http": over_http, "controller": controller}
+    rows = [row for name in args.parts for row in parts[name](args)]
     before = next((r["total_s"] for r in rows if r["encoding"] == "before"), None)
     for row in rows:
         if "total_s" in row and before:
@@ -243,6 +302,10 @@ def main() -> None:
         ("health_p50_ms", "/health p50 ms"),
         ("health_p99_ms", "/health p99 ms"),
         ("health_max_ms", "/health max ms"),
+        ("groups_in_flight", "groups in flight"),
+        ("trainer_cpu_s_per_step", "trainer CPU s/step"),
+        ("step_wall_s", "step s"),
+        ("rollout_threads", "threads"),
     ]
     print(format_table(rows, columns))
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "serve_fake"}

@@ -300,5 +300,8 @@ def test_payload_quick(tmp_path):
         ("in-process", "packed"),
         ("http", "json"),
         ("http", "packed"),
+        ("controller", "packed"),
     }
     assert all(p["health_polls"] > 0 for p in payload["points"] if p["part"] == "http")
+    (ctl,) = [p for p in payload["points"] if p["part"] == "controller"]
+    assert ctl["rollout_threads"] <= 2 and ctl["trainer_cpu_s_per_step"] > 0  # O(replicas): 2 streams, 1 replica
