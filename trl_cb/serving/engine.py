@@ -6,15 +6,17 @@ Invariants:
 - One thread, the engine loop, touches the engine and the in-flight groups; callers post operations to it and wait.
 - Weights change between two engine steps, never during one (`manager.pause()`): in-flight requests keep their KV
   prefix and continue on the new weights; every token records the weight version that sampled it.
-- Bounded: at most `max_num_seqs` sequences in the engine; more wait in a FIFO queue (`queue_groups` in metrics).
+- Bounded: at most `max_num_seqs` sequences in the engine; more wait in a queue (`queue_groups` in metrics), FIFO but
+  for the settings batching below.
 - Mixed sampling settings share the engine: with `per_request` (transformers' `per_request_processors`, the server's
   default) each group carries its own temperature / top_k / top_p to the engine's per-request warpers, and the
   engine's own config holds placeholders that only make transformers build those warpers (`_engine_settings`), so
   requests that differ in these never rebuild it; logprobs stay exact per request (tests/unit/serving/
   test_mixed_sampling.py). The engine has only the warpers some request needed so far (`_warpers`, grow-only: at most
   three rebuilds in a server's life), so traffic that never truncates pays for no sort. Settings outside those (and
-  every setting without `per_request`) must match the running engine's: a group with others waits until the engine
-  is empty, which is then rebuilt.
+  every setting without `per_request`) must match the running engine's: groups the engine can take pass older ones
+  that need a rebuild, each passed at most `max_num_seqs` times; then the engine drains and is rebuilt for it
+  (settings batch together, none starves).
 - Every group submitted ends exactly once: finished, failed (engine error, bad settings) or cancelled.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import logging
 import queue
 import threading
@@ -60,6 +63,8 @@ class Ticket:
     n: int
     config: GenerationConfig
     processor_kwargs: dict[str, Any] = field(default_factory=dict)  # per-request warper settings, set when scheduled
+    passed: int = 0  # groups admitted ahead of it while it waited for a rebuild (bounded: `_next`)
+    plan: tuple[frozenset[str], GenerationConfig, Any] | None = None  # (warpers, engine config, signature), cached
     group: RolloutGroup | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -277,34 +282,65 @@ class ServingEngine:
         return int(self.model.config.get_text_config().vocab_size)
 
     def _schedule(self) -> None:
-        """Move queued groups into the engine while they fit; rebuild it (only once empty) when one cannot fit."""
+        """Move queued groups into the engine while they fit; rebuild it (only once empty) when one cannot fit.
+
+        FIFO, except that on a running engine a group it can take passes older groups that need a rebuild (other
+        settings, a longer prompt): groups with the same settings batch together instead of a rebuild per switch. A
+        group is passed at most `max_num_seqs` times; then nothing passes it, the engine drains and is rebuilt for it,
+        so none starves."""
         while self._waiting and not self.paused:
-            ticket = self._waiting[0]
-            warpers = self._warpers | self._warpers_needed(ticket.config) if self.per_request else frozenset()
-            engine_config, ticket.processor_kwargs = self._engine_settings(ticket.config, warpers)
-            signature = sampling_signature(engine_config)
-            fits = (
-                self._manager is not None
-                and signature == self._signature
-                and len(ticket.prompt_ids) <= self._workload.max_prompt_len
-                and int(ticket.config.max_new_tokens) <= self._workload.max_new_tokens
-            )
-            if not fits:
+            ticket = self._next()
+            warpers, engine_config, signature = self._plan(ticket)
+            if not self._fits(ticket, signature):
                 if self._groups.pending:
                     return  # the engine must empty before it is rebuilt for this group
                 try:
                     self._build(ticket, engine_config, signature)
                     self._warpers = warpers
                 except Exception as exc:  # settings, prompt or cache the engine refuses: this group fails, not all
-                    self._waiting.popleft().finish(error=exc)
+                    self._waiting.remove(ticket)
+                    ticket.finish(error=exc)
                     continue
             if self._groups.inflight_requests + ticket.n > self.max_num_seqs and self._groups.pending:
                 return
-            self._waiting.popleft()
+            for older in self._waiting:  # each group this one passes counts it
+                if older is ticket:
+                    break
+                older.passed += 1
+            self._waiting.remove(ticket)
             max_new = int(ticket.config.max_new_tokens)
             self._groups.submit(
                 self._manager, ticket, ticket.prompt_ids, ticket.n, max_new, self.version, ticket.processor_kwargs
             )
+
+    def _next(self) -> Ticket:
+        """The oldest waiting group, or (on a running engine, while the oldest has been passed fewer than
+        `max_num_seqs` times) the oldest one the engine can take as it is."""
+        head = self._waiting[0]
+        if self._manager is None or self._fits(head, self._plan(head)[2]) or head.passed >= self.max_num_seqs:
+            return head
+        for ticket in itertools.islice(self._waiting, 1, None):
+            if self._fits(ticket, self._plan(ticket)[2]):
+                return ticket
+        return head
+
+    def _plan(self, ticket: Ticket) -> tuple[frozenset[str], GenerationConfig, Any]:
+        """(warpers, engine config, signature) of `ticket` on the current engine (cached until the warpers grow);
+        sets its `processor_kwargs`."""
+        warpers = self._warpers | self._warpers_needed(ticket.config) if self.per_request else frozenset()
+        if ticket.plan is None or ticket.plan[0] != warpers:
+            engine_config, ticket.processor_kwargs = self._engine_settings(ticket.config, warpers)
+            ticket.plan = (warpers, engine_config, sampling_signature(engine_config))
+        return ticket.plan
+
+    def _fits(self, ticket: Ticket, signature: Any) -> bool:
+        """Whether the running engine can take `ticket` as it is (same settings, within its sizes)."""
+        return (
+            self._manager is not None
+            and signature == self._signature
+            and len(ticket.prompt_ids) <= self._workload.max_prompt_len
+            and int(ticket.config.max_new_tokens) <= self._workload.max_new_tokens
+        )
 
     def _build(self, ticket: Ticket, engine_config: GenerationConfig, signature: Any) -> None:
         self._drop_engine()

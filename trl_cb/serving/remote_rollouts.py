@@ -13,11 +13,11 @@ turns; here the servers hold their own copy and generate all the time. The same 
   (`start`, `weights_pushed`); the IS correction uses the recorded per-token logprobs, as locally.
 - Never hangs: `take` waits in short slices (Ctrl-C is prompt) and raises `TimeoutError` past `timeout`; a failed
   group raises its `RolloutServerError` (the client has already tried every replica).
-- Threads O(replicas), not O(groups): requested groups queue for a fixed pool of `streams_per_replica` workers per
-  replica (started by `start`); a free worker takes the queued groups (at most `capacity_groups / workers`, so the
-  first fill spreads over every replica) and sends them as one streaming request (`RolloutClient.stream_generate`),
-  handing each group out as its line arrives. A group queued while every worker's stream is busy waits for one to
-  end: `streams_per_replica` bounds that wait.
+- Threads O(replicas), not O(groups): requested groups are dealt round-robin to one queue per replica, each served
+  by a fixed pool of `streams_per_replica` workers (started by `start`); a free worker takes its replica's queued
+  groups (at most `capacity_groups / workers`) and sends them as one streaming request
+  (`RolloutClient.stream_generate`, which fails over to the other replicas), handing each group out as its line
+  arrives. A group queued while its replica's streams are all busy waits for one to end.
 """
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ class RemoteRolloutController:
         self._started = False
         self._stopped = False
         self.streams_per_replica = max(1, streams_per_replica)
-        self._unsent: queue.SimpleQueue[_Request] = queue.SimpleQueue()  # requested, not yet in a stream
+        self._unsent: list[queue.SimpleQueue[_Request]] = []  # per replica: requested, not yet in a stream
+        self._dealt = 0  # groups dealt to the replicas' queues so far
         self._workers: list[threading.Thread] = []
         self._batch_limit = 1
 
@@ -116,8 +117,10 @@ class RemoteRolloutController:
             return
         self.policy_version = policy_version
         self._started = True
-        count = self.streams_per_replica * max(1, len(self.client.urls))
-        # Each stream takes at most its share of a full window, so the first fill spreads over every replica.
+        replicas = max(1, len(self.client.urls))
+        self._unsent = [queue.SimpleQueue() for _ in range(replicas)]
+        count = self.streams_per_replica * replicas
+        # Each stream takes at most its share of a full window, so the first fill spreads over every stream.
         self._batch_limit = min(MAX_PROMPTS, max(1, math.ceil(self.capacity_groups / count)))
         for k in range(count):
             worker = threading.Thread(target=self._work, args=(k,), name=f"trl_cb-remote-stream-{k}", daemon=True)
@@ -198,23 +201,27 @@ class RemoteRolloutController:
             group = RolloutGroup(row=row, prompt_ids=list(prompt_ids), submitted_version=self.policy_version)
             request = _Request(group)
             self._requests.append(request)
-            self._unsent.put(request)
+            live = max(1, min(len(self._unsent), len(self.client.urls)))  # a dropped replica gets no new groups
+            self._unsent[self._dealt % live].put(request)
+            self._dealt += 1
 
     def _work(self, index: int) -> None:
-        """Worker `index`: take the queued groups (bounded), stream them from replica `index` first, repeat."""
-        limit = self._batch_limit
+        """Worker `index` of replica `index % replicas`: take that replica's queued groups (bounded), stream them
+        (from that replica first), repeat."""
+        replica = index % len(self._unsent)
+        unsent, limit = self._unsent[replica], self._batch_limit
         while not self._stopped:
             try:
-                batch = [self._unsent.get(timeout=_WAIT_SLICE_S)]
+                batch = [unsent.get(timeout=_WAIT_SLICE_S)]
             except queue.Empty:
                 continue
             while len(batch) < limit:
                 try:
-                    batch.append(self._unsent.get_nowait())
+                    batch.append(unsent.get_nowait())
                 except queue.Empty:
                     break
             if not self._stopped:
-                self._fetch(batch, index)
+                self._fetch(batch, replica)
 
     def _fetch(self, batch: list[_Request], index: int) -> None:
         def deliver(i: int, result: RemoteGenerationResult) -> None:
