@@ -1,23 +1,17 @@
 """`RemoteRolloutController`: async rollouts from rollout servers, generating while the trainer trains.
 
-The local `AsyncRolloutController` shares one copy of the weights with training, so the engine and the trainer take
-turns; here the servers hold their own copy and generate all the time. The same contract as the local controller
+The servers hold their own weights and generate all the time; the contract is the local `AsyncRolloutController`'s
 (docs/async.md), so the trainers' async bridge uses either:
 - Bounded: at most `(prefetch_depth + 1) * groups_per_step` groups requested and not consumed.
-- Exactly once, FIFO: groups are handed out (or dropped for staleness, counted) in the order they were requested,
-  whichever replica served them; `consumed_groups` is the prompt stream's resume position.
-- Versions: each token carries the server-reported version of the weights that sampled it (servers apply updates
-  between engine steps, mid-request); staleness = the trainer's version - a group's oldest token's version.
-- Weight updates: the owner (the trainers' `ScatteredRemoteRollouts`, whose pushes are collective) pushes the weights
-  before `start` and after each optimizer step, while the servers keep generating, and reports each version here
-  (`start`, `weights_pushed`); the IS correction uses the recorded per-token logprobs, as locally.
-- Never hangs: `take` waits in short slices (Ctrl-C is prompt) and raises `TimeoutError` past `timeout`; a failed
-  group raises its `RolloutServerError` (the client has already tried every replica).
-- Threads O(replicas), not O(groups): requested groups are dealt round-robin to one queue per replica, each served
-  by a fixed pool of `streams_per_replica` workers (started by `start`); a free worker takes its replica's queued
-  groups (at most `capacity_groups / workers`) and sends them as one streaming request
-  (`RolloutClient.stream_generate`, which fails over to the other replicas), handing each group out as its line
-  arrives. A group queued while its replica's streams are all busy waits for one to end.
+- Exactly once, FIFO: groups are handed out (or dropped for staleness, counted) in request order, whichever replica
+  served them; `consumed_groups` is the prompt stream's resume position.
+- Versions: each token carries the server-reported version that sampled it; staleness = the trainer's version - a
+  group's oldest token's. The owner pushes weights before `start` and after each optimizer step and reports them.
+- Never hangs: `take` waits in short slices and raises `TimeoutError` past `timeout`; a failed group raises its
+  `RolloutServerError` (the client has already tried every replica).
+- Threads O(replicas): groups are dealt round-robin to one queue per replica, each served by `streams_per_replica`
+  workers; a free worker sends its queued groups (at most `capacity_groups / workers`) as one streaming request
+  (`RolloutClient.stream_generate`, failing over to the other replicas) and hands out each group as it arrives.
 """
 
 from __future__ import annotations

@@ -13,13 +13,10 @@ wait for a version always waits for that update, never for an earlier one that h
 
 from __future__ import annotations
 
-import datetime
 import logging
 import secrets
-import socket
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,58 +29,20 @@ from pydantic import BaseModel
 from ..engine.weight_export import WeightSpec
 from ..errors import RolloutServerError
 from .client import retrying_session
+from .gloo_group import address_towards, broadcast, dtype_named, free_port, open_group, store_alive
 from .protocol import WeightsClose, WeightsInit, WeightsUpdate, WeightsWait
 
+__all__ = [
+    "StaleVersion",
+    "UpdateOutcome",
+    "WeightReceiver",
+    "WeightSender",
+    "address_towards",
+    "free_port",
+    "push_weights",
+]
+
 logger = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the OS's choice)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def address_towards(url: str) -> str:
-    """This machine's IPv4 address on the route to `url`'s host: what that host can connect back to. No packet is
-    sent (a UDP socket's `connect` only picks the route); loopback for a server on this machine."""
-    parsed = urllib.parse.urlsplit(url)
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            sock.connect((parsed.hostname or "127.0.0.1", parsed.port or 80))
-            return sock.getsockname()[0]
-    except OSError as exc:
-        raise RolloutServerError(f"no route to {url} to tell the server where to join the weight sync: {exc}") from exc
-
-
-def _open_group(host: str, port: int, rank: int, timeout_s: float) -> tuple[dist.TCPStore, dist.ProcessGroup]:
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timeout)
-    return store, dist.ProcessGroupGloo(store, rank, 2, timeout)
-
-
-def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    group.broadcast([tensor], options).wait()
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
-
-
-def _store_alive(store: dist.TCPStore, timeout_s: float) -> bool:
-    """Whether the trainer serving `store` (its master) answers within `timeout_s` (see `release_if_owner_gone`)."""
-    try:
-        store.set_timeout(datetime.timedelta(seconds=timeout_s))
-        store.check(["trl_cb/owner-probe"])
-        return True
-    except Exception as exc:  # DistNetworkError / DistStoreError: connection closed, reset, or timed out
-        logger.info("weight-sync owner probe failed: %s", (str(exc).splitlines() or [type(exc).__name__])[0])
-        return False
 
 
 class StaleVersion(ValueError):
@@ -140,7 +99,7 @@ class WeightReceiver:
             if self._token != token:  # replaced while waiting for `_busy`
                 return
             try:
-                group = _open_group(host, port, 1, timeout_s)
+                group = open_group(host, port, 1, timeout_s)
             except Exception:
                 if self._token == token:  # a failed join frees the server for the next trainer
                     self._token, self._address = None, None
@@ -164,7 +123,7 @@ class WeightReceiver:
         token, group = self._token, self._group
         if token is None:
             return True
-        if group is None or _store_alive(group[0], self.probe_timeout_s):
+        if group is None or store_alive(group[0], self.probe_timeout_s):
             return False
         if self._token != token:  # closed or replaced meanwhile: nothing of that owner left to drop
             return self._token is None
@@ -191,7 +150,7 @@ class WeightReceiver:
         for name, dtype, shape in params:
             if list(names[name].shape) != list(shape):
                 raise ValueError(f"{name}: shape {shape} differs from the server's {list(names[name].shape)}")
-            _dtype(dtype)
+            dtype_named(dtype)
         self.last_error = None
         self._settle(version, UpdateOutcome("pending"))
 
@@ -200,8 +159,8 @@ class WeightReceiver:
                 raise RuntimeError("weight-sync group is not open (POST /weights/init first)")
             received, bad = [], []
             for name, dtype, shape in params:
-                buffer = torch.empty(shape, dtype=_dtype(dtype))
-                _broadcast(self._group[1], buffer)  # every tensor is received, also after a bad one: the trainer
+                buffer = torch.empty(shape, dtype=dtype_named(dtype))
+                broadcast(self._group[1], buffer)  # every tensor is received, also after a bad one: the trainer
                 received.append((names[name], buffer))  # broadcasts them all
                 if buffer.is_floating_point() and not bool(torch.isfinite(buffer).all()):
                     bad.append(name)
@@ -318,7 +277,7 @@ class WeightSender:
     def init(self) -> None:
         port = free_port(self.host)
         self._post("/weights/init", WeightsInit(host=self.host, port=port, token=self._token, timeout_s=self.timeout))
-        self._group = _open_group(self.host, port, 0, self.timeout)
+        self._group = open_group(self.host, port, 0, self.timeout)
 
     def server_dtype(self) -> torch.dtype | None:
         """The dtype the server holds its weights in (`/v1/models` card), None from a server that does not say."""
@@ -327,7 +286,7 @@ class WeightSender:
             name = answer["data"][0].get("dtype")
         except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise RolloutServerError(f"{self.url}/v1/models: no model card in {str(answer)[:200]}") from exc
-        return _dtype(name) if name else None
+        return dtype_named(name) if name else None
 
     def begin(self, specs: list[WeightSpec], version: int) -> None:
         """Announce the tensors `send` broadcasts next, in this order (the server allocates, starts receiving)."""
@@ -338,7 +297,7 @@ class WeightSender:
 
     def send(self, tensor: torch.Tensor) -> None:
         """Broadcast the next announced tensor (CPU, contiguous, in the announced dtype: the caller casts)."""
-        _broadcast(self._group[1], tensor)
+        broadcast(self._group[1], tensor)
 
     def wait(self, version: int) -> None:
         """Block until the server serves `version` (`/weights/wait`: that update's own outcome), bounded by the
