@@ -90,6 +90,17 @@ def test_replica_fails_over_only_after_its_retries(server, prompts):
             only_broken.generate(prompts[:1], 1, max_tokens=4)
 
 
+def test_stream_fails_over_after_its_retries(server, prompts):
+    """The async rollouts' streaming call: a replica answering 503 is retried, then its groups go to the next."""
+    _, url = server
+    with front(url, failures=10**6) as (broken, seen):
+        client = RolloutClient([broken, url], api_key=KEY, timeout=60, retries=2, backoff_s=0.01)
+        groups = {}
+        client.stream_generate(prompts[:3], 2, lambda i, group: groups.setdefault(i, group), preferred=0, max_tokens=8)
+    assert sorted(groups) == [0, 1, 2] and all(len(g.completion_ids) == 2 for g in groups.values())
+    assert seen["posts"] == 3
+
+
 @pytest.mark.parametrize(
     "answer",
     [
