@@ -17,7 +17,7 @@ Invariants after `__post_init__`:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import trl
@@ -27,6 +27,9 @@ from .deprecation import warn_deprecated
 from .importance_sampling import IS_MODES, validate_mode
 from .rollouts.async_controller import validate_async_bounds
 from .trainers.upstream_warnings import trl_config_post_init
+
+#: Fields holding secrets: masked in `to_dict`, `str` and `repr` (`repr=False`).
+_SECRET_FIELDS = ("rollout_server_api_key",)
 
 
 @dataclass
@@ -165,7 +168,8 @@ class ContinuousBatchingArguments:
     )
     rollout_server_api_key: str | None = field(
         default=None,
-        metadata={"help": "The servers' `--api-key`, sent as 'Authorization: Bearer KEY'."},
+        repr=False,  # a secret: masked in every dump (`_SECRET_FIELDS`)
+        metadata={"help": "The servers' `--api-key`, sent as 'Authorization: Bearer KEY' (masked in config dumps)."},
     )
 
     # Deprecated parameters
@@ -173,6 +177,24 @@ class ContinuousBatchingArguments:
         default=False,
         metadata={"help": "Deprecated. Use `use_transformers_continuous_batching` instead."},
     )
+
+    def to_dict(self) -> dict[str, Any]:
+        """TRL's dict (what trackers log and `to_json_string` writes) with every secret masked as `<FIELD_NAME>`, as
+        `TrainingArguments` masks its `*_token` fields."""
+        d = super().to_dict()
+        for name in _SECRET_FIELDS:
+            if d.get(name) is not None:
+                d[name] = f"<{name.upper()}>"
+        return d
+
+    def __str__(self) -> str:
+        """`TrainingArguments.__str__`'s format (it masks `*_token` fields only), with the secrets masked too."""
+        values = asdict(self)
+        for name, value in values.items():
+            if name.endswith("_token") or (name in _SECRET_FIELDS and value is not None):
+                values[name] = f"<{name.upper()}>"
+        lines = "".join(f"{name}={value},\n" for name, value in sorted(values.items()))
+        return f"{self.__class__.__name__}(\n{lines})"
 
     def _default_importance_sampling_mode(self) -> str:
         """The IS mode used when the user sets none: one weight per sequence, zeroed outside the bounds."""

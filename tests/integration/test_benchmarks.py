@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -267,3 +268,40 @@ def test_precision_memory_quick_measures_kept_and_per_round_copies(tmp_path):
     for p in points.values():
         assert p["peak_train_mib"] >= p["held_between_steps_mib"] > 0 and p["param_dtypes_after"] == ["torch.float32"]
     assert "peak - generate" in proc.stdout and len(list(tmp_path.glob("precision_memory-*.json"))) == 1
+
+
+@pytest.mark.slow
+def test_mixed_sampling_quick(tmp_path):
+    script = [sys.executable, str(ROOT / "benchmarks" / "mixed_sampling.py"), "--quick", "--out", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's trl_cb, also where another one is installed
+    proc = subprocess.run(script, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert payload["benchmark"] == "mixed_sampling" and {"device", "git_commit"} <= set(payload["env"])
+    points = {(p["engine"], p["load"]): p for p in payload["points"]}
+    assert set(points) == {(e, load) for e in ("per_request", "rebuild") for load in ("one", "two")}
+    assert all(p["requests"] > 0 and p["errors"] == 0 for p in points.values())
+    assert points["per_request", "two"]["engine_rebuilds"] == 0  # a count, not a timing
+    assert len(list(tmp_path.glob("mixed_sampling-*.json"))) == 1
+
+
+@pytest.mark.slow
+def test_payload_quick(tmp_path):
+    script = [sys.executable, str(ROOT / "benchmarks" / "payload.py"), "--quick", "--out", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's trl_cb, also where another one is installed
+    proc = subprocess.run(script, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert payload["benchmark"] == "payload" and {"device", "git_commit"} <= set(payload["env"])
+    rows = {(p["part"], p["encoding"]) for p in payload["points"]}
+    assert rows == {
+        ("in-process", "before"),
+        ("in-process", "json"),
+        ("in-process", "packed"),
+        ("http", "json"),
+        ("http", "packed"),
+        ("controller", "packed"),
+    }
+    assert all(p["health_polls"] > 0 for p in payload["points"] if p["part"] == "http")
+    (ctl,) = [p for p in payload["points"] if p["part"] == "controller"]
+    assert ctl["rollout_threads"] <= 2 and ctl["trainer_cpu_s_per_step"] > 0  # O(replicas): 2 streams, 1 replica

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import warnings
 
 import pytest
@@ -122,3 +124,30 @@ def test_cli_parses_cb_fields(cls):
     assert cfg.use_transformers_continuous_batching
     assert cfg.transformers_continuous_batching_config == {"page_size": 16, "max_memory_percent": 0.5}
     assert cfg.cb_importance_sampling_mode == "sequence_truncate"
+
+
+@pytest.mark.parametrize("cls", [GRPOConfig, RLOOConfig])
+def test_rollout_server_api_key_never_in_a_dump_or_log(cls, caplog):
+    """The key is a secret: to_dict (what trackers log), its JSON and sanitized forms, str, repr and a logged config
+    all mask it (TrainingArguments masks only `*_token` fields)."""
+    secret = "sk-very-secret-4242"
+    args = make(
+        cls,
+        use_transformers_continuous_batching=True,
+        rollout_server_urls=["http://127.0.0.1:1"],
+        rollout_server_api_key=secret,
+    )
+    assert args.rollout_server_api_key == secret  # still usable
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("trl_cb.test").info("config: %s / %r", args, args)
+    dumps = {
+        "to_dict": json.dumps(args.to_dict()),
+        "to_json_string": args.to_json_string(),
+        "to_sanitized_dict": json.dumps(args.to_sanitized_dict()),
+        "str": str(args),
+        "repr": repr(args),
+        "log": caplog.text,
+    }
+    leaked = [name for name, text in dumps.items() if secret in text]
+    assert not leaked, f"the API key appears in {leaked}"
+    assert "<ROLLOUT_SERVER_API_KEY>" in dumps["to_dict"]

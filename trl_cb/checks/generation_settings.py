@@ -35,9 +35,12 @@ __all__ = [
     "check_generation_config",
     "engine_generation_config",
     "eos_token_ids",
+    "MIN_SAMPLING_TEMPERATURE",
+    "SERVED_FIELDS",
     "request_processor_settings",
     "resolve_eos",
     "sampling_signature",
+    "settings_servers_cannot_apply",
     "without_trl_cb_fields",
 ]
 
@@ -232,6 +235,48 @@ def check_generation_config(generation_config: GenerationConfig) -> None:
             + "\n- ".join(problems)
             + "\nUnset them, or generate without continuous batching. Field table: docs/index.md, 'Sampling settings'."
         )
+
+
+#: Lowest temperature sampling is served at. The engine divides fp32 logits by it: far below this the quotient
+#: overflows (1e-45 divides by a denormal: inf - inf = nan, "probability tensor contains inf/nan"), and at this one
+#: a logit gap of 10 is already a probability ratio of e^1000, i.e. greedy for every practical purpose.
+MIN_SAMPLING_TEMPERATURE = 1e-2
+
+#: The `GenerationConfig` fields a rollout server applies from a request (`serving/protocol.py`'s
+#: `CompletionRequest` carries the sampling ones; EOS and padding are the served model's).
+SERVED_FIELDS = frozenset(
+    {"max_new_tokens", "temperature", "top_p", "top_k", "do_sample", "eos_token_id", "pad_token_id", "bos_token_id"}
+)
+
+#: The value that means "off" for the sampling fields a rollout server does not carry (None means off for all).
+_OFF_VALUES: dict[str, Any] = {
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "min_length": 0,
+    "min_p": 0.0,
+    "typical_p": 1.0,
+    "top_h": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "renormalize_logits": False,
+    "remove_invalid_values": False,
+    "suppress_tokens": [],
+}
+
+
+def settings_servers_cannot_apply(settings: dict[str, Any]) -> list[str]:
+    """The names in `settings` (`GenerationConfig` field: value) a rollout server would drop: sampling fields its API
+    does not carry, set to anything but off. The one rule for both sides: the trainer refuses such a config before it
+    uses servers (`trainers/remote.py`), the server refuses such a request body (`serving/protocol.py`, 422)."""
+    refused = []
+    for name, value in settings.items():
+        rule = FIELD_RULES.get(name)
+        if rule is None or rule.handling is Handling.IRRELEVANT or name in SERVED_FIELDS:
+            continue
+        if value is None or rule.neutral(value) or (name in _OFF_VALUES and value == _OFF_VALUES[name]):
+            continue
+        refused.append(name)
+    return sorted(refused)
 
 
 def request_processor_settings(generation_config: GenerationConfig) -> RequestProcessorSettings:

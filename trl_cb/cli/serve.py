@@ -35,6 +35,16 @@ def continuous_batching_config(text: str) -> dict[str, Any]:
     return config
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from exc
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trl-cb serve", description="Serve rollouts with trl_cb's CB engine.")
     parser.add_argument("--model", required=True, help="checkpoint directory, hub name, or trl-cb/tiny")
@@ -52,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument(
         "--max-num-seqs", type=int, default=256, help="most sequences generating at once (more requests queue)"
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=None,
+        help="largest request body read, in bytes (413 past it, counted while reading); default "
+        "serving.protocol.DEFAULT_MAX_BODY_BYTES, 16 MiB",
     )
     return parser
 
@@ -75,6 +92,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         api_key=args.api_key,
         continuous_batching_config=args.continuous_batching_config,
         max_num_seqs=args.max_num_seqs,
+        **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}),
     )
 
 

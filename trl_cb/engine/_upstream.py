@@ -118,16 +118,25 @@ def attention_implementation(model: PreTrainedModel) -> str:
 
 
 def add_forked_request(
-    manager: ContinuousBatchingManager, input_ids: list[int], request_id: str, num_samples: int, max_new_tokens: int
+    manager: ContinuousBatchingManager,
+    input_ids: list[int],
+    request_id: str,
+    num_samples: int,
+    max_new_tokens: int,
+    processor_kwargs: dict[str, Any] | None = None,
 ) -> list[str]:
     """Submit one prompt whose prefill is shared by `num_samples` sampled continuations; return their request ids.
 
-    The engine prefills the prompt once, then forks `num_samples - 1` children that share its full KV blocks.
+    The engine prefills the prompt once, then forks `num_samples - 1` children that share its full KV blocks (and
+    copy its `processor_kwargs`: per-request temperature / top_k / top_p on an engine built with
+    `per_request_processors`).
     """
     with _fork_lock:
         manager.num_return_sequences = num_samples
         try:
-            rid = manager.add_request(input_ids, request_id=request_id, max_new_tokens=max_new_tokens)
+            rid = manager.add_request(
+                input_ids, request_id=request_id, max_new_tokens=max_new_tokens, **(processor_kwargs or {})
+            )
         finally:
             manager.num_return_sequences = 1
     if rid is None:

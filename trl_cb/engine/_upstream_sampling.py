@@ -48,8 +48,13 @@ def install_processors(
         return None
     require_synchronous_engine(_resolved_engine_settings(manager), POLICY_LOGPROBS_NEED_SYNC)
     recorder = PolicyLogprobRecorder(generation_config.temperature)
-    manager.logit_processor.logits_processor.insert(0, recorder)
-    manager.logit_processor.do_processing = True
+    processor_list = manager.logit_processor
+    if manager.continuous_batching_config.per_request_processors:  # each request may carry its own temperature
+        processor_list.logits_processor.insert(0, PerRequestPolicyLogprobs(recorder))
+        processor_list.tensors_required += 1
+    else:
+        processor_list.logits_processor.insert(0, recorder)
+    processor_list.do_processing = True
     return recorder
 
 
@@ -120,6 +125,32 @@ class PerRequestProcessor(ContinuousBatchingLogitsProcessor):
     def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
         for processor in self.processors:
             scores = processor(scores)
+        return scores
+
+
+class PerRequestPolicyLogprobs(ContinuousBatchingLogitsProcessor):
+    """The policy-logprob recorder on an engine with per-request processors: each row is divided by its own
+    request's temperature (the engine's `temperature` kwarg, else the config's), as the engine's per-request
+    temperature warper does, so `log_softmax(raw / T)` is the trainer's quantity for every request in a mixed batch."""
+
+    supported_kwargs: dict[str, type] = {"temperature": float}
+    ignored_kwargs: tuple[str, ...] = ()
+
+    def __init__(self, recorder: PolicyLogprobRecorder) -> None:
+        self.recorder = recorder
+
+    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+        default = torch.full_like(int32_tensor, self.recorder.temperature, dtype=torch.float32)
+        int32_tensor.copy_(default.view(dtype=torch.int32))
+
+    def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
+        default = self.recorder.temperature
+        temperatures = [r.state.logit_processor_kwargs.get("temperature", default) for r in requests_with_new_token]
+        return torch.tensor(temperatures, dtype=torch.float32).view(dtype=torch.int32)  # the engine's bulk dtype
+
+    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        temperatures = tensor_arg[: scores.size(0)].view(dtype=torch.float32)  # (rows,)
+        self.recorder.keep(scores, temperatures.to(scores.device).unsqueeze(-1))
         return scores
 
 

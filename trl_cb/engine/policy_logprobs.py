@@ -38,8 +38,13 @@ class PolicyLogprobRecorder:
         self._recorded = 0
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self._log_probs = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # (rows, vocab)
+        self.keep(scores, self.temperature)
         return scores
+
+    def keep(self, scores: torch.Tensor, temperature: float | torch.Tensor) -> None:
+        """Keep `log_softmax(raw / T)` of the step's rows; `temperature` is one value or one per row, `(rows, 1)`
+        (an engine whose requests carry their own temperature)."""
+        self._log_probs = torch.log_softmax(scores.float() / temperature, dim=-1)  # (rows, vocab)
 
     def record(self, output_ids: torch.Tensor) -> None:
         """Gather the kept log-softmax at the sampled ids (`output_ids[0, :rows]`, the engine's output layout)."""

@@ -74,10 +74,13 @@ class InFlightGroups:
         num_samples: int,
         max_new_tokens: int,
         version: int,
+        processor_kwargs: dict[str, Any] | None = None,
     ) -> None:
         request_id = f"a{self._next_id}"
         self._next_id += 1
-        rids = _upstream.add_forked_request(manager, prompt_ids, request_id, num_samples, max_new_tokens)
+        rids = _upstream.add_forked_request(
+            manager, prompt_ids, request_id, num_samples, max_new_tokens, processor_kwargs
+        )
         pending = _Pending(RolloutGroup(row=row, prompt_ids=prompt_ids, submitted_version=version), rids)
         self.pending.append(pending)
         for rid in rids:

@@ -2,22 +2,67 @@
 
 Guarantees: `generate` returns every requested completion in the caller's order (prompt i's samples at
 `[i*G:(i+1)*G]`) or raises `RolloutServerError` naming every URL and why it failed; every HTTP call has a timeout,
-so it never hangs. A completion with a token of a `weight_version` this client never pushed (0 = the initial weights)
-is rejected. Calls may come from several threads at once (async rollouts keep one request per group in flight).
+so it never hangs. Transient faults are retried before they are failures: one `requests.Session` retries connection
+errors and HTTP 502/503 `retries` times with exponential backoff; only then is a replica left for this call and its
+prompts resubmitted to the others. A request the server refuses (4xx) raises `ValueError` (another replica would
+refuse it too). Bodies are built and answers read with `serving/protocol.py`'s models: an answer that breaks the
+protocol raises `RolloutServerError`, never an assertion. A completion with a token of a `weight_version` this client
+never pushed (0 = the initial weights) is rejected. Calls may come from several threads at once.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import requests
+from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
 
 from ..errors import RolloutServerError
+from .protocol import (
+    MAX_PROMPTS,
+    Choice,
+    CompletionRequest,
+    CompletionResponse,
+    PackedCompletionResponse,
+    PackedStreamLine,
+    StreamLine,
+)
 
 logger = logging.getLogger(__name__)
+
+#: Statuses retried before a replica counts as failed: a proxy's bad gateway, an overloaded or restarting server.
+RETRIED_STATUSES = (502, 503)
+
+
+def retrying_session(api_key: str | None, retries: int, backoff_s: float, pool_size: int = 32) -> requests.Session:
+    """A session that sends the API key and retries connection errors and `RETRIED_STATUSES` (any method: a
+    completion request is safe to resend, and a weight announcement is refused as a repeat rather than applied
+    twice), sleeping `backoff_s * 2**(k-1)` before retry k > 1. Read timeouts are not retried: a hung server fails
+    within one `timeout`."""
+    retry = Retry(
+        total=retries,
+        connect=retries,
+        read=0,
+        status=retries,
+        other=0,
+        backoff_factor=backoff_s,
+        status_forcelist=RETRIED_STATUSES,
+        allowed_methods=None,
+        raise_on_status=False,  # the last 502/503 is returned, and reported with its body
+        respect_retry_after_header=False,
+    )
+    session = requests.Session()
+    adapter = HTTPAdapter(max_retries=retry, pool_connections=pool_size, pool_maxsize=pool_size)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    if api_key:
+        session.headers["Authorization"] = f"Bearer {api_key}"
+    return session
 
 
 @dataclass
@@ -34,14 +79,25 @@ class RemoteGenerationResult:
 
 
 class RolloutClient:
-    """Talks to rollout servers at `urls` (`http://host:port`); `timeout` bounds every request, in seconds."""
+    """Talks to rollout servers at `urls` (`http://host:port`); `timeout` bounds every request, in seconds;
+    `retries` and `backoff_s` shape the retries of transient faults (see the module docstring); `encoding` is how
+    answers carry per-token arrays (`packed`: base64 arrays, `protocol.PackedChoice`; `json`: lists)."""
 
-    def __init__(self, urls: list[str], api_key: str | None = None, timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        api_key: str | None = None,
+        timeout: float = 300.0,
+        retries: int = 3,
+        backoff_s: float = 0.2,
+        encoding: str = "packed",
+    ) -> None:
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL")
+        self.encoding = encoding
         self.urls = [url.rstrip("/") for url in urls]
         self.timeout = timeout
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.session = retrying_session(api_key, retries, backoff_s)
         #: Weight versions the trainer pushed; a completion from any other version is refused.
         self.known_versions: set[int] = {0}
         self._calls = itertools.count()  # rotates the first replica between calls (one-prompt calls spread too)
@@ -58,7 +114,8 @@ class RolloutClient:
     def generate(self, prompts: list[list[int]], num_generations: int = 1, **sampling: Any) -> RemoteGenerationResult:
         """Sample `num_generations` completions per prompt; `sampling`: max_tokens, temperature, top_p, top_k."""
         n = num_generations
-        slots: list[dict | None] = [None] * (len(prompts) * n)
+        CompletionRequest(prompt=[[0]], n=n, **sampling)  # a bad setting is the caller's error: ValueError, here
+        slots: list[Choice | None] = [None] * (len(prompts) * n)
         first = next(self._calls) % len(self.urls)
         live = self.urls[first:] + self.urls[:first]
         failures: dict[str, str] = {}
@@ -70,44 +127,144 @@ class RolloutClient:
             shares = {url: pending[i :: len(live)] for i, url in enumerate(live)}  # round-robin
             pending = []
             for url, share in shares.items():
-                if not share:
-                    continue
-                try:
-                    choices = self._complete(url, [list(prompts[i]) for i in share], n, sampling)
-                except RolloutServerError as exc:
-                    logger.warning("rollout server %s failed, resubmitting its %d prompts: %s", url, len(share), exc)
-                    failures[url] = str(exc)
-                    live.remove(url)
-                    pending.extend(share)
-                    continue
-                for choice in choices:
-                    slots[share[choice["prompt_index"]] * n + choice["index"] % n] = choice
+                for start in range(0, len(share), MAX_PROMPTS):  # the server's per-request limit
+                    part = share[start : start + MAX_PROMPTS]
+                    try:
+                        choices = self._complete(url, [list(prompts[i]) for i in part], n, sampling)
+                    except RolloutServerError as exc:  # retries are spent: leave this replica for this call
+                        logger.warning("rollout server %s failed, resubmitting its prompts: %s", url, exc)
+                        failures[url] = str(exc)
+                        live.remove(url)
+                        pending.extend(share[start:])
+                        break
+                    for choice in choices:
+                        slots[part[choice.prompt_index] * n + choice.index % n] = choice
         done = [c for c in slots if c is not None]
-        assert len(done) == len(slots), "a server returned fewer completions than requested"
-        return RemoteGenerationResult(
-            completion_ids=[c["token_ids"] for c in done],
-            logprobs=[c["logprobs"] for c in done],
-            policy_logprobs=[c["policy_logprobs"] for c in done],
-            weight_versions=[c["weight_version"] for c in done],
-            token_weight_versions=[c["token_weight_versions"] for c in done],
-            num_generations=n,
-        )
+        if len(done) != len(slots):  # `_complete` checked each answer; a gap here is a client bug, said plainly
+            raise RolloutServerError(f"{len(slots) - len(done)} of {len(slots)} completions missing")
+        return _result(done, n)
 
-    def _complete(self, url: str, prompts: list[list[int]], n: int, sampling: dict[str, Any]) -> list[dict]:
-        body = {"prompt": prompts, "n": n, "return_token_ids": True, **sampling}
+    def stream_generate(
+        self,
+        prompts: list[list[int]],
+        num_generations: int,
+        on_group: Callable[[int, RemoteGenerationResult], None],
+        preferred: int = 0,
+        **sampling: Any,
+    ) -> None:
+        """Sample `num_generations` completions per prompt with one streaming request (`/v1/completions/stream`),
+        calling `on_group(i, result)` as prompt i's group finishes (finishing order, each exactly once). Replica
+        `preferred` (an index, modulo the replicas) is asked first; one that fails after its retries, also mid-stream,
+        gets its undelivered groups resent to the next. `RolloutServerError` when none is left; `ValueError` for a
+        request the server refuses (4xx)."""
+        n = num_generations
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per streaming call, got {len(prompts)}")
+        CompletionRequest(prompt=[[0]], n=n, **sampling)  # a bad setting is the caller's error: ValueError, here
+        urls = list(self.urls)
+        start = preferred % len(urls)
+        left = list(range(len(prompts)))
+        failures: dict[str, str] = {}
+        for url in urls[start:] + urls[:start]:
+            batch = list(left)
+            try:
+                for j, result in self._stream(url, [list(prompts[i]) for i in batch], n, sampling):
+                    left.remove(batch[j])
+                    on_group(batch[j], result)
+                if left:
+                    raise RolloutServerError(f"the stream ended with {len(left)} of {len(batch)} groups missing")
+                return
+            except RolloutServerError as exc:
+                logger.warning("rollout server %s failed, resending its %d groups: %s", url, len(left), exc)
+                failures[url] = str(exc)
+        reasons = "; ".join(f"{url}: {why}" for url, why in failures.items())
+        raise RolloutServerError(f"no rollout server could serve the request ({reasons})")
+
+    def _stream(
+        self, url: str, prompts: list[list[int]], n: int, sampling: dict[str, Any]
+    ) -> Iterator[tuple[int, RemoteGenerationResult]]:
+        """(prompt index in `prompts`, its group) per line of one streaming request, each checked."""
+        body = CompletionRequest(prompt=prompts, n=n, return_token_ids=True, encoding=self.encoding, **sampling)
+        line_type = PackedStreamLine if self.encoding == "packed" else StreamLine
+        seen: set[int] = set()
         try:
-            response = requests.post(url + "/v1/completions", json=body, headers=self.headers, timeout=self.timeout)
+            with self.session.post(
+                url + "/v1/completions/stream",
+                json=body.model_dump(exclude_none=True),
+                timeout=self.timeout,  # also bounds the wait for each next line
+                stream=True,
+            ) as response:
+                if response.status_code >= 500:
+                    raise RolloutServerError(f"HTTP {response.status_code}: {response.text[:300]}")
+                if response.status_code != 200:
+                    raise ValueError(f"{url} refused the request: HTTP {response.status_code} {response.text[:500]}")
+                for raw in response.iter_lines():
+                    if not raw:
+                        continue
+                    try:
+                        line = line_type.model_validate_json(raw)
+                        choices = [_unpacked(c) for c in line.choices]
+                    except ValueError as exc:  # pydantic's ValidationError too
+                        raise RolloutServerError(f"a stream line breaks the protocol: {str(exc)[:300]}") from exc
+                    if line.error is not None:
+                        if line.status is not None and 400 <= line.status < 500:
+                            raise ValueError(f"{url} refused the request: HTTP {line.status} {line.error[:500]}")
+                        raise RolloutServerError(f"HTTP {line.status}: {line.error[:300]}")
+                    i = line.prompt_index
+                    samples = sorted(c.index - i * n for c in choices) if i is not None else []
+                    if i is None or not 0 <= i < len(prompts) or i in seen or samples != list(range(n)):
+                        raise RolloutServerError(f"a stream line does not hold one new group of {n} samples")
+                    if any(c.prompt_index != i for c in choices):
+                        raise RolloutServerError("a stream line mixes prompts")
+                    seen.add(i)
+                    self._check_versions(choices)
+                    yield i, _result(sorted(choices, key=lambda c: c.index), n)
+        except requests.RequestException as exc:
+            raise RolloutServerError(f"{type(exc).__name__}: {exc}") from exc
+
+    def _check_versions(self, choices: list[Choice]) -> None:
+        versions = {v for c in choices for v in [c.weight_version, *c.token_weight_versions]}
+        unknown = versions - self.known_versions
+        if unknown:
+            raise RolloutServerError(f"completions sampled with weight versions {sorted(unknown)} never pushed")
+
+    def _complete(self, url: str, prompts: list[list[int]], n: int, sampling: dict[str, Any]) -> list[Choice]:
+        body = CompletionRequest(prompt=prompts, n=n, return_token_ids=True, encoding=self.encoding, **sampling)
+        try:
+            response = self.session.post(
+                url + "/v1/completions", json=body.model_dump(exclude_none=True), timeout=self.timeout
+            )
         except requests.RequestException as exc:
             raise RolloutServerError(f"{type(exc).__name__}: {exc}") from exc
         if response.status_code >= 500:
             raise RolloutServerError(f"HTTP {response.status_code}: {response.text[:300]}")
         if response.status_code != 200:  # the request itself is wrong: another replica would refuse it too
             raise ValueError(f"{url} refused the request: HTTP {response.status_code} {response.text[:500]}")
-        choices = response.json()["choices"]
-        if len(choices) != len(prompts) * n:
-            raise RolloutServerError(f"returned {len(choices)} completions, expected {len(prompts) * n}")
-        versions = {v for c in choices for v in [c["weight_version"], *c["token_weight_versions"]]}
-        unknown = versions - self.known_versions
-        if unknown:
-            raise RolloutServerError(f"completions sampled with weight versions {sorted(unknown)} never pushed")
+        answer_type = PackedCompletionResponse if self.encoding == "packed" else CompletionResponse
+        try:
+            choices = [_unpacked(c) for c in answer_type.model_validate_json(response.content).choices]
+        except ValueError as exc:  # pydantic's ValidationError too
+            raise RolloutServerError(f"the answer breaks the protocol: {str(exc)[:300]}") from exc
+        expected = {(i, k) for i in range(len(prompts)) for k in range(n)}
+        got = {(c.prompt_index, c.index - c.prompt_index * n) for c in choices}
+        if len(choices) != len(expected) or got != expected:
+            raise RolloutServerError(
+                f"returned {len(choices)} completions that do not cover the {len(prompts)} prompts x {n} samples asked"
+            )
+        self._check_versions(choices)
         return choices
+
+
+def _unpacked(choice: Any) -> Choice:
+    return choice if isinstance(choice, Choice) else choice.unpack()
+
+
+def _result(choices: list[Choice], n: int) -> RemoteGenerationResult:
+    return RemoteGenerationResult(
+        completion_ids=[c.token_ids for c in choices],
+        logprobs=[c.logprobs for c in choices],
+        policy_logprobs=[c.policy_logprobs for c in choices],
+        weight_versions=[c.weight_version for c in choices],
+        token_weight_versions=[c.token_weight_versions for c in choices],
+        num_generations=n,
+    )

@@ -1,19 +1,22 @@
 """`ServingEngine`: the rollout server's one persistent CB engine, shared by every concurrent request.
 
 Requests become groups (a prompt and its `n` samples, prefilled once and forked) that join the running batch as soon
-as the engine has room, so concurrent requests batch together and no request waits for another's round to end.
-Invariants:
+as the engine has room. Invariants:
 - One thread, the engine loop, touches the engine and the in-flight groups; callers post operations to it and wait.
-- Weights change between two engine steps, never during one (`manager.pause()`): in-flight requests keep their KV
-  prefix and continue on the new weights; every token records the weight version that sampled it.
-- Bounded: at most `max_num_seqs` sequences in the engine; more wait in a FIFO queue (`queue_groups` in metrics).
-- One sampling setting at a time: a group with other settings waits until the engine is empty, which is then rebuilt.
+- Weights change between two engine steps (`manager.pause()`): in-flight requests keep their KV prefix and continue
+  on the new weights; every token records the weight version that sampled it.
+- Bounded: at most `max_num_seqs` sequences in the engine; more wait in a queue (`_Waiting`, `queue_groups`).
+- Mixed sampling settings share the engine: with `per_request`, each group carries its own temperature / top_k /
+  top_p to transformers' per-request warpers (`request_settings.py`), exact per request; the engine gains a warper the
+  first time a group needs one (grow-only). Other differences (and every one without `per_request`) need a rebuild:
+  groups the engine can take pass those waiting for one, each passed at most `max_num_seqs` times (none starves).
 - Every group submitted ends exactly once: finished, failed (engine error, bad settings) or cancelled.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -31,6 +34,7 @@ from ..engine import _upstream
 from ..engine.sizing import Workload
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.rollout_groups import InFlightGroups, RolloutGroup
+from .request_settings import engine_settings, only_temperature, warpers_needed
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,9 @@ class Ticket:
     prompt_ids: list[int]
     n: int
     config: GenerationConfig
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)  # per-request warper settings, set when scheduled
+    passed: int = 0  # groups admitted ahead of it while it waited for a rebuild (bounded: `_next`)
+    plan: tuple[Any, GenerationConfig, Any] | None = None  # (warpers, engine config, signature), cached
     group: RolloutGroup | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -63,6 +70,27 @@ class Ticket:
                 self.on_done(self)
             except Exception:  # e.g. the waiting request's event loop is gone: nobody to tell, the engine goes on
                 logger.debug("on_done callback failed", exc_info=True)
+
+
+class _Waiting(deque):
+    """The groups waiting for room: FIFO, except that on a running engine a group it can take passes older groups
+    that need a rebuild (other settings, a longer prompt), so that groups with the same settings batch together
+    instead of a rebuild per switch. A group is passed at most `bound` (`max_num_seqs`) times; then nothing passes
+    it, the engine drains and is rebuilt for it: none starves."""
+
+    def next(self, fits: Callable[[Ticket], bool], running: bool, bound: int) -> Ticket:
+        head = self[0]
+        if not running or fits(head) or head.passed >= bound:
+            return head
+        return next((ticket for ticket in itertools.islice(self, 1, None) if fits(ticket)), head)
+
+    def admit(self, ticket: Ticket) -> None:
+        """Take `ticket` out for the engine; every older group it passes counts it."""
+        for older in self:
+            if older is ticket:
+                break
+            older.passed += 1
+        self.remove(ticket)
 
 
 @dataclass
@@ -84,17 +112,28 @@ class ServingEngine:
         generator: The server's generator (its engine is built on demand and kept).
         model: The served model (eval mode; never trained here).
         max_num_seqs: Most sequences in the engine at once (its cache is sized for that many).
+        per_request: The generator's engine is built with `per_request_processors=True`: groups carry their own
+            temperature / top_k / top_p (see the module docstring).
     """
 
-    def __init__(self, generator: ContinuousBatchingGenerator, model: torch.nn.Module, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        generator: ContinuousBatchingGenerator,
+        model: torch.nn.Module,
+        max_num_seqs: int,
+        per_request: bool = False,
+    ) -> None:
         self.generator = generator
         self.model = model
         self.max_num_seqs = max_num_seqs
+        self.per_request = per_request
+        self._vocab = int(model.config.get_text_config().vocab_size)  # what "no top-k" means per request
+        self._warpers: frozenset[str] = frozenset()  # per-request warpers the engine has (grow-only)
         self.version = 0
         self.paused = False
         self.stats = ServingStats()
         self._ops: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._waiting: deque[Ticket] = deque()
+        self._waiting = _Waiting()
         self._groups = InFlightGroups()
         self._manager: _upstream.ContinuousBatchingManager | None = None
         self._signature: Any = None
@@ -204,50 +243,56 @@ class ServingEngine:
             group.row = None
             self.stats.groups_finished += 1
             self.stats.tokens_generated += sum(len(ids) for ids in group.completion_ids)
+            if only_temperature(ticket.processor_kwargs, self._vocab):  # one quantity, as without warpers
+                group.policy_logprobs = [list(values) for values in group.logprobs]
             ticket.finish(group)
 
     def _schedule(self) -> None:
-        """Move queued groups into the engine while they fit; rebuild it (only once empty) when one cannot fit."""
+        """Move queued groups into the engine while they fit (in `_Waiting.next`'s order); rebuild it (only once
+        empty) when one cannot fit."""
         while self._waiting and not self.paused:
-            ticket = self._waiting[0]
-            signature = sampling_signature(ticket.config)
-            fits = (
-                self._manager is not None
-                and signature == self._signature
-                and len(ticket.prompt_ids) <= self._workload.max_prompt_len
-                and int(ticket.config.max_new_tokens) <= self._workload.max_new_tokens
-            )
-            if not fits:
+            fits = lambda t: self._fits(t, self._plan(t)[2])  # noqa: E731
+            ticket = self._waiting.next(fits, self._manager is not None, self.max_num_seqs)
+            warpers, engine_config, signature = self._plan(ticket)
+            if not self._fits(ticket, signature):
                 if self._groups.pending:
                     return  # the engine must empty before it is rebuilt for this group
                 try:
-                    self._build(ticket, signature)
+                    self._build(ticket, engine_config, signature)
+                    self._warpers = warpers or frozenset()
                 except Exception as exc:  # settings, prompt or cache the engine refuses: this group fails, not all
-                    self._waiting.popleft().finish(error=exc)
+                    self._waiting.remove(ticket)
+                    ticket.finish(error=exc)
                     continue
             if self._groups.inflight_requests + ticket.n > self.max_num_seqs and self._groups.pending:
                 return
-            self._waiting.popleft()
+            self._waiting.admit(ticket)
             max_new = int(ticket.config.max_new_tokens)
-            self._groups.submit(self._manager, ticket, ticket.prompt_ids, ticket.n, max_new, self.version)
+            self._groups.submit(
+                self._manager, ticket, ticket.prompt_ids, ticket.n, max_new, self.version, ticket.processor_kwargs
+            )
 
-    def _build(self, ticket: Ticket, signature: Any) -> None:
-        self._drop_engine()
-        self.generator.generation_config = self.generator.checked_generation_config(ticket.config)
-        self.generator.validate_prompts([ticket.prompt_ids], self.model)
-        previous = self._workload
-        prompt_len = max(_MIN_SIZED_PROMPT, 1 << (len(ticket.prompt_ids) - 1).bit_length())
-        limit = getattr(self.model.config, "max_position_embeddings", None)
-        max_new = int(ticket.config.max_new_tokens)
-        if limit is not None:
-            prompt_len = max(len(ticket.prompt_ids), min(prompt_len, int(limit) - max_new))
-        workload = Workload(
-            num_requests=max(self.max_num_seqs, ticket.n),
-            max_prompt_len=prompt_len,
-            max_new_tokens=max_new,
-            prefill_tokens=prompt_len,
+    def _plan(self, ticket: Ticket) -> tuple[frozenset[str], GenerationConfig, Any]:
+        """(warpers, engine config, signature) of `ticket` on the current engine (`_plan_of`, cached)."""
+        vocab = self._vocab
+        warpers = self._warpers | warpers_needed(ticket.config, vocab) if self.per_request else None
+        return _plan_of(ticket, warpers, vocab)
+
+    def _fits(self, ticket: Ticket, signature: Any) -> bool:
+        """Whether the running engine can take `ticket` as it is (same settings, within its sizes)."""
+        return (
+            self._manager is not None
+            and signature == self._signature
+            and len(ticket.prompt_ids) <= self._workload.max_prompt_len
+            and int(ticket.config.max_new_tokens) <= self._workload.max_new_tokens
         )
-        if previous is not None and signature == self._signature:
+
+    def _build(self, ticket: Ticket, engine_config: GenerationConfig, signature: Any) -> None:
+        self._drop_engine()
+        self.generator.generation_config = self.generator.checked_generation_config(engine_config)
+        self.generator.validate_prompts([ticket.prompt_ids], self.model)
+        previous, workload = self._workload, _sized_workload(ticket, self.model, self.max_num_seqs)
+        if previous is not None and (signature == self._signature or self.per_request):  # grow, never thrash
             workload = workload.union(previous)
         self._manager = self.generator.engine_for(self.model, workload)
         self._signature, self._workload = signature, workload
@@ -309,3 +354,31 @@ class ServingEngine:
         if self._manager is not None:
             self._manager = None
             self.generator.close()
+
+
+def _plan_of(ticket: Ticket, warpers: frozenset[str] | None, vocab_size: int) -> tuple[Any, GenerationConfig, Any]:
+    """(warpers, engine config, signature) of `ticket` on an engine with these per-request `warpers` (None: an engine
+    without per-request warpers, built from the group's own config); cached on the ticket until the warpers grow.
+    Sets its `processor_kwargs`."""
+    if ticket.plan is None or ticket.plan[0] != warpers:
+        engine_config, ticket.processor_kwargs = (
+            (ticket.config, {}) if warpers is None else engine_settings(ticket.config, warpers, vocab_size)
+        )
+        ticket.plan = (warpers, engine_config, sampling_signature(engine_config))
+    return ticket.plan
+
+
+def _sized_workload(ticket: Ticket, model: torch.nn.Module, max_num_seqs: int) -> Workload:
+    """The workload an engine built for `ticket` is sized for: `max_num_seqs` sequences of its prompt length rounded
+    up to a power of two (at least `_MIN_SIZED_PROMPT`, within the model's positions) plus its `max_new_tokens`."""
+    prompt_len = max(_MIN_SIZED_PROMPT, 1 << (len(ticket.prompt_ids) - 1).bit_length())
+    limit = getattr(model.config, "max_position_embeddings", None)
+    max_new = int(ticket.config.max_new_tokens)
+    if limit is not None:
+        prompt_len = max(len(ticket.prompt_ids), min(prompt_len, int(limit) - max_new))
+    return Workload(
+        num_requests=max(max_num_seqs, ticket.n),
+        max_prompt_len=prompt_len,
+        max_new_tokens=max_new,
+        prefill_tokens=prompt_len,
+    )

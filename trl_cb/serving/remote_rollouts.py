@@ -1,23 +1,24 @@
 """`RemoteRolloutController`: async rollouts from rollout servers, generating while the trainer trains.
 
-The local `AsyncRolloutController` shares one copy of the weights with training, so the engine and the trainer take
-turns; here the servers hold their own copy and generate all the time. The same contract as the local controller
+The servers hold their own weights and generate all the time; the contract is the local `AsyncRolloutController`'s
 (docs/async.md), so the trainers' async bridge uses either:
 - Bounded: at most `(prefetch_depth + 1) * groups_per_step` groups requested and not consumed.
-- Exactly once, FIFO: groups are handed out (or dropped for staleness, counted) in the order they were requested,
-  whichever replica served them; `consumed_groups` is the prompt stream's resume position.
-- Versions: each token carries the server-reported version of the weights that sampled it (servers apply updates
-  between engine steps, mid-request); staleness = the trainer's version - a group's oldest token's version.
-- Weight updates: the owner (the trainers' `ScatteredRemoteRollouts`, whose pushes are collective) pushes the weights
-  before `start` and after each optimizer step, while the servers keep generating, and reports each version here
-  (`start`, `weights_pushed`); the IS correction uses the recorded per-token logprobs, as locally.
-- Never hangs: `take` waits in short slices (Ctrl-C is prompt) and raises `TimeoutError` past `timeout`; a failed
-  group raises its `RolloutServerError` (the client has already tried every replica).
+- Exactly once, FIFO: groups are handed out (or dropped for staleness, counted) in request order, whichever replica
+  served them; `consumed_groups` is the prompt stream's resume position.
+- Versions: each token carries the server-reported version that sampled it; staleness = the trainer's version - a
+  group's oldest token's. The owner pushes weights before `start` and after each optimizer step and reports them.
+- Never hangs: `take` waits in short slices and raises `TimeoutError` past `timeout`; a failed group raises its
+  `RolloutServerError` (the client has already tried every replica).
+- Threads O(replicas): groups are dealt round-robin to one queue per replica, each served by `streams_per_replica`
+  workers; a free worker sends its queued groups (at most `capacity_groups / workers`) as one streaming request
+  (`RolloutClient.stream_generate`, failing over to the other replicas) and hands out each group as it arrives.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import queue
 import threading
 import time
 from collections import deque
@@ -27,7 +28,8 @@ from typing import Any
 
 from ..rollouts.async_controller import AsyncMetrics, validate_async_bounds
 from ..rollouts.rollout_groups import RolloutGroup
-from .client import RolloutClient
+from .client import RemoteGenerationResult, RolloutClient
+from .protocol import MAX_PROMPTS
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class RemoteRolloutController:
         sampling: `/v1/completions` sampling fields (`max_tokens`, `temperature`, `top_p`, `top_k`).
         prefetch_depth, max_staleness, keep_stale, timeout: as for `AsyncRolloutController`.
         validate: Checks one prompt before it is requested (`ValueError` naming it), e.g. against the model's limits.
+        streams_per_replica: Worker threads (each one streaming request at a time) per replica.
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class RemoteRolloutController:
         keep_stale: bool = False,
         timeout: float | None = None,
         validate: Callable[[list[int]], None] | None = None,
+        streams_per_replica: int = 2,
     ) -> None:
         validate_async_bounds(max_staleness, prefetch_depth)
         if groups_per_step <= 0 or num_generations <= 0:
@@ -90,6 +94,11 @@ class RemoteRolloutController:
         self._drawn = 0  # stream items drawn so far
         self._started = False
         self._stopped = False
+        self.streams_per_replica = max(1, streams_per_replica)
+        self._unsent: list[queue.SimpleQueue[_Request]] = []  # per replica: requested, not yet in a stream
+        self._dealt = 0  # groups dealt to the replicas' queues so far
+        self._workers: list[threading.Thread] = []
+        self._batch_limit = 1
 
     @property
     def capacity_groups(self) -> int:
@@ -102,13 +111,27 @@ class RemoteRolloutController:
             return
         self.policy_version = policy_version
         self._started = True
+        replicas = max(1, len(self.client.urls))
+        self._unsent = [queue.SimpleQueue() for _ in range(replicas)]
+        count = self.streams_per_replica * replicas
+        # Each stream takes at most its share of a full window, so the first fill spreads over every stream.
+        self._batch_limit = min(MAX_PROMPTS, max(1, math.ceil(self.capacity_groups / count)))
+        for k in range(count):
+            worker = threading.Thread(target=self._work, args=(k,), name=f"trl_cb-remote-stream-{k}", daemon=True)
+            worker.start()
+            self._workers.append(worker)
         self._top_up()
 
     def stop(self) -> None:
-        """Stop requesting; requests in flight are abandoned (their threads are daemons; a server cancels a group
-        whose client has gone when the process exits)."""
+        """Stop requesting; idle workers end within `_WAIT_SLICE_S`, streams in flight are abandoned (daemon
+        threads; a server cancels a group whose client has gone when the process exits)."""
         self._stopped = True
         self._requests.clear()
+
+    @property
+    def num_threads(self) -> int:
+        """Worker threads started (`streams_per_replica` x replicas)."""
+        return len(self._workers)
 
     def weights_pushed(self, policy_version: int) -> None:
         """The servers now serve `policy_version` (applied between engine steps, mid-request): staleness counts
@@ -172,17 +195,42 @@ class RemoteRolloutController:
             group = RolloutGroup(row=row, prompt_ids=list(prompt_ids), submitted_version=self.policy_version)
             request = _Request(group)
             self._requests.append(request)
-            threading.Thread(target=self._fetch, args=(request,), name="trl_cb-remote-group", daemon=True).start()
+            live = max(1, min(len(self._unsent), len(self.client.urls)))  # a dropped replica gets no new groups
+            self._unsent[self._dealt % live].put(request)
+            self._dealt += 1
 
-    def _fetch(self, request: _Request) -> None:
-        group = request.group
-        try:
-            result = self.client.generate([group.prompt_ids], self.num_generations, **self.sampling)
+    def _work(self, index: int) -> None:
+        """Worker `index` of replica `index % replicas`: take that replica's queued groups (bounded), stream them
+        (from that replica first), repeat."""
+        replica = index % len(self._unsent)
+        unsent, limit = self._unsent[replica], self._batch_limit
+        while not self._stopped:
+            try:
+                batch = [unsent.get(timeout=_WAIT_SLICE_S)]
+            except queue.Empty:
+                continue
+            while len(batch) < limit:
+                try:
+                    batch.append(unsent.get_nowait())
+                except queue.Empty:
+                    break
+            if not self._stopped:
+                self._fetch(batch, replica)
+
+    def _fetch(self, batch: list[_Request], index: int) -> None:
+        def deliver(i: int, result: RemoteGenerationResult) -> None:
+            request, group = batch[i], batch[i].group
             group.completion_ids = result.completion_ids
             group.logprobs = result.logprobs
             group.policy_logprobs = result.policy_logprobs
             group.versions = result.token_weight_versions
-        except BaseException as exc:  # handed to the trainer by `take`
-            request.error = exc
-        finally:
             request.done.set()
+
+        prompts = [request.group.prompt_ids for request in batch]
+        try:
+            self.client.stream_generate(prompts, self.num_generations, deliver, preferred=index, **self.sampling)
+        except BaseException as exc:  # handed to the trainer by `take`, for every group not delivered
+            for request in batch:
+                if not request.done.is_set():
+                    request.error = exc
+                    request.done.set()

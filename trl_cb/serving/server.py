@@ -3,8 +3,11 @@
 Invariants: concurrent requests share the engine's batch (`engine.py`); weights change between two engine steps, and
 every token reports the `weight_version` that sampled it (`token_weight_versions`; a choice's `weight_version` is its
 oldest token's). A client that disconnects cancels its groups. Bad requests get 4xx naming the reason and leave the
-server serving. With an API key, every endpoint but `/health`
-requires `Authorization: Bearer KEY` (else 401); weight updates and close also require the init token (else 403).
+server serving; a 4xx never echoes the request's values. `middleware.RequestGate` fronts the whole app: with an API
+key every path but `/health` (FastAPI's own docs routes too) requires `Authorization: Bearer KEY`, refused with 401 on
+the headers before any body is read, and bodies over `max_body_bytes` get 413 while being read. Weight updates, waits
+and close also require the init token (else 403); versions strictly increase per owner (else 409), and non-finite
+weights are refused (400 from `/weights/wait`) with the served weights unchanged.
 """
 
 from __future__ import annotations
@@ -12,30 +15,38 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
-from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import StreamingResponse
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
 from transformers import GenerationConfig
 
 from ..checks.inputs import validate_prompts
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.rollout_groups import RolloutGroup
 from .engine import ServingEngine, Ticket
+from .middleware import RequestGate
 from .protocol import (
+    DEFAULT_MAX_BODY_BYTES,
     Choice,
     CompletionRequest,
     CompletionResponse,
+    PackedChoice,
+    PackedCompletionResponse,
+    StreamLine,
     WeightsClose,
     WeightsInit,
     WeightsUpdate,
+    WeightsWait,
+    WeightsWaitResponse,
 )
-from .weight_sync import WeightReceiver
+from .weight_sync import StaleVersion, WeightReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -50,41 +61,50 @@ def create_app(
     api_key: str | None = None,
     continuous_batching_config: dict[str, Any] | None = None,
     max_num_seqs: int = 256,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """An app serving `model` (a transformers causal LM) with trl_cb's engine.
 
     `generation_defaults`: `GenerationConfig` fields every request starts from (e.g. `eos_token_id`,
     `pad_token_id`); request fields (`max_tokens`, `temperature`, `top_p`, `top_k`) override them.
     `max_num_seqs`: most sequences generating at once (the engine's cache is sized for them); more requests queue.
+    `max_body_bytes`: the largest request body read (413 past it).
     """
     defaults = {"eos_token_id": model.generation_config.eos_token_id, "pad_token_id": model.config.pad_token_id}
     defaults.update(generation_defaults or {})
     model.eval()
+    # Requests with different temperature / top_k / top_p share the running engine (engine.py), unless turned off.
+    continuous_batching_config = {"per_request_processors": True, **(continuous_batching_config or {})}
     generator = ContinuousBatchingGenerator(
         model, GenerationConfig(do_sample=True, max_new_tokens=16, **defaults), continuous_batching_config
     )
-    engine = ServingEngine(generator, model, max_num_seqs)
+    per_request = bool(continuous_batching_config["per_request_processors"])
+    engine = ServingEngine(generator, model, max_num_seqs, per_request=per_request)
     weights = WeightReceiver(model, engine.apply_weights)
     requests_seen = {"served": 0, "rejected": 0}
 
-    def authorized(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise HTTPException(
-                status_code=401, detail="missing or wrong API key (header 'Authorization: Bearer KEY')"
-            )
-
+    eos = defaults.get("eos_token_id")
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
     app = FastAPI(title="trl_cb rollout server")
+    app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes)  # auth and size, on headers
     app.state.engine = engine
-    guarded = [Depends(authorized)]
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """422 naming each field and rule, without the input (FastAPI's default echoes it: megabytes for a long
+        prompt, and a 500 for NaN, which JSON cannot encode)."""
+        requests_seen["rejected"] += 1
+        errors = [
+            {"loc": [str(part) for part in error.get("loc", ())][:6], "msg": str(error.get("msg", ""))[:300]}
+            for error in exc.errors()[:10]
+        ]
+        return JSONResponse(status_code=422, content={"detail": errors})
 
     @app.get("/health")
     def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/v1/models", dependencies=guarded)
+    @app.get("/v1/models")
     def models() -> dict[str, Any]:
         card = {
             "id": model_name,
@@ -95,7 +115,7 @@ def create_app(
         }
         return {"object": "list", "data": [card]}
 
-    @app.get("/metrics", dependencies=guarded)
+    @app.get("/metrics")
     def metrics() -> dict[str, Any]:
         stats = engine.stats
         waiting, running = engine.queue_depth()
@@ -122,7 +142,7 @@ def create_app(
     def start(body: CompletionRequest, on_done: Callable[[Ticket], None]) -> list[Ticket]:
         """Check the request (400 naming the reason) and queue its groups."""
         try:
-            validate_prompts(body.prompt, model, body.max_tokens, continuous_batching_config or {})
+            validate_prompts(body.prompt, model, body.max_tokens, continuous_batching_config)
             config = GenerationConfig(
                 do_sample=True,
                 max_new_tokens=body.max_tokens,
@@ -161,44 +181,63 @@ def create_app(
                 engine.cancel(tickets)  # the client went away (or a group failed): stop what still runs
             requests_seen["served"] += 1
 
-    @app.post("/v1/completions", dependencies=guarded)
-    async def completions(body: CompletionRequest, request: Request) -> CompletionResponse:
+    @app.post("/v1/completions", response_model=CompletionResponse | PackedCompletionResponse)
+    async def completions(body: CompletionRequest, request: Request) -> StreamingResponse:
         groups = dict([item async for item in finished(body, request)])
         if len(groups) < len(body.prompt):  # the client went away: nobody reads this
             raise HTTPException(status_code=499, detail="client disconnected")
-        choices = [choice for i in range(len(body.prompt)) for choice in _choices(groups[i], i, body.n, defaults)]
-        prompt_tokens = sum(len(p) for p in body.prompt)
-        generated = sum(len(c.token_ids) for c in choices)
-        total = prompt_tokens + generated
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": generated, "total_tokens": total}
-        return CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", model=model_name, choices=choices, usage=usage)
 
-    @app.post("/v1/completions/stream", dependencies=guarded)
+        prompt_tokens = sum(len(p) for p in body.prompt)
+        generated = sum(len(ids) for group in groups.values() for ids in group.completion_ids)
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": generated,
+            "total_tokens": prompt_tokens + generated,
+        }
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": model_name}
+
+        async def parts() -> AsyncIterator[bytes]:
+            """The response model's JSON in pieces: each group's choices encoded in a worker thread (one short
+            encoder call per choice, so the event loop gets the GIL in between) and sent as it is ready, so that no
+            step of a large answer (an encode, a join, a socket write of the whole body) holds the loop for long."""
+            yield json.dumps(head)[:-1].encode() + b', "choices": ['
+            for i in range(len(body.prompt)):
+                encoded = await run_in_threadpool(encode_choices, groups[i], i, body, eos_ids)
+                yield (b"," if i else b"") + b",".join(encoded)
+            yield b'], "usage": ' + json.dumps(usage).encode() + b"}"
+
+        return StreamingResponse(parts(), media_type="application/json")
+
+    @app.post("/v1/completions/stream")
     async def completions_stream(body: CompletionRequest, request: Request) -> StreamingResponse:
         """One JSON line per group (a prompt's `n` choices) as it finishes, in finishing order; errors as a line."""
         groups = finished(body, request)
 
+        def encode(i: int, group: RolloutGroup) -> str:
+            parts = encode_choices(group, i, body, eos_ids)
+            return f'{{"prompt_index": {i}, "choices": [{b",".join(parts).decode()}]}}\n'
+
         async def lines() -> AsyncIterator[str]:
             try:
                 async for i, group in groups:
-                    choices = [c.model_dump() for c in _choices(group, i, body.n, defaults)]
-                    yield json.dumps({"prompt_index": i, "choices": choices}) + "\n"
+                    yield await run_in_threadpool(encode, i, group)  # a `StreamLine` (`PackedStreamLine`)
             except HTTPException as exc:
-                yield json.dumps({"error": exc.detail, "status": exc.status_code}) + "\n"
+                line = StreamLine(error=str(exc.detail), status=exc.status_code)
+                yield line.model_dump_json(exclude_none=True) + "\n"
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
-    @app.post("/pause", dependencies=guarded)
+    @app.post("/pause")
     def pause() -> dict[str, bool]:
         engine.set_paused(True)
         return {"paused": True}
 
-    @app.post("/resume", dependencies=guarded)
+    @app.post("/resume")
     def resume() -> dict[str, bool]:
         engine.set_paused(False)
         return {"paused": False}
 
-    @app.post("/weights/init", dependencies=guarded)
+    @app.post("/weights/init")
     def weights_init(body: WeightsInit) -> dict[str, str]:
         # A trainer that died without closing its group (SIGKILL, OOM) is dropped here; a live one keeps it: 409.
         if weights.is_open and not weights.owns(body.token) and not weights.release_if_owner_gone():
@@ -206,17 +245,31 @@ def create_app(
         weights.init(body.host, body.port, body.token, body.timeout_s)
         return {"status": "joining"}
 
-    @app.post("/weights/update", dependencies=guarded)
+    @app.post("/weights/update")
     def weights_update(body: WeightsUpdate) -> dict[str, str]:
         if not weights.owns(body.token):
             raise HTTPException(status_code=403, detail="token does not match the trainer that opened the group")
         try:
             weights.update(body.version, body.params, on_done=lambda v: logger.info("serving weight version %d", v))
+        except StaleVersion as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from exc
         except ValueError as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from exc
         return {"status": "receiving"}
 
-    @app.post("/weights/close", dependencies=guarded)
+    @app.post("/weights/wait")
+    async def weights_wait(body: WeightsWait) -> JSONResponse:
+        """The update's outcome once known (see `WeightsWait`); the trainer's push ends on this, not on `/metrics`."""
+        if not weights.owns(body.token):
+            raise HTTPException(status_code=403, detail="token does not match the trainer that opened the group")
+        outcome = await run_in_threadpool(weights.wait, body.version, body.timeout_s)
+        if outcome.status == "applied" or outcome.status == "pending":
+            answer = WeightsWaitResponse(status=outcome.status, weight_version=engine.version)
+            return JSONResponse(status_code=200 if outcome.status == "applied" else 202, content=answer.model_dump())
+        status = {"unknown": 404, "refused": 400}.get(outcome.status, 500)
+        raise HTTPException(status_code=status, detail=outcome.detail)
+
+    @app.post("/weights/close")
     def weights_close(body: WeightsClose) -> dict[str, str]:
         if not weights.owns(body.token):
             raise HTTPException(status_code=403, detail="token does not match the trainer that opened the group")
@@ -226,19 +279,22 @@ def create_app(
     return app
 
 
-def _choices(group: RolloutGroup, prompt_index: int, n: int, defaults: dict[str, Any]) -> list[Choice]:
-    eos = defaults.get("eos_token_id")
-    eos_ids = set(eos if isinstance(eos, list) else [eos])
-    return [
-        Choice(
-            index=prompt_index * n + k,
-            prompt_index=prompt_index,
-            token_ids=ids,
-            logprobs=group.logprobs[k],
-            policy_logprobs=group.policy_logprobs[k],
-            weight_version=min(group.versions[k], default=group.submitted_version),
-            token_weight_versions=group.versions[k],
-            finish_reason="stop" if ids and ids[-1] in eos_ids else "length",
-        )
-        for k, ids in enumerate(group.completion_ids)
-    ]
+def encode_choices(group: RolloutGroup, prompt_index: int, body: CompletionRequest, eos_ids: set[int]) -> list[bytes]:
+    """The group's choices as JSON objects, one `Choice` (or `PackedChoice`, `encoding="packed"`) each."""
+    parts = []
+    for k, ids in enumerate(group.completion_ids):
+        arrays = {
+            "token_ids": ids,
+            "logprobs": group.logprobs[k],
+            "policy_logprobs": group.policy_logprobs[k],
+            "token_weight_versions": group.versions[k],
+        }
+        fields = {
+            "index": prompt_index * body.n + k,
+            "prompt_index": prompt_index,
+            "weight_version": min(group.versions[k], default=group.submitted_version),
+            "finish_reason": "stop" if ids and ids[-1] in eos_ids else "length",
+        }
+        choice = PackedChoice.pack(arrays, **fields) if body.encoding == "packed" else Choice(**arrays, **fields)
+        parts.append(choice.model_dump_json().encode())
+    return parts

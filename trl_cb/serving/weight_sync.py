@@ -3,80 +3,58 @@
 The group is built from its own `TCPStore` (the trainer is the store's master) and never touches
 `torch.distributed`'s default group, so it lives beside the trainer's accelerate group. Protocol (docs/server.md):
 the trainer POSTs `/weights/init` (the server joins in a thread), opens its side; per update it POSTs
-`/weights/update` with the parameter list, broadcasts each parameter in that order, and waits until the server reports
-the new version. The server receives every tensor first, then copies them into its model between two engine steps
+`/weights/update` with the parameter list, broadcasts each parameter in that order, and POSTs `/weights/wait`, which
+answers with that update's outcome. The server receives every tensor first, refuses the update if any is non-finite
+(the served weights stay as they were), else copies them into its model between two engine steps
 (`ServingEngine.apply_weights`), so no forward ever sees half-updated weights and in-flight requests continue. Only
-the holder of the init `token` may update or close the group.
+the holder of the init `token` may update, wait or close; its versions must strictly increase (`StaleVersion`), so a
+wait for a version always waits for that update, never for an earlier one that happened to carry the same number.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import secrets
-import socket
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import requests
 import torch
 import torch.distributed as dist
+from pydantic import BaseModel
 
 from ..engine.weight_export import WeightSpec
 from ..errors import RolloutServerError
+from .client import retrying_session
+from .gloo_group import address_towards, broadcast, dtype_named, free_port, open_group, store_alive
+from .protocol import WeightsClose, WeightsInit, WeightsUpdate, WeightsWait
+
+__all__ = [
+    "StaleVersion",
+    "UpdateOutcome",
+    "WeightReceiver",
+    "WeightSender",
+    "address_towards",
+    "free_port",
+    "push_weights",
+]
 
 logger = logging.getLogger(__name__)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the OS's choice)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+class StaleVersion(ValueError):
+    """An update whose version is not above every version its owner announced before (HTTP 409)."""
 
 
-def address_towards(url: str) -> str:
-    """This machine's IPv4 address on the route to `url`'s host: what that host can connect back to. No packet is
-    sent (a UDP socket's `connect` only picks the route); loopback for a server on this machine."""
-    parsed = urllib.parse.urlsplit(url)
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            sock.connect((parsed.hostname or "127.0.0.1", parsed.port or 80))
-            return sock.getsockname()[0]
-    except OSError as exc:
-        raise RolloutServerError(f"no route to {url} to tell the server where to join the weight sync: {exc}") from exc
+@dataclass(frozen=True)
+class UpdateOutcome:
+    """What `/weights/wait` answers: `applied`, `pending`, `refused` (bad weights), `failed`, `unknown`."""
 
-
-def _open_group(host: str, port: int, rank: int, timeout_s: float) -> tuple[dist.TCPStore, dist.ProcessGroup]:
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timeout)
-    return store, dist.ProcessGroupGloo(store, rank, 2, timeout)
-
-
-def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    group.broadcast([tensor], options).wait()
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
-
-
-def _store_alive(store: dist.TCPStore, timeout_s: float) -> bool:
-    """Whether the trainer serving `store` (its master) answers within `timeout_s` (see `release_if_owner_gone`)."""
-    try:
-        store.set_timeout(datetime.timedelta(seconds=timeout_s))
-        store.check(["trl_cb/owner-probe"])
-        return True
-    except Exception as exc:  # DistNetworkError / DistStoreError: connection closed, reset, or timed out
-        logger.info("weight-sync owner probe failed: %s", (str(exc).splitlines() or [type(exc).__name__])[0])
-        return False
+    status: str
+    detail: str = ""
 
 
 class WeightReceiver:
@@ -96,6 +74,9 @@ class WeightReceiver:
         self._address: tuple[str, int] | None = None  # the owner's TCPStore (for the log)
         self._group: tuple[dist.TCPStore, dist.ProcessGroup] | None = None
         self._busy = threading.Lock()  # one init / update at a time
+        #: The owner's announced updates: version -> outcome (`pending` until received and applied or refused).
+        self._outcomes: dict[int, UpdateOutcome] = {}
+        self._changed = threading.Condition()
 
     def owns(self, token: str) -> bool:
         return self._token is not None and secrets.compare_digest(self._token, token)
@@ -111,12 +92,14 @@ class WeightReceiver:
         it neither installs its group nor clears the newer owner's token.
         """
         self._token, self._address = token, (host, port)
+        with self._changed:
+            self._outcomes = {}  # a new owner: its versions start afresh
 
         def join() -> None:
             if self._token != token:  # replaced while waiting for `_busy`
                 return
             try:
-                group = _open_group(host, port, 1, timeout_s)
+                group = open_group(host, port, 1, timeout_s)
             except Exception:
                 if self._token == token:  # a failed join frees the server for the next trainer
                     self._token, self._address = None, None
@@ -140,7 +123,7 @@ class WeightReceiver:
         token, group = self._token, self._group
         if token is None:
             return True
-        if group is None or _store_alive(group[0], self.probe_timeout_s):
+        if group is None or store_alive(group[0], self.probe_timeout_s):
             return False
         if self._token != token:  # closed or replaced meanwhile: nothing of that owner left to drop
             return self._token is None
@@ -152,6 +135,14 @@ class WeightReceiver:
         return True
 
     def update(self, version: int, params: list[tuple[str, str, list[int]]], on_done: Callable[[int], None]) -> None:
+        """Check the announcement (`ValueError`, `StaleVersion`), then receive and apply in the background; the
+        outcome is `wait`'s."""
+        last = max(self._outcomes, default=0)
+        if version <= last:
+            raise StaleVersion(
+                f"weight version {version} is not above this trainer's last version {last}: versions must strictly "
+                "increase (a repeat would let a wait return before the new weights are in place)"
+            )
         names = dict(self.model.named_parameters())
         unknown = [name for name, _, _ in params if name not in names]
         if unknown:
@@ -159,17 +150,26 @@ class WeightReceiver:
         for name, dtype, shape in params:
             if list(names[name].shape) != list(shape):
                 raise ValueError(f"{name}: shape {shape} differs from the server's {list(names[name].shape)}")
-            _dtype(dtype)
+            dtype_named(dtype)
         self.last_error = None
+        self._settle(version, UpdateOutcome("pending"))
 
         def receive() -> None:
             if self._group is None:
                 raise RuntimeError("weight-sync group is not open (POST /weights/init first)")
-            received = []
+            received, bad = [], []
             for name, dtype, shape in params:
-                buffer = torch.empty(shape, dtype=_dtype(dtype))
-                _broadcast(self._group[1], buffer)
-                received.append((names[name], buffer))
+                buffer = torch.empty(shape, dtype=dtype_named(dtype))
+                broadcast(self._group[1], buffer)  # every tensor is received, also after a bad one: the trainer
+                received.append((names[name], buffer))  # broadcasts them all
+                if buffer.is_floating_point() and not bool(torch.isfinite(buffer).all()):
+                    bad.append(name)
+            if bad:
+                why = f"weights refused: non-finite values (nan/inf) in {len(bad)} tensor(s), e.g. {bad[:3]}"
+                self.last_error = f"update to version {version}: {why}"
+                self._settle(version, UpdateOutcome("refused", f"{why}; still serving version {self.version}"))
+                logger.warning("weight version %d %s", version, why)
+                return
 
             def copy() -> None:
                 for param, buffer in received:
@@ -177,23 +177,48 @@ class WeightReceiver:
 
             self.apply(copy, version)  # no engine forward runs while weights are half-copied
             self.version = version
+            self._settle(version, UpdateOutcome("applied"))
             on_done(version)
 
-        self._run(receive, f"update to version {version}")
+        def failed(exc: BaseException) -> None:
+            self._settle(version, UpdateOutcome("failed", f"weight update to version {version} failed: {exc}"))
+
+        self._run(receive, f"update to version {version}", on_error=failed)
+
+    def wait(self, version: int, timeout_s: float) -> UpdateOutcome:
+        """The outcome of this owner's update to `version`, waiting up to `timeout_s` while it is pending."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                outcome = self._outcomes.get(version)
+                if outcome is None:
+                    return UpdateOutcome("unknown", f"weight version {version} was never announced by this trainer")
+                left = deadline - time.monotonic()
+                if outcome.status != "pending" or left <= 0:
+                    return outcome
+                self._changed.wait(left)
+
+    def _settle(self, version: int, outcome: UpdateOutcome) -> None:
+        with self._changed:
+            self._outcomes[version] = outcome
+            self._changed.notify_all()
 
     def close(self) -> None:
         with self._busy:
             self._group, self._token, self._address = None, None, None
 
-    def _run(self, work: Callable[[], None], what: str) -> None:
+    def _run(
+        self, work: Callable[[], None], what: str, on_error: Callable[[BaseException], None] | None = None
+    ) -> None:
         def target() -> None:
             with self._busy:
                 try:
                     work()
-                    self.last_error = None
                 except Exception as exc:  # reported through /metrics and to the waiting trainer
                     logger.exception("weight sync %s failed", what)
                     self.last_error = f"{what}: {exc}"
+                    if on_error is not None:
+                        on_error(exc)
 
         threading.Thread(target=target, name=f"trl_cb-weights-{what}", daemon=True).start()
 
@@ -202,68 +227,92 @@ class WeightSender:
     """Trainer side of one server's weight-sync group: `init`, per update `begin` / `send` each tensor / `wait`
     (`push_weights` drives several servers from one pass over the weights), `close`. Only one process holds it.
 
-    `pushed_versions` holds every version this sender made the server serve (0: the server's initial weights).
+    `pushed_versions` holds every version this sender made the server serve (0: the server's initial weights). HTTP
+    calls share one session that retries connection errors and 502/503 (`retries`, `backoff_s`) before failing.
     """
 
-    def __init__(self, url: str, api_key: str | None = None, host: str | None = None, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        host: str | None = None,
+        timeout: float = 60.0,
+        retries: int = 3,
+        backoff_s: float = 0.2,
+    ) -> None:
         self.url = url.rstrip("/")
         #: The address the server connects back to (the group's store): by default this machine's address on the
         #: route to the server (loopback for a local one, the interface that reaches another node otherwise).
         self.host = host or address_towards(self.url)
         self.timeout = timeout
         self.pushed_versions: set[int] = {0}
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._session = retrying_session(api_key, retries, backoff_s)
         self._token = secrets.token_hex(16)
         self._group: tuple[dist.TCPStore, dist.ProcessGroup] | None = None
 
-    def _post(self, path: str, body: dict) -> dict:
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: BaseModel | None = None,
+        ok: tuple[int, ...] = (200,),
+        timeout: float | None = None,
+    ) -> Any:
+        """(status, JSON answer) of one call; `RolloutServerError` for a transport failure or a status not in `ok`."""
         try:
-            response = requests.post(self.url + path, json=body, headers=self._headers, timeout=self.timeout)
+            payload = None if body is None else body.model_dump()
+            response = self._session.request(method, self.url + path, json=payload, timeout=timeout or self.timeout)
         except requests.RequestException as exc:
             raise RolloutServerError(f"{self.url}{path}: {exc}") from exc
-        if response.status_code != 200:
+        if response.status_code not in ok:
             raise RolloutServerError(f"{self.url}{path}: HTTP {response.status_code} {response.text[:500]}")
-        return response.json()
+        try:
+            return response.status_code, response.json()
+        except ValueError as exc:
+            raise RolloutServerError(f"{self.url}{path}: answer is not JSON: {response.text[:200]!r}") from exc
+
+    def _post(self, path: str, body: BaseModel) -> Any:
+        return self._request("POST", path, body)[1]
 
     def init(self) -> None:
         port = free_port(self.host)
-        self._post("/weights/init", {"host": self.host, "port": port, "token": self._token, "timeout_s": self.timeout})
-        self._group = _open_group(self.host, port, 0, self.timeout)
+        self._post("/weights/init", WeightsInit(host=self.host, port=port, token=self._token, timeout_s=self.timeout))
+        self._group = open_group(self.host, port, 0, self.timeout)
 
     def server_dtype(self) -> torch.dtype | None:
         """The dtype the server holds its weights in (`/v1/models` card), None from a server that does not say."""
+        _, answer = self._request("GET", "/v1/models")
         try:
-            response = requests.get(self.url + "/v1/models", headers=self._headers, timeout=self.timeout)
-        except requests.RequestException as exc:
-            raise RolloutServerError(f"{self.url}/v1/models: {exc}") from exc
-        if response.status_code != 200:
-            raise RolloutServerError(f"{self.url}/v1/models: HTTP {response.status_code} {response.text[:500]}")
-        name = response.json()["data"][0].get("dtype")
-        return _dtype(name) if name else None
+            name = answer["data"][0].get("dtype")
+        except (KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise RolloutServerError(f"{self.url}/v1/models: no model card in {str(answer)[:200]}") from exc
+        return dtype_named(name) if name else None
 
     def begin(self, specs: list[WeightSpec], version: int) -> None:
         """Announce the tensors `send` broadcasts next, in this order (the server allocates, starts receiving)."""
         if self._group is None:
             self.init()
-        params = [[s.name, str(s.dtype), list(s.shape)] for s in specs]
-        self._post("/weights/update", {"token": self._token, "version": version, "params": params})
+        params = [(s.name, str(s.dtype), list(s.shape)) for s in specs]
+        self._post("/weights/update", WeightsUpdate(token=self._token, version=version, params=params))
 
     def send(self, tensor: torch.Tensor) -> None:
         """Broadcast the next announced tensor (CPU, contiguous, in the announced dtype: the caller casts)."""
-        _broadcast(self._group[1], tensor)
+        broadcast(self._group[1], tensor)
 
     def wait(self, version: int) -> None:
-        """Block until the server serves `version` (or reports a failed update), bounded by the timeout."""
+        """Block until the server serves `version` (`/weights/wait`: that update's own outcome), bounded by the
+        timeout; `RolloutServerError` when it refused or failed the update."""
         deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            state = requests.get(self.url + "/metrics", headers=self._headers, timeout=self.timeout).json()
-            if state["weight_version"] == version:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RolloutServerError(f"{self.url}: weight version {version} not applied within {self.timeout} s")
+            wait_s = min(left, 30.0)  # the server answers 202 after this: the read timeout leaves it room to
+            body = WeightsWait(token=self._token, version=version, timeout_s=wait_s)
+            status, _ = self._request("POST", "/weights/wait", body, ok=(200, 202), timeout=wait_s + 10.0)
+            if status == 200:
                 self.pushed_versions.add(version)
                 return
-            if state.get("weight_sync_error"):
-                raise RolloutServerError(f"{self.url}: weight update failed: {state['weight_sync_error']}")
-            time.sleep(0.01)
-        raise RolloutServerError(f"{self.url}: weight version {version} not applied within {self.timeout} s")
 
     def push(self, model: torch.nn.Module, version: int) -> None:
         """Send every parameter of a plain, unsharded `model` (no PEFT merge, no gathering) and wait for `version`."""
@@ -274,7 +323,7 @@ class WeightSender:
     def close(self) -> None:
         if self._group is not None:
             self._group = None
-            self._post("/weights/close", {"token": self._token})
+            self._post("/weights/close", WeightsClose(token=self._token))
 
 
 def push_weights(

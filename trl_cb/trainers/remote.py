@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..checks.generation_settings import settings_servers_cannot_apply
 from ..engine.weight_export import iter_weights, weight_specs
 from ..errors import RolloutServerError
 from ..rollouts.model_access import plain_module
@@ -52,16 +53,11 @@ class RemoteRolloutsMixin:
 
     def _cb_remote_setup(self) -> None:
         args: Any = self.args
-        config = self.generation_config
-        unsent = {  # settings the HTTP API does not carry yet: refused rather than silently dropped
-            "repetition_penalty": config.repetition_penalty not in (None, 1.0),
-            "min_p": config.min_p is not None,
-            "min_new_tokens": bool(config.min_new_tokens),
-        }
-        if any(unsent.values()):
+        unsent = settings_servers_cannot_apply(self.generation_config.to_dict())
+        if unsent:  # refused rather than silently dropped
             raise ValueError(
-                f"rollout_server_urls cannot apply {[name for name, on in unsent.items() if on]} yet (the server "
-                "samples with temperature, top_p and top_k only); unset them or generate in-process."
+                f"rollout_server_urls cannot apply {unsent} (the server samples with temperature, top_p and top_k "
+                "only); unset them or generate in-process."
             )
 
         def connect() -> None:

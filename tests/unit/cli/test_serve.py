@@ -61,7 +61,9 @@ def test_bad_continuous_batching_config_exits_before_loading(monkeypatch, capsys
     assert info.value.code == 2 and "--continuous_batching_config" in err and reason in err
 
 
-@pytest.mark.parametrize("argv", [["--dtype", "int8"], ["--port", "http"]])
+@pytest.mark.parametrize(
+    "argv", [["--dtype", "int8"], ["--port", "http"], ["--max-body-bytes", "0"], ["--max-body-bytes", "1MB"]]
+)
 def test_bad_options_exit_before_loading(capsys, argv):
     with pytest.raises(SystemExit) as info:
         serve.build_parser().parse_args(["--model", "trl-cb/tiny", *argv])
@@ -71,7 +73,7 @@ def test_bad_options_exit_before_loading(capsys, argv):
 def test_defaults_are_loopback_float32_cpu_open():
     args = serve.build_parser().parse_args(["--model", "trl-cb/tiny"])
     assert (args.host, args.port, args.dtype, args.device, args.api_key) == ("127.0.0.1", 8000, "float32", "cpu", None)
-    assert args.continuous_batching_config is None
+    assert args.continuous_batching_config is None and args.max_body_bytes is None  # the server's default
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -79,7 +81,8 @@ def test_options_reach_the_server(dtype):
     port = free_port()
     cb = '{"max_memory_percent": 0.3, "max_batch_tokens": 64}'
     argv = ["--model", "trl-cb/tiny", "--dtype", dtype, "--device", "cpu", "--host", "127.0.0.1", "--port", str(port)]
-    args = serve.build_parser().parse_args([*argv, "--api-key", KEY, "--continuous_batching_config", cb])
+    extra = ["--api-key", KEY, "--continuous_batching_config", cb, "--max-body-bytes", "4096"]
+    args = serve.build_parser().parse_args([*argv, *extra])
     assert args.continuous_batching_config == {"max_memory_percent": 0.3, "max_batch_tokens": 64}
     app = serve.build_app(args)
     model = app.state.engine.generator.model
@@ -96,3 +99,5 @@ def test_options_reach_the_server(dtype):
         body = {"prompt": [[5, 6, 7]], "n": 2, "max_tokens": 4}
         response = requests.post(url + "/v1/completions", json=body, headers=auth, timeout=60)
         assert response.status_code == 200 and len(response.json()["choices"]) == 2
+        too_large = {"prompt": [[5] * 2000], "max_tokens": 4}  # > 4096 bytes of JSON
+        assert requests.post(url + "/v1/completions", json=too_large, headers=auth, timeout=60).status_code == 413

@@ -35,6 +35,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 TRAINER = """
 import sys, time, torch
 from transformers import AutoModelForCausalLM
+from trl_cb.serving.protocol import WeightsUpdate
 from trl_cb.serving.weight_sync import WeightSender
 torch.set_num_threads(1)
 url, key, path, mode = sys.argv[1:5]
@@ -45,7 +46,7 @@ if mode == "push":
 else:
     sender.init()
     spec = [[name, str(p.dtype), list(p.shape)] for name, p in model.named_parameters()]
-    sender._post("/weights/update", {"token": sender._token, "version": 9, "params": spec})
+    sender._post("/weights/update", WeightsUpdate(token=sender._token, version=9, params=spec))
 print("ready", flush=True)
 time.sleep(600)
 """

@@ -4,6 +4,7 @@ drops counted in the resume position, weight pushes, errors and timeouts reachin
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import pytest
@@ -14,29 +15,41 @@ from trl_cb.serving.remote_rollouts import RemoteRolloutController
 
 
 class ScriptedClient:
-    """Answers prompt `[i]` after `delay(i)` seconds with `n` one-token completions of the current `version`."""
+    """Answers prompt `[i]` after `delay(i)` seconds (from the start of its stream) with `n` one-token completions of
+    the current `version`; groups of one stream are delivered in order of their delays (finishing order)."""
 
-    def __init__(self, delay=lambda i: 0.0, fail_on: int | None = None) -> None:
+    def __init__(self, delay=lambda i: 0.0, fail_on: int | None = None, urls=("http://a",)) -> None:
         self.delay = delay
         self.fail_on = fail_on
+        self.urls = list(urls)
         self.version = 0
         self.calls: list[int] = []
+        self.streams: list[int] = []  # groups per streaming call
+        self._lock = threading.Lock()
 
-    def generate(self, prompts, n, **sampling) -> RemoteGenerationResult:
-        (i,) = prompts[0]
-        self.calls.append(i)
-        time.sleep(self.delay(i))
-        if i == self.fail_on:
-            raise RolloutServerError("replica gone")
-        version = self.version
-        return RemoteGenerationResult(
-            completion_ids=[[i]] * n,
-            logprobs=[[-1.0]] * n,
-            policy_logprobs=[[-1.0]] * n,
-            weight_versions=[version] * n,
-            token_weight_versions=[[version]] * n,
-            num_generations=n,
-        )
+    def stream_generate(self, prompts, n, on_group, preferred=0, **sampling) -> None:
+        with self._lock:
+            self.streams.append(len(prompts))
+        started = time.monotonic()
+        for j in sorted(range(len(prompts)), key=lambda j: self.delay(prompts[j][0])):
+            (i,) = prompts[j]
+            with self._lock:
+                self.calls.append(i)
+            time.sleep(max(0.0, self.delay(i) - (time.monotonic() - started)))
+            if i == self.fail_on:
+                raise RolloutServerError("replica gone")
+            version = self.version
+            on_group(
+                j,
+                RemoteGenerationResult(
+                    completion_ids=[[i]] * n,
+                    logprobs=[[-1.0]] * n,
+                    policy_logprobs=[[-1.0]] * n,
+                    weight_versions=[version] * n,
+                    token_weight_versions=[[version]] * n,
+                    num_generations=n,
+                ),
+            )
 
 
 def controller(client: ScriptedClient, **kwargs) -> RemoteRolloutController:
@@ -125,3 +138,18 @@ def test_invalid_prompt_names_its_stream_item():
 
     with pytest.raises(ValueError, match="item 2: too long"):
         started(ScriptedClient(), validate=validate, prefetch_depth=1)
+
+
+def test_threads_are_o_replicas_not_o_groups():
+    """1,024 groups in flight from 2 replicas: 2 x `streams_per_replica` worker threads, a handful of streaming
+    requests (not one per group), every group handed out once, in request order."""
+    client = ScriptedClient(urls=("http://a", "http://b"))
+    before = threading.active_count()
+    ctl = started(client, groups_per_step=512, prefetch_depth=1, max_staleness=5, streams_per_replica=2)
+    assert ctl.capacity_groups == 1024 and ctl.num_threads == 4
+    assert threading.active_count() - before <= 4
+    groups, _ = ctl.take(512)
+    assert [g.row for g in groups] == [f"row{i}" for i in range(512)]
+    assert sum(client.streams) >= 1024 and len(client.streams) <= 1024 // 256 + 8
+    assert max(client.streams) <= 256  # a full window spread over the 4 workers
+    ctl.stop()

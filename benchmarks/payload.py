@@ -1,0 +1,319 @@
+"""Rollout-server payload cost at GPU-scale answers: JSON lists vs packed arrays, and the event loop meanwhile.
+
+    python benchmarks/payload.py                      # 256 completions x 8,192 tokens, 2 requests per encoding
+    python benchmarks/payload.py --quick              # 64 x 1,024 tokens: a smoke run
+
+Two parts, both with a **fake engine** (the answer's tokens exist at once; only payload work is measured):
+1. In process: the server's encoder (`server.encode_choices`, the code `/v1/completions` runs) and the client's
+   decoder (`RolloutClient`'s parse: the response model, then `PackedChoice.unpack`) on one step's answer, per
+   encoding; "before" is what the code before issue 27 did (pydantic `CompletionResponse` JSON both ways).
+2. A real `uvicorn` server process whose engine answers instantly (`--serve-fake`): one client thread asks for the
+   whole step's answer `--requests` times per encoding while another polls `/health` every 20 ms; the table gives the
+   request's wall time and `/health` latency percentiles (the event loop's lag while the answer is produced).
+Prints a table, then one JSON document as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import DEFAULT_OUT, OUT_HELP, environment, format_table, percentile, write_json  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fake_group(prompt: list[int], n: int, tokens: int, seed: int) -> Any:
+    """A finished group of `n` completions of `tokens` tokens with fp32 logprobs, as the engine hands them over."""
+    import torch
+
+    from trl_cb.rollouts.rollout_groups import RolloutGroup
+
+    generator = torch.Generator().manual_seed(seed)
+    group = RolloutGroup(row=None, prompt_ids=prompt, submitted_version=0)
+    group.completion_ids = [torch.randint(5, 500, (tokens,), generator=generator).tolist() for _ in range(n)]
+    group.logprobs = [(-torch.rand(tokens, generator=generator) * 5).tolist() for _ in range(n)]
+    group.policy_logprobs = [list(values) for values in group.logprobs]
+    group.versions = [[0] * (tokens // 2) + [1] * (tokens - tokens // 2) for _ in range(n)]
+    return group
+
+
+def in_process(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Encode and decode one step's answer per encoding, with the server's and the client's code."""
+    from trl_cb.serving.protocol import Choice, CompletionRequest, CompletionResponse, PackedCompletionResponse
+    from trl_cb.serving.server import encode_choices
+
+    groups = [fake_group([5] * 8, args.n, args.tokens, seed) for seed in range(args.prompts)]
+    rows = []
+    for encoding in ("before", "json", "packed"):
+        body = CompletionRequest(
+            prompt=[[5] * 8] * args.prompts,
+            n=args.n,
+            max_tokens=args.tokens,
+            encoding="json" if encoding == "before" else encoding,
+        )
+        start = time.perf_counter()
+        if encoding == "before":  # build every Choice, validate and dump the whole response in one call
+            choices = [
+                Choice(
+                    index=i * args.n + k,
+                    prompt_index=i,
+                    token_ids=g.completion_ids[k],
+                    logprobs=g.logprobs[k],
+                    policy_logprobs=g.policy_logprobs[k],
+                    weight_version=0,
+                    token_weight_versions=g.versions[k],
+                )
+                for i, g in enumerate(groups)
+                for k in range(args.n)
+            ]
+            payload = CompletionResponse(id="x", model="m", choices=choices, usage={}).model_dump_json().encode()
+        else:
+            parts = [part for i, g in enumerate(groups) for part in encode_choices(g, i, body, {0})]
+            payload = b'{"id": "x", "model": "m", "usage": {}, "choices": [' + b",".join(parts) + b"]}"
+        encoded = time.perf_counter()
+        answer_type = PackedCompletionResponse if encoding == "packed" else CompletionResponse
+        choices = answer_type.model_validate_json(payload).choices
+        if encoding == "packed":
+            choices = [c.unpack() for c in choices]
+        decoded = time.perf_counter()
+        assert len(choices) == args.prompts * args.n and len(choices[-1].token_ids) == args.tokens
+        rows.append(
+            {
+                "part": "in-process",
+                "encoding": encoding,
+                "mib": len(payload) / 2**20,
+                "server_encode_s": encoded - start,
+                "client_decode_s": decoded - encoded,
+                "total_s": decoded - start,
+            }
+        )
+    return rows
+
+
+def serve_fake(port: int) -> None:
+    """`--serve-fake`: a real server app on uvicorn whose engine finishes every group at once (`fake_group`)."""
+    import torch
+    import uvicorn
+
+    from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
+    from trl_cb.serving.engine import Ticket
+    from trl_cb.serving.server import create_app
+
+    torch.set_num_threads(1)
+    model = tiny_model(tiny_tokenizer())
+    model.config.max_position_embeddings = 16384  # 8,192-token completions pass the prompt checks
+    app = create_app(model, api_key=None)
+    engine = app.state.engine
+
+    made: dict[tuple[int, int, int], Any] = {}  # built once: the fake engine itself costs nothing per request
+
+    def submit(prompts, n, config, on_done=None):
+        tickets = [Ticket(list(p), n, config, on_done=on_done) for p in prompts]
+        for seed, ticket in enumerate(tickets):
+            key = (n, int(config.max_new_tokens), seed)
+            if key not in made:
+                made[key] = fake_group(ticket.prompt_ids, *key)
+            ticket.finish(made[key])
+        return tickets
+
+    engine.submit = submit
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+@contextlib.contextmanager
+def fake_server() -> Iterator[str]:
+    """A `--serve-fake` server process on a free loopback port; yields its URL once `/health` answers."""
+    from trl_cb.serving.weight_sync import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env_path = {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--serve-fake", str(port)], env={**os.environ, **env_path, "OMP_NUM_THREADS": "1"}
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if requests.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("the fake server did not start")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def over_http(args: argparse.Namespace) -> list[dict[str, Any]]:
+    with fake_server() as url:
+        rows = []
+        warm = {"prompt": [[5] * 8] * args.prompts, "n": args.n, "max_tokens": args.tokens}
+        requests.post(url + "/v1/completions", json=warm, timeout=600).raise_for_status()  # the fake builds its groups
+        for encoding in args.encodings:
+            body = {"prompt": [[5] * 8] * args.prompts, "n": args.n, "max_tokens": args.tokens, "encoding": encoding}
+            latencies: list[float] = []
+            done = threading.Event()
+
+            def poll(done: threading.Event = done, latencies: list[float] = latencies) -> None:
+                session = requests.Session()
+                while not done.is_set():
+                    start = time.perf_counter()
+                    session.get(url + "/health", timeout=60)
+                    latencies.append(time.perf_counter() - start)
+                    time.sleep(0.02)
+
+            poller = threading.Thread(target=poll)
+            poller.start()
+            walls, sizes = [], []
+            try:
+                for _ in range(args.requests):
+                    start = time.perf_counter()
+                    response = requests.post(url + "/v1/completions", json=body, timeout=600)
+                    response.raise_for_status()
+                    walls.append(time.perf_counter() - start)
+                    sizes.append(len(response.content))
+            finally:
+                done.set()
+                poller.join()
+            rows.append(
+                {
+                    "part": "http",
+                    "encoding": encoding,
+                    "mib": sizes[-1] / 2**20,
+                    "request_wall_s": min(walls),
+                    "health_p50_ms": 1000 * percentile(latencies, 50),
+                    "health_p99_ms": 1000 * percentile(latencies, 99),
+                    "health_max_ms": 1000 * max(latencies),
+                    "health_polls": len(latencies),
+                }
+            )
+        return rows
+
+
+def controller(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The trainer's side of async rollouts from a server (`RemoteRolloutController`, what the trainers use) at
+    `--prompts` groups of `--n` x `--tokens` per step, `--prefetch-depth` steps ahead: CPU seconds per step of the
+    whole trainer process (its rollout threads included), wall seconds per step, threads."""
+    from trl_cb.serving.client import RolloutClient
+    from trl_cb.serving.remote_rollouts import RemoteRolloutController
+
+    with fake_server() as url:
+        client = RolloutClient([url], timeout=600)
+        client.known_versions.add(1)  # the fake groups switch to version 1 halfway
+        stream = ((i, [5] * 8) for i in itertools.count())
+        sampling = {"max_tokens": args.tokens}
+        ctl = RemoteRolloutController(
+            client, stream, args.n, args.prompts, sampling, prefetch_depth=args.prefetch_depth, max_staleness=10
+        )
+        threads_before = threading.active_count()
+        ctl.start(0)
+        cpu, wall, peak_threads = [], [], 0
+        for step in range(args.steps + 1):
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+            groups, _ = ctl.take(args.prompts)
+            peak_threads = max(peak_threads, threading.active_count() - threads_before)
+            if step:  # the first take waits for the first fill
+                cpu.append(time.process_time() - cpu0)
+                wall.append(time.perf_counter() - wall0)
+            assert len(groups) == args.prompts and len(groups[0].completion_ids[0]) == args.tokens
+        ctl.stop()
+    in_flight = (args.prefetch_depth + 1) * args.prompts
+    return [
+        {
+            "part": "controller",
+            "encoding": getattr(client, "encoding", "json"),
+            "groups_in_flight": in_flight,
+            "trainer_cpu_s_per_step": statistics.median(cpu),
+            "step_wall_s": statistics.median(wall),
+            "rollout_threads": peak_threads,
+        }
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=4, help="completions per prompt (prompts x n = the step's answer)")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--requests", type=int, default=2, help="HTTP requests per encoding (the fastest is kept)")
+    parser.add_argument("--quick", action="store_true", help="64 completions x 1,024 tokens, one request")
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        default=["in-process", "http", "controller"],
+        choices=["in-process", "http", "controller"],
+    )
+    parser.add_argument("--prefetch-depth", type=int, default=1, help="controller part: steps requested ahead")
+    parser.add_argument("--steps", type=int, default=3, help="controller part: steps timed (after the first)")
+    parser.add_argument(
+        "--encodings",
+        nargs="+",
+        default=["json", "packed"],
+        choices=["json", "packed"],
+        help="HTTP part: answer encodings asked for (a server from before issue 27 answers JSON only)",
+    )
+    parser.add_argument("--serve-fake", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
+    args = parser.parse_args()
+    if args.serve_fake is not None:
+        serve_fake(args.serve_fake)
+        return
+    if args.quick:
+        args.prompts, args.n, args.tokens, args.requests, args.steps = 16, 4, 1024, 1, 1
+    parts = {"in-process": in_process, "http": over_http, "controller": controller}
+    rows = [row for name in args.parts for row in parts[name](args)]
+    before = next((r["total_s"] for r in rows if r["encoding"] == "before"), None)
+    for row in rows:
+        if "total_s" in row and before:
+            row["x_before"] = row["total_s"] / before
+    columns = [
+        ("part", "part"),
+        ("encoding", "encoding"),
+        ("mib", "MiB"),
+        ("server_encode_s", "encode s"),
+        ("client_decode_s", "decode s"),
+        ("total_s", "total s"),
+        ("x_before", "x before"),
+        ("request_wall_s", "request s"),
+        ("health_p50_ms", "/health p50 ms"),
+        ("health_p99_ms", "/health p99 ms"),
+        ("health_max_ms", "/health max ms"),
+        ("groups_in_flight", "groups in flight"),
+        ("trainer_cpu_s_per_step", "trainer CPU s/step"),
+        ("step_wall_s", "step s"),
+        ("rollout_threads", "threads"),
+    ]
+    print(format_table(rows, columns))
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "serve_fake"}
+    payload = {"benchmark": "payload", "config": config, "env": environment("cpu"), "points": rows}
+    path = write_json(payload, args.out, "payload")
+    print(f"wrote {path}", file=sys.stderr)
+    print(json.dumps(payload))
+
+
+if __name__ == "__main__":
+    main()

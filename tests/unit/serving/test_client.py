@@ -1,0 +1,177 @@
+"""`RolloutClient` against transient faults, with a real server process behind a flaky front on loopback: a 502/503
+is retried (bounded, with backoff) before the replica counts as failed, a replica that keeps failing is left for the
+others, and an answer that breaks the protocol raises `RolloutServerError` (never an `AssertionError` or `KeyError`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import threading
+
+import pytest
+import requests
+
+from tests.unit.serving.conftest import KEY, running_server, save_sharp_checkpoint
+from trl_cb.errors import RolloutServerError
+from trl_cb.serving.client import RolloutClient
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tokenizer) -> str:
+    return save_sharp_checkpoint(tmp_path_factory, tokenizer, "ckpt-client", eos_logit_bias=4.0)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    with running_server(checkpoint, "--api-key", KEY) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def front(target: str | None, failures: int, answer: dict | None = None):
+    """An HTTP front on a free loopback port: the first `failures` POSTs get 503, later ones are forwarded to `target`
+    (or answered 200 with `answer`). Yields (url, seen), `seen` counting the POSTs it received."""
+    seen = {"posts": 0}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            seen["posts"] += 1
+            if seen["posts"] <= failures:
+                self._reply(503, b'{"detail": "overloaded"}')
+            elif answer is not None:
+                self._reply(200, json.dumps(answer).encode())
+            else:
+                headers = {"Authorization": self.headers["Authorization"], "Content-Type": "application/json"}
+                forwarded = requests.post(target + self.path, data=body, headers=headers, timeout=60)
+                self._reply(forwarded.status_code, forwarded.content)
+
+        def _reply(self, status: int, payload: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", seen
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=10)
+
+
+def test_transient_503_is_retried(server, prompts):
+    _, url = server
+    with front(url, failures=2) as (flaky, seen):
+        client = RolloutClient([flaky], api_key=KEY, timeout=60, retries=3, backoff_s=0.01)
+        result = client.generate(prompts[:2], 2, max_tokens=8)
+    assert len(result.completion_ids) == 4 and all(result.completion_ids)
+    assert seen["posts"] == 3  # two 503s, then the answer
+
+
+def test_replica_fails_over_only_after_its_retries(server, prompts):
+    _, url = server
+    with front(url, failures=10**6) as (broken, seen):
+        client = RolloutClient([broken, url], api_key=KEY, timeout=60, retries=2, backoff_s=0.01)
+        result = client.generate(prompts[:4], 2, max_tokens=8)
+        assert len(result.completion_ids) == 8 and all(result.completion_ids)
+        assert seen["posts"] == 3  # one try and two retries, then its prompts went to the other replica
+        with pytest.raises(RolloutServerError, match="503"):
+            only_broken = RolloutClient([broken], api_key=KEY, timeout=60, retries=1, backoff_s=0.01)
+            only_broken.generate(prompts[:1], 1, max_tokens=4)
+
+
+def test_stream_fails_over_after_its_retries(server, prompts):
+    """The async rollouts' streaming call: a replica answering 503 is retried, then its groups go to the next."""
+    _, url = server
+    with front(url, failures=10**6) as (broken, seen):
+        client = RolloutClient([broken, url], api_key=KEY, timeout=60, retries=2, backoff_s=0.01)
+        groups = {}
+        client.stream_generate(prompts[:3], 2, lambda i, group: groups.setdefault(i, group), preferred=0, max_tokens=8)
+    assert sorted(groups) == [0, 1, 2] and all(len(g.completion_ids) == 2 for g in groups.values())
+    assert seen["posts"] == 3
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        {"choices": "nope"},
+        {"id": "x", "model": "m", "usage": {}, "choices": [{"index": 0}]},
+        {  # the right count, but both answer sample 0 of prompt 0: sample 1 is missing
+            "id": "x",
+            "model": "m",
+            "usage": {},
+            "choices": [
+                {
+                    "index": 0,
+                    "prompt_index": 0,
+                    "token_ids": [5],
+                    "logprobs": [-1.0],
+                    "policy_logprobs": [-1.0],
+                    "weight_version": 0,
+                    "token_weight_versions": [0],
+                },
+            ]
+            * 2,
+        },
+    ],
+)
+def test_answer_breaking_the_protocol_raises_rollout_server_error(answer):
+    with front(None, failures=0, answer=answer) as (fake, _):
+        client = RolloutClient([fake], timeout=30, retries=0, encoding="json")
+        with pytest.raises(RolloutServerError):
+            client.generate([[5, 6]], 2, max_tokens=4)
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "logprobs"),
+    [("not base64!", "AACAvw=="), ("BQAAAA==", "AACA"), ("BQAAAAYAAAA=", "AACAvw==")],
+    ids=["bad-base64", "partial-element", "lengths-differ"],
+)
+def test_packed_answer_breaking_the_protocol_raises_rollout_server_error(token_ids, logprobs):
+    choice = {"prompt_index": 0, "token_ids": token_ids, "logprobs": logprobs, "policy_logprobs": logprobs}
+    choice.update(weight_version=0, token_weight_versions="AAAAAA==")
+    answer = {"id": "x", "model": "m", "usage": {}, "choices": [{**choice, "index": 0}, {**choice, "index": 1}]}
+    with front(None, failures=0, answer=answer) as (fake, _):
+        with pytest.raises(RolloutServerError, match="protocol"):
+            RolloutClient([fake], timeout=30, retries=0).generate([[5, 6]], 2, max_tokens=4)
+
+
+@pytest.mark.parametrize("encoding", ["json", "packed"])
+def test_encodings_carry_the_same_completions(server, prompts, encoding):
+    """Packed and JSON answers hold the same values (the server's fp32 logprobs and int ids round-trip exactly),
+    through `/v1/completions` and the stream."""
+    _, url = server
+    client = RolloutClient([url], api_key=KEY, timeout=60, encoding=encoding)
+    result = client.generate(prompts[:2], 2, max_tokens=8)
+    assert len(result.completion_ids) == 4 and all(result.completion_ids)
+    assert all(
+        len(ids) == len(lp) == len(v)
+        for ids, lp, v in zip(result.completion_ids, result.logprobs, result.token_weight_versions)
+    )
+    assert all(isinstance(x, float) for lp in result.logprobs for x in lp)
+    streamed = {}
+    client.stream_generate(prompts[:3], 2, lambda i, group: streamed.setdefault(i, group), max_tokens=8)
+    assert sorted(streamed) == [0, 1, 2] and all(len(g.completion_ids) == 2 for g in streamed.values())
+
+
+def test_packed_choice_round_trips_exactly():
+    import torch
+
+    from trl_cb.serving.protocol import PackedChoice
+
+    logprobs = torch.log_softmax(torch.randn(8192), -1).tolist()  # fp32 values, as the engine returns them
+    arrays = {"token_ids": list(range(8192)), "logprobs": logprobs, "policy_logprobs": logprobs[::-1]}
+    arrays["token_weight_versions"] = [0] * 4096 + [1] * 4096
+    choice = PackedChoice.pack(arrays, index=3, prompt_index=1, weight_version=0, finish_reason="length").unpack()
+    assert {name: getattr(choice, name) for name in arrays} == arrays
+    assert (choice.index, choice.prompt_index, choice.weight_version) == (3, 1, 0)

@@ -1,0 +1,245 @@
+"""The rollout server against a hostile client, as a real process on loopback (issue 27): one auth layer that refuses
+on headers before any body is read, a body-size limit enforced while reading, validation errors that never echo input,
+non-finite and sub-floor sampling values refused (422, never 500), unknown and unapplicable settings refused by the
+trainer's rule, non-finite weights refused with the served weights unchanged, and weight versions strictly increasing.
+
+No test races the machine: a server that must answer before reading a body is given no body at all (it answers, or
+the test's socket times out: the failure case only), and every other check waits for an answer.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import requests
+import torch
+
+from tests.unit.serving.conftest import AUTH, KEY, running_server, save_sharp_checkpoint
+from tests.unit.serving.test_server import max_gap, perturbed
+from trl_cb.errors import RolloutServerError
+from trl_cb.serving.client import RolloutClient
+from trl_cb.serving.weight_sync import WeightSender
+
+#: The body limit the module's server runs with (`--max-body-bytes`): small, so a test crosses it cheaply.
+LIMIT = 256 * 1024
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tokenizer) -> str:
+    return save_sharp_checkpoint(tmp_path_factory, tokenizer, "ckpt-hardening", eos_logit_bias=4.0)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    with running_server(checkpoint, "--api-key", KEY, "--max-body-bytes", str(LIMIT)) as running:
+        yield running
+
+
+def raw_exchange(url: str, head: str, body: bytes = b"", timeout: float = 30.0) -> tuple[int, bytes]:
+    """Send `head` (request line and headers, without the blank line) and `body` as they are, then read the answer:
+    (status, body). The declared Content-Length may exceed `body`: the rest is never sent."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        sock.sendall(head.encode() + b"\r\n\r\n" + body)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        header, _, rest = data.partition(b"\r\n\r\n")
+        length = next(
+            (int(line.split(b":")[1]) for line in header.split(b"\r\n") if line.lower().startswith(b"content-length")),
+            None,
+        )
+        while length is not None and len(rest) < length:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            rest += chunk
+    return int(header.split(b" ")[1]), rest
+
+
+def post_raw(url: str, text: str, headers: dict | None = None) -> requests.Response:
+    """POST `text` as it is (JSON with NaN / Infinity literals, which `json=` would also write, but explicit)."""
+    headers = {"Content-Type": "application/json", **(headers if headers is not None else AUTH)}
+    return requests.post(url + "/v1/completions", data=text, headers=headers, timeout=30)
+
+
+# ------------------------------------------------------------------------------------------------ 1-2: auth layer
+
+
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect", "/no/such/route"])
+def test_every_route_but_health_needs_the_key(server, path):
+    _, url = server
+    assert requests.get(url + path, timeout=10).status_code == 401
+    assert requests.get(url + path, headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 401
+    assert requests.get(url + "/health", timeout=10).status_code == 200
+
+
+def test_unauthenticated_request_is_refused_on_its_headers(server):
+    """Invalid JSON without a key: 401 (not 422 with parser details); a 100 MB body announced without a key is
+    answered without being sent (so without being read)."""
+    _, url = server
+    response = post_raw(url, "{not json", headers={})
+    assert response.status_code == 401 and "json" not in response.text.lower()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {100 * 2**20}"
+    )
+    status, body = raw_exchange(url, head, b'{"prompt": [[5, ')
+    assert status == 401 and len(body) < 500
+
+
+# ------------------------------------------------------------------------------------------------ 3: body limit
+
+
+def test_body_over_the_limit_is_413_before_it_is_read(server):
+    _, url = server
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {100 * 2**20}"
+    )
+    status, body = raw_exchange(url, head, b'{"prompt": [[5, ')  # the rest never comes: answered on the header
+    assert status == 413 and str(LIMIT) in body.decode()
+
+
+def test_chunked_body_over_the_limit_is_413_while_reading(server):
+    """No Content-Length (chunked): the limit is counted as the body arrives; the answer is short."""
+    _, url = server
+    prompt = json.dumps({"prompt": [[5] * (LIMIT // 3)], "max_tokens": 4}).encode()
+    assert len(prompt) > LIMIT
+
+    def chunks():
+        for start in range(0, len(prompt), 8192):
+            yield prompt[start : start + 8192]
+
+    response = requests.post(
+        url + "/v1/completions", data=chunks(), headers={**AUTH, "Content-Type": "application/json"}, timeout=30
+    )
+    assert response.status_code == 413 and len(response.content) < 500
+    assert requests.get(url + "/health", timeout=10).status_code == 200
+
+
+def test_validation_errors_never_echo_the_input(server):
+    _, url = server
+    body = {"prompt": [[5] * 40_000], "max_tokens": 4}  # under the byte limit, over MAX_PROMPT_TOKENS
+    response = requests.post(url + "/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert response.status_code == 422 and "prompt" in response.text
+    assert len(response.content) < 2000 and "5, 5" not in response.text
+
+
+# ------------------------------------------------------------------------------------------ 4-5: values, floors
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ('{"prompt": [[5, 6]], "max_tokens": 4, "temperature": NaN}', "temperature"),
+        ('{"prompt": [[5, 6]], "max_tokens": 4, "temperature": Infinity}', "temperature"),
+        ('{"prompt": [[5, 6]], "max_tokens": 4, "top_p": NaN}', "top_p"),
+        ('{"prompt": [[5, 6]], "max_tokens": 4, "top_p": -Infinity}', "top_p"),
+        ('{"prompt": [[5, NaN]], "max_tokens": 4}', "prompt"),
+        ('{"prompt": [[5, Infinity]], "max_tokens": 4}', "prompt"),
+    ],
+)
+def test_non_finite_values_are_422_not_500(server, text, field):
+    _, url = server
+    response = post_raw(url, text)
+    assert response.status_code == 422 and field in response.text
+    assert "NaN" not in response.text and "Infinity" not in response.text
+    assert requests.get(url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-300, 1e-3, 0.0, -1.0])
+def test_temperature_below_the_floor_is_refused(server, temperature):
+    _, url = server
+    body = {"prompt": [[5, 6]], "max_tokens": 4, "temperature": temperature}
+    response = requests.post(url + "/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert response.status_code == 422 and "temperature" in response.text and "0.01" in response.text
+
+
+def test_temperature_at_the_floor_samples(server, prompts):
+    _, url = server
+    body = {"prompt": [prompts[0]], "max_tokens": 8, "temperature": 0.01, "n": 2}
+    response = requests.post(url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert response.status_code == 200
+    assert all(len(c["token_ids"]) > 0 for c in response.json()["choices"])
+
+
+# --------------------------------------------------------------------------------------- 6: fields and settings
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"min_p": 0.1}, "min_p"),
+        ({"min_new_tokens": 4}, "min_new_tokens"),
+        ({"typical_p": 0.5}, "typical_p"),
+        ({"no_such_field": 1}, "no_such_field"),
+    ],
+)
+def test_unknown_or_unapplicable_settings_are_refused(server, extra, field):
+    _, url = server
+    body = {"prompt": [[5, 6]], "max_tokens": 4, **extra}
+    response = requests.post(url + "/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert response.status_code == 422 and field in response.text
+
+
+# ------------------------------------------------------------------------------------- 7 and versions: weights
+
+
+def test_non_finite_weights_are_refused_and_the_served_weights_kept(server, local_model, prompts):
+    _, url = server
+    poisoned = perturbed(local_model)
+    with torch.no_grad():
+        next(poisoned.parameters()).view(-1)[0] = float("nan")
+    sender = WeightSender(url, api_key=KEY, timeout=30)
+    try:
+        with pytest.raises(RolloutServerError, match="non-finite") as info:
+            sender.push(poisoned, 1)
+        assert "400" in str(info.value)
+        assert 1 not in sender.pushed_versions
+        card = requests.get(url + "/v1/models", headers=AUTH, timeout=10).json()["data"][0]
+        assert card["weight_version"] == 0
+        client = RolloutClient([url], api_key=KEY, timeout=60)
+        result = client.generate(prompts[:2], 2, max_tokens=8)
+        assert result.weight_versions == [0] * 4
+        assert max_gap(local_model, prompts[:2], result, 2) <= 1e-5  # still the initial weights
+    finally:
+        sender.close()
+
+
+def test_weight_versions_strictly_increase_per_owner(server, local_model):
+    _, url = server
+    sender = WeightSender(url, api_key=KEY, timeout=30)
+    try:
+        sender.push(local_model, 5)
+        for repeat in (5, 3):  # a repeat, then a lower version: refused before any tensor is sent
+            with pytest.raises(RolloutServerError, match="409"):
+                sender.push(perturbed(local_model), repeat)
+            assert requests.get(url + "/v1/models", headers=AUTH, timeout=10).json()["data"][0]["weight_version"] == 5
+        sender.push(local_model, 6)
+    finally:
+        sender.close()
+
+
+def test_weight_update_completion_has_its_own_endpoint(server, local_model):
+    """The trainer learns that a version is in place from `/weights/wait` (not from `/metrics` keys); a version never
+    announced is an error there, not a wait."""
+    _, url = server
+    sender = WeightSender(url, api_key=KEY, timeout=30)
+    try:
+        sender.push(local_model, 1)
+        answer = requests.post(
+            url + "/weights/wait", json={"token": sender._token, "version": 1}, headers=AUTH, timeout=30
+        )
+        assert answer.status_code == 200 and answer.json()["weight_version"] == 1
+        never = requests.post(
+            url + "/weights/wait", json={"token": sender._token, "version": 7}, headers=AUTH, timeout=30
+        )
+        assert never.status_code == 404
+    finally:
+        sender.close()

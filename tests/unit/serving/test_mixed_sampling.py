@@ -1,0 +1,80 @@
+"""Requests with different temperature / top_k / top_p share one running engine (transformers' per-request
+processors), and each request's logprobs are exactly those of its own settings: the processed logprob against a
+teacher-forced pass with that request's warpers, the policy logprob against `log_softmax(logits / T)` with that
+request's temperature. A real server process on loopback, tiny std-0.2 model (fp32, one thread).
+
+The requests are made to share the batch without racing the machine: the server is paused, every request is queued
+(polled on `/metrics` until all its groups wait), then resumed, so one scheduling pass admits them all together.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from tests.unit.rollouts.test_generator import teacher_forced_logprobs
+from tests.unit.serving.conftest import AUTH, KEY, running_server, save_sharp_checkpoint
+
+#: (temperature, top_k, top_p) per request; two temperatures at least, and truncation next to none.
+SETTINGS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 20, 0.9), (1.3, 5, 1.0)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tokenizer) -> str:
+    return save_sharp_checkpoint(tmp_path_factory, tokenizer, "ckpt-mixed", eos_logit_bias=None)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    with running_server(checkpoint, "--api-key", KEY) as running:
+        yield running
+
+
+def metrics(url: str) -> dict:
+    return requests.get(url + "/metrics", headers=AUTH, timeout=10).json()
+
+
+def test_mixed_settings_share_one_engine_with_exact_logprobs(server, local_model, prompts):
+    _, url = server
+    # Warm-up: the engine gets every warper (it adds one the first time a request needs it) and this budget.
+    warm = {"prompt": [prompts[0]], "max_tokens": 16, "temperature": 0.9, "top_k": 30, "top_p": 0.95}
+    assert requests.post(url + "/v1/completions", json=warm, headers=AUTH, timeout=60).status_code == 200
+    builds = metrics(url)["engine_builds"]
+
+    assert requests.post(url + "/pause", headers=AUTH, timeout=30).status_code == 200
+    answers: dict[int, dict] = {}
+
+    def ask(i: int, temperature: float, top_k: int, top_p: float) -> None:
+        body = {"prompt": prompts[i : i + 2], "n": 2, "max_tokens": 16}
+        body.update(temperature=temperature, top_k=top_k, top_p=top_p)
+        answers[i] = requests.post(url + "/v1/completions", json=body, headers=AUTH, timeout=120).json()
+
+    threads = [threading.Thread(target=ask, args=(i, *s)) for i, s in enumerate(SETTINGS)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while metrics(url)["queue_groups"] < 2 * len(SETTINGS):  # every group queued behind the pause
+        assert time.monotonic() < deadline, "requests never reached the server's queue"
+        time.sleep(0.02)
+    assert requests.post(url + "/resume", headers=AUTH, timeout=30).status_code == 200
+    for thread in threads:
+        thread.join(timeout=120)
+
+    assert metrics(url)["engine_builds"] == builds, "a change of sampling settings rebuilt the engine"
+    gaps, policy_gaps, controls = [], [], []
+    for i, (temperature, top_k, top_p) in enumerate(SETTINGS):
+        for choice in answers[i]["choices"]:
+            prompt, ids = prompts[i + choice["prompt_index"]], choice["token_ids"]
+            own = teacher_forced_logprobs(local_model, prompt, ids, temperature, top_k, top_p)
+            policy = teacher_forced_logprobs(local_model, prompt, ids, temperature, 0, 1.0)
+            gaps.append((own - torch.tensor(choice["logprobs"])).abs().max().item())
+            policy_gaps.append((policy - torch.tensor(choice["policy_logprobs"])).abs().max().item())
+            if temperature != 1.0:  # another request's settings would not match
+                plain = teacher_forced_logprobs(local_model, prompt, ids, 1.0, 0, 1.0)
+                controls.append((plain - torch.tensor(choice["logprobs"])).abs().max().item())
+    print(f"\nprocessed max|d|={max(gaps):.2e}, policy max|d|={max(policy_gaps):.2e}; T=1 control {min(controls):.3f}")
+    assert max(gaps) <= 1e-5 and max(policy_gaps) <= 1e-5 and min(controls) > 0.05

@@ -1,0 +1,70 @@
+"""The two-process gloo group a weight sync runs on (`weight_sync.py`), kept apart from accelerate's default group.
+
+The trainer (rank 0) is the master of a `TCPStore` on a free port of its host; the server (rank 1) connects to the
+address the trainer gives it (`address_towards`: the trainer's address on its route to the server). Tensors are
+broadcast from rank 0; dtypes travel by name. `store_alive` tells a live owner (its store answers, even mid-step)
+from a dead one (connection closed, or a timeout for a host that vanished).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import urllib.parse
+
+import torch
+import torch.distributed as dist
+
+from ..errors import RolloutServerError
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS's choice)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def address_towards(url: str) -> str:
+    """This machine's IPv4 address on the route to `url`'s host: what that host can connect back to. No packet is
+    sent (a UDP socket's `connect` only picks the route); loopback for a server on this machine."""
+    parsed = urllib.parse.urlsplit(url)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((parsed.hostname or "127.0.0.1", parsed.port or 80))
+            return sock.getsockname()[0]
+    except OSError as exc:
+        raise RolloutServerError(f"no route to {url} to tell the server where to join the weight sync: {exc}") from exc
+
+
+def open_group(host: str, port: int, rank: int, timeout_s: float) -> tuple[dist.TCPStore, dist.ProcessGroup]:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timeout)
+    return store, dist.ProcessGroupGloo(store, rank, 2, timeout)
+
+
+def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+def dtype_named(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def store_alive(store: dist.TCPStore, timeout_s: float) -> bool:
+    """Whether the trainer serving `store` (its master) answers within `timeout_s` (see `release_if_owner_gone`)."""
+    try:
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        store.check(["trl_cb/owner-probe"])
+        return True
+    except Exception as exc:  # DistNetworkError / DistStoreError: connection closed, reset, or timed out
+        logger.info("weight-sync owner probe failed: %s", (str(exc).splitlines() or [type(exc).__name__])[0])
+        return False
