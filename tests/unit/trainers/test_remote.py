@@ -62,21 +62,28 @@ def _worker(rank: int, port: int, out: str) -> None:
     from accelerate import PartialState
 
     state = PartialState(cpu=True)
-    trainer = FakeTrainer(state)
-    prompts = [[rank * 10 + i, 1, 2 + i] for i in range(3 - rank)]  # rank 0: 3 prompts, rank 1: 2
-    ids, logprobs = trainer._cb_remote_generate(prompts)
-    report: dict[str, Any] = {
-        "own": ids == [p[::-1] for p in prompts] and logprobs == [[-3.0] * 3] * len(prompts),
-        "requests": trainer._cb_client.requests if trainer._cb_client else None,
-    }
-    if trainer._cb_client is not None:
-        trainer._cb_client.fail = True
     try:
-        trainer._cb_remote_generate(prompts)
-        report["raised"] = None
-    except RolloutServerError as exc:
-        report["raised"] = str(exc)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+        trainer = FakeTrainer(state)
+        prompts = [[rank * 10 + i, 1, 2 + i] for i in range(3 - rank)]  # rank 0: 3 prompts, rank 1: 2
+        ids, logprobs = trainer._cb_remote_generate(prompts)
+        report: dict[str, Any] = {
+            "own": ids == [p[::-1] for p in prompts] and logprobs == [[-3.0] * 3] * len(prompts),
+            "requests": trainer._cb_client.requests if trainer._cb_client else None,
+        }
+        if trainer._cb_client is not None:
+            trainer._cb_client.fail = True
+        try:
+            trainer._cb_remote_generate(prompts)
+            report["raised"] = None
+        except RolloutServerError as exc:
+            report["raised"] = str(exc)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+        state.wait_for_everyone()
+    finally:
+        # Both ranks leave the group before the interpreter exits: a rank that exits while the other still tears
+        # down its gloo/TCPStore threads aborts ("terminate called without an active exception", SIGABRT; seen
+        # once in three full runs).
+        state.destroy_process_group()
 
 
 def test_main_process_generates_for_every_rank(tmp_path):
