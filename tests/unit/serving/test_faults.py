@@ -204,7 +204,9 @@ def test_ctrl_c_stops_a_trainer_blocked_on_a_server_within_2_s():
             if connection is not None:
                 connection.close()
     print(f"\ntrainer SIGINT-to-KeyboardInterrupt while blocked on a server: {raised:.4f} s; to exit: {exited:.2f} s")
-    assert proc.returncode == -signal.SIGINT and raised < 0.5 and exited < 4
+    # `raised` is the latency under test; `exited` adds the interpreter's teardown of torch & co. (fixed work: 4.5 s
+    # measured on an overloaded 2-core machine), so it is only a hang guard.
+    assert proc.returncode == -signal.SIGINT and raised < 0.5 and exited < 30
 
 
 def test_weight_sync_address_is_the_route_to_the_server():

@@ -16,7 +16,7 @@ import requests
 import torch
 from transformers import DynamicCache
 
-from tests.unit.serving.conftest import AUTH, KEY, running_server, save_sharp_checkpoint
+from tests.unit.serving.conftest import AUTH, FP32_LOGPROB_TOL, KEY, running_server, save_sharp_checkpoint
 from tests.unit.serving.test_server import perturbed
 from tests.unit.trainers.test_trainers import make_trainer
 from trl_cb.serving.client import RolloutClient
@@ -128,9 +128,7 @@ def test_update_mid_request_switches_versions_per_token_exactly(server, local_mo
         f"{min(old_only):.3f}, new weights over a recomputed prefix {min(new_prefix):.3f}"
     )
     assert straddling >= 1, "the update landed between requests, not inside one"
-    # fp32 noise: the server's batches (and so its matmul blocking) depend on when requests join, i.e. on timing;
-    # measured up to 1.14e-5 on an AVX-512 machine (1e-5 failed 2 runs in 3 there). The controls miss by > 1 nat.
-    assert max(gaps) <= 2e-5 and min(old_only) > 0.05 and min(new_prefix) > 1e-3
+    assert max(gaps) <= FP32_LOGPROB_TOL and min(old_only) > 0.05 and min(new_prefix) > 1e-3
     sender.close()
 
 
@@ -142,7 +140,8 @@ def test_stream_returns_each_group_as_one_line(server, prompts):
     assert sorted(line["prompt_index"] for line in lines) == [0, 1, 2]
     for line in lines:
         assert [c["index"] for c in line["choices"]] == [line["prompt_index"] * 2, line["prompt_index"] * 2 + 1]
-        assert all(len(c["token_ids"]) == 4 == len(c["token_weight_versions"]) for c in line["choices"])
+        # At most 4 tokens: this checkpoint has no EOS bias, but EOS can still be sampled (by chance, not speed).
+        assert all(1 <= len(c["token_ids"]) == len(c["token_weight_versions"]) <= 4 for c in line["choices"])
 
 
 def test_pause_holds_requests_and_a_gone_client_cancels_them(server, prompts):
@@ -188,7 +187,7 @@ def test_async_training_overlaps_with_the_server(server, tokenizer, tmp_path, ki
     assert metrics(url)["weight_version"] == 4
     assert [entry["async/policy_version"] for entry in logs] == [1.0, 2.0, 3.0]
     assert all(entry["async/staleness_max"] <= 2 for entry in logs)
-    assert max(entry["sampling/sampling_logp_difference/max"] for entry in logs[:1]) < 1e-5  # fresh: exact
+    assert max(entry["sampling/sampling_logp_difference/max"] for entry in logs[:1]) < FP32_LOGPROB_TOL  # fresh: exact
 
 
 def test_async_training_survives_a_killed_replica(server, checkpoint, tokenizer, tmp_path):
