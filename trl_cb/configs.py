@@ -25,7 +25,7 @@ import trl
 from .checks.engine_config import DEFAULT_MAX_MEMORY_PERCENT, cb_kwargs
 from .deprecation import warn_deprecated
 from .importance_sampling import IS_MODES, validate_mode
-from .rollouts.async_controller import validate_async_bounds
+from .rollouts.async_core import validate_async_bounds
 from .trainers.upstream_warnings import trl_config_post_init
 
 #: Fields holding secrets: masked in `to_dict`, `str` and `repr` (`repr=False`).

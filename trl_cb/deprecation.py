@@ -24,6 +24,8 @@ MOVED_MODULES: dict[str, tuple[str, ...]] = {
     "trl_cb._upstream": ("trl_cb.engine._upstream", "trl_cb.engine.sharding"),
     "trl_cb.async_rollouts": (
         "trl_cb.rollouts.async_controller",
+        "trl_cb.rollouts.async_core",
+        "trl_cb.rollouts.async_metrics",
         "trl_cb.rollouts.rollout_groups",
         "trl_cb.rollouts.prompt_stream",
         "trl_cb.trainers.async_bridge",

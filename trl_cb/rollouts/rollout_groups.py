@@ -1,14 +1,16 @@
-"""Async rollout groups in flight: all G samples of a prompt, submitted together, handed out whole and in order.
+"""Async rollout groups in flight: all G samples of a prompt, submitted together, handed out whole.
 
-Invariants: a group is ready only when every one of its requests has finished; groups become ready in submission
-order (FIFO, so short completions are not favoured); every token carries the policy version that sampled it (a
-request in flight across a weight update gets the new version from the token count recorded at that update on).
+Invariants: a group is ready only when every one of its requests has finished (in any order: the async core hands
+groups out FIFO); every token carries the policy version that sampled it (a request in flight across a weight update
+gets the new version from the token count recorded at that update on). The age of a group is defined here once
+(`oldest_version`, `staleness`) for the async core, its metrics and the server.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +18,13 @@ from ..engine import _upstream, _upstream_sampling
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["InFlightGroups", "RolloutGroup"]
+__all__ = ["InFlightGroups", "RolloutGroup", "oldest_version", "staleness"]
+
+
+def oldest_version(versions: Sequence[Sequence[int]], default: int) -> int:
+    """The policy version of the oldest token among `versions` (per sequence, per token); `default` (the version at
+    submission) when no token was sampled yet."""
+    return min((min(v) for v in versions if v), default=default)
 
 
 @dataclass
@@ -36,7 +44,12 @@ class RolloutGroup:
 
     @property
     def oldest_version(self) -> int:
-        return min((v[0] for v in self.versions if v), default=self.submitted_version)
+        return oldest_version(self.versions, self.submitted_version)
+
+
+def staleness(group: RolloutGroup, policy_version: int) -> int:
+    """Weight updates between `group`'s oldest token and `policy_version`: what `max_staleness` bounds."""
+    return policy_version - group.oldest_version
 
 
 @dataclass
@@ -56,8 +69,6 @@ class InFlightGroups:
         self.ready: deque[RolloutGroup] = deque()
         self._by_request: dict[str, _Pending] = {}
         self._next_id = 0
-        #: Tokens received since the last `take_token_count`.
-        self._tokens = 0
 
     def __len__(self) -> int:
         return len(self.pending) + len(self.ready)
@@ -69,19 +80,18 @@ class InFlightGroups:
     def submit(
         self,
         manager: _upstream.ContinuousBatchingManager,
-        row: Any,
-        prompt_ids: list[int],
+        group: RolloutGroup,
         num_samples: int,
         max_new_tokens: int,
-        version: int,
         processor_kwargs: dict[str, Any] | None = None,
     ) -> None:
+        """Fork `group`'s prompt into `num_samples` requests; its samples are filled in when all have finished."""
         request_id = f"a{self._next_id}"
         self._next_id += 1
         rids = _upstream.add_forked_request(
-            manager, prompt_ids, request_id, num_samples, max_new_tokens, processor_kwargs
+            manager, group.prompt_ids, request_id, num_samples, max_new_tokens, processor_kwargs
         )
-        pending = _Pending(RolloutGroup(row=row, prompt_ids=prompt_ids, submitted_version=version), rids)
+        pending = _Pending(group, rids)
         self.pending.append(pending)
         for rid in rids:
             self._by_request[rid] = pending
@@ -97,15 +107,11 @@ class InFlightGroups:
             if rid not in pending.outputs:  # finished requests keep their (older) versions
                 pending.boundaries.setdefault(rid, []).append((generated_lengths.get(rid, 0), new_version))
 
-    def collect(self, manager: _upstream.ContinuousBatchingManager, in_order: bool = True) -> None:
-        """Take every result the engine has now (no waiting) and move finished groups to `ready`: in submission order,
-        or (`in_order=False`, a server answering independent requests) as soon as each one finishes."""
+    def collect(self, manager: _upstream.ContinuousBatchingManager) -> None:
+        """Take every result the engine has now (no waiting) and move each group to `ready` as soon as all its
+        requests have finished (order is the caller's business: the async core keeps submission order)."""
         while (result := manager.get_result(timeout=0)) is not None:
             self._accept(result)
-        if in_order:
-            while self.pending and len(self.pending[0].outputs) == len(self.pending[0].request_ids):
-                self.ready.append(self._finish(self.pending.popleft()))
-            return
         for pending in [p for p in self.pending if len(p.outputs) == len(p.request_ids)]:
             self.pending.remove(pending)
             self.ready.append(self._finish(pending))
@@ -129,11 +135,6 @@ class InFlightGroups:
             return
         _upstream.check_alive(manager, "during async generation")
 
-    def take_token_count(self) -> int:
-        """Tokens received since the previous call."""
-        tokens, self._tokens = self._tokens, 0
-        return tokens
-
     def clear(self) -> None:
         self.pending.clear()
         self.ready.clear()
@@ -147,7 +148,6 @@ class InFlightGroups:
         if _upstream.finished_output(result) is None:
             return
         pending.outputs[result.request_id] = result
-        self._tokens += len(result.generated_tokens)
 
     def _finish(self, pending: _Pending) -> RolloutGroup:
         group = pending.group

@@ -236,7 +236,7 @@ class ServingEngine:
                 return
 
     def _collect(self) -> None:
-        self._groups.collect(self._manager, in_order=False)
+        self._groups.collect(self._manager)
         while self._groups.ready:
             group = self._groups.ready.popleft()
             ticket: Ticket = group.row
@@ -268,9 +268,8 @@ class ServingEngine:
                 return
             self._waiting.admit(ticket)
             max_new = int(ticket.config.max_new_tokens)
-            self._groups.submit(
-                self._manager, ticket, ticket.prompt_ids, ticket.n, max_new, self.version, ticket.processor_kwargs
-            )
+            group = RolloutGroup(row=ticket, prompt_ids=ticket.prompt_ids, submitted_version=self.version)
+            self._groups.submit(self._manager, group, ticket.n, max_new, ticket.processor_kwargs)
 
     def _plan(self, ticket: Ticket) -> tuple[frozenset[str], GenerationConfig, Any]:
         """(warpers, engine config, signature) of `ticket` on the current engine (`_plan_of`, cached)."""

@@ -29,7 +29,7 @@ from transformers import GenerationConfig
 
 from ..checks.inputs import validate_prompts
 from ..rollouts.generator import ContinuousBatchingGenerator
-from ..rollouts.rollout_groups import RolloutGroup
+from ..rollouts.rollout_groups import RolloutGroup, oldest_version
 from .engine import ServingEngine, Ticket
 from .middleware import RequestGate
 from .protocol import (
@@ -292,7 +292,7 @@ def encode_choices(group: RolloutGroup, prompt_index: int, body: CompletionReque
         fields = {
             "index": prompt_index * body.n + k,
             "prompt_index": prompt_index,
-            "weight_version": min(group.versions[k], default=group.submitted_version),
+            "weight_version": oldest_version([group.versions[k]], group.submitted_version),
             "finish_reason": "stop" if ids and ids[-1] in eos_ids else "length",
         }
         choice = PackedChoice.pack(arrays, **fields) if body.encoding == "packed" else Choice(**arrays, **fields)

@@ -1,7 +1,8 @@
-"""Async rollouts on the trainers' side: an `AsyncRolloutController` fed from the training dataset, its groups in
-place of TRL's sampled rows, weight updates fenced by callbacks, and the prompt stream's position in checkpoints.
+"""Async rollouts on the trainers' side: an `AsyncRolloutSource` (the async core on the trainer's engine, or on the
+rollout servers through `remote.py`) fed from the training dataset, its groups in place of TRL's sampled rows, weight
+updates fenced by callbacks, and the prompt stream's position in checkpoints.
 
-Invariants: the controller is built at the first training step that needs it, sized for the dataset's longest prompt
+Invariants: the source is built at the first training step that needs it, sized for the dataset's longest prompt
 (every row validated first, naming the row); each `take` returns exactly `groups_per_step` groups whose rows replace
 the sampler's; a resumed run restarts the stream at the checkpoint's saved position (no trained prompt replayed).
 """
@@ -14,7 +15,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
@@ -22,14 +23,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ..checks import inputs
 from ..engine import sharding
 from ..rollouts.async_controller import AsyncRolloutController
+from ..rollouts.async_core import AsyncBounds, AsyncRolloutSource
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.model_access import plain_module
 from ..rollouts.prompt_stream import PromptStream
 from ..rollouts.rollout_groups import RolloutGroup
 from . import trl_internals
-
-if TYPE_CHECKING:
-    from .remote import ScatteredRemoteRollouts
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +82,7 @@ class AsyncRolloutsMixin:
     """The async part of `ContinuousBatchingTrainerMixin` (state: the controller, the stream position, the groups of
     the current step and the dataset's longest prompt)."""
 
-    _cb_async: AsyncRolloutController | ScatteredRemoteRollouts | None = None
+    _cb_async: AsyncRolloutSource | None = None
     _cb_async_groups: list[RolloutGroup] | None = None
     #: Stream position the next async controller starts from (advanced when a controller stops; set on resume).
     _cb_async_start: int = 0
@@ -168,24 +167,37 @@ class AsyncRolloutsMixin:
         )
         return longest
 
-    def _cb_async_controller(self) -> AsyncRolloutController | ScatteredRemoteRollouts:
-        """The async controller, built (and its engine filled) the first time a training step needs it."""
-        if self._cb_async is None and self.args.rollout_server_urls:
-            module = plain_module(self.model_wrapped)
+    def _cb_async_controller(self) -> AsyncRolloutSource:
+        """The async rollouts, built (and started) the first time a training step needs them: from the rollout
+        servers (`remote.py`) or the trainer's own engine, with the same bounds."""
+        if self._cb_async is not None:
+            return self._cb_async
+        args = self.args
+        groups_per_step = args.generation_batch_size // self.accelerator.num_processes // self.num_generations
+        bounds = AsyncBounds(
+            prefetch_depth=args.prefetch_depth,
+            max_staleness=self._cb_max_staleness(),
+            keep_stale=args.async_keep_stale,
+            timeout=args.cb_generation_timeout,
+        )
+        module = plain_module(self.model_wrapped)
+        controller: AsyncRolloutSource
+        if args.rollout_server_urls:
             max_new = int(self.generation_config.max_new_tokens)
-            cb_config = self.args.transformers_continuous_batching_config or {}
+            cb_config = args.transformers_continuous_batching_config or {}
 
             def validate(prompts: list[list[int]]) -> None:  # the servers run the trainer's model: same limits
                 inputs.validate_prompts(prompts, module, max_new, cb_config)
 
+            def validate_one(prompt: list[int]) -> None:
+                validate([prompt])
+
             if self._cb_async_longest is None:
                 self._cb_async_longest = self._cb_scan_prompts(validate)
             stream = self._cb_prompt_stream(self._cb_async_start)
-            controller = self._cb_remote_async_controller(stream, lambda prompt: validate([prompt]))
-            controller.start()
-            self._cb_async = controller
-        if self._cb_async is None:
-            args = self.args
+            # `RemoteRolloutsMixin.cb_remote_async_rollouts` (remote.py), a method of the same trainer
+            controller = self.cb_remote_async_rollouts(stream, validate_one, groups_per_step, bounds)
+        else:
             generator = ContinuousBatchingGenerator(
                 self.model_wrapped,
                 self.generation_config,
@@ -193,24 +205,20 @@ class AsyncRolloutsMixin:
                 timeout=args.cb_generation_timeout,
                 **self._cb_generator_kwargs(),
             )
-            rows_per_step = args.generation_batch_size // self.accelerator.num_processes
-            module = plain_module(self.model_wrapped)
             if self._cb_async_longest is None:
                 self._cb_async_longest = self._cb_scan_prompts(lambda ids: generator.validate_prompts(ids, module))
             controller = AsyncRolloutController(
                 generator,
                 module,
                 self._cb_prompt_stream(self._cb_async_start),
+                max_prompt_len=self._cb_async_longest,
                 num_generations=self.num_generations,
-                groups_per_step=rows_per_step // self.num_generations,
-                prefetch_depth=args.prefetch_depth,
-                max_staleness=self._cb_max_staleness(),
-                keep_stale=args.async_keep_stale,
-                timeout=args.cb_generation_timeout,
+                groups_per_step=groups_per_step,
+                **bounds,
             )
-            controller.start(max_prompt_len=self._cb_async_longest)
-            self._cb_async = controller
-        return self._cb_async
+        controller.start()
+        self._cb_async = controller
+        return controller
 
     def _cb_max_staleness(self) -> int:
         """`args.max_staleness`, or (unset) the bound that drops nothing for this schedule: rollouts are taken once

@@ -3,7 +3,7 @@
 Sync mode invariant: every completion a step trains on was sampled by the weights the trainer holds at that step:
 before the first round of each optimizer step the weights are pushed (one version per push) to every replica, which
 serves them before the round starts. Async mode (`async_generation`): the servers generate ahead while the trainer
-trains (`serving/remote_rollouts.py`, driven by `ScatteredRemoteRollouts`), weights pushed after every optimizer step.
+trains (`serving/remote_rollouts.py`, shared by `ScatteredRemoteRollouts`), weights pushed after every optimizer step.
 Either way the client refuses tokens of versions it never pushed, and the sampler-side logprobs feed the IS
 correction as on the local path.
 
@@ -23,13 +23,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..checks.generation_settings import settings_servers_cannot_apply
 from ..engine.weight_export import iter_weights, weight_specs
 from ..errors import RolloutServerError
+from ..rollouts.async_core import AsyncBounds, AsyncRolloutSource
 from ..rollouts.model_access import plain_module
 from . import trl_internals
 
 if TYPE_CHECKING:  # the serving modules need the `serve` extra (requests): imported when servers are used
     import torch
 
-    from ..rollouts.async_controller import AsyncMetrics
+    from ..rollouts.async_metrics import AsyncMetrics
     from ..rollouts.rollout_groups import RolloutGroup
     from ..serving.client import RolloutClient
     from ..serving.remote_rollouts import RemoteRolloutController
@@ -156,32 +157,35 @@ class RemoteRolloutsMixin:
         self._cb_pushed_step = self.state.global_step
         return self._cb_weight_version
 
-    def _cb_remote_async_controller(
-        self, prompt_stream: Iterator[tuple[Any, list[int]]], validate: Callable[[list[int]], None]
+    def cb_remote_async_rollouts(
+        self,
+        prompt_stream: Iterator[tuple[Any, list[int]]],
+        validate: Callable[[list[int]], None],
+        groups_per_rank: int,
+        bounds: AsyncBounds,
     ) -> ScatteredRemoteRollouts:
-        """Async rollouts from the servers (`serving/remote_rollouts.py`) with the local controller's bounds: the main
-        process's controller requests every rank's groups; each rank trains on its own share."""
+        """Async rollouts from the servers (`serving/remote_rollouts.py`) for the async bridge: the main process's
+        controller requests every rank's groups; each rank trains on its own share. A collective."""
         if not self._cb_remote_ready:
             self._cb_remote_setup()
-        args: Any = self.args
-        groups_per_rank = args.generation_batch_size // self.accelerator.num_processes // self.num_generations
-        scattered = ScatteredRemoteRollouts(self, groups_per_rank)
-        if self.accelerator.is_main_process:
+        accelerator = self.accelerator
+        controller = None
+        if accelerator.is_main_process:
             from ..serving.remote_rollouts import RemoteRolloutController
 
-            scattered.controller = RemoteRolloutController(
-                self._cb_client,
-                prompt_stream,
-                num_generations=self.num_generations,
-                groups_per_step=groups_per_rank * self.accelerator.num_processes,
-                sampling=self._cb_remote_sampling(),
-                prefetch_depth=args.prefetch_depth,
-                max_staleness=self._cb_max_staleness(),
-                keep_stale=args.async_keep_stale,
-                timeout=args.cb_generation_timeout,
-                validate=validate,
+            groups = groups_per_rank * accelerator.num_processes
+            sampling = self._cb_remote_sampling()
+            controller = RemoteRolloutController(
+                self._cb_client, prompt_stream, self.num_generations, groups, sampling, validate, **bounds
             )
-        return scattered
+        return ScatteredRemoteRollouts(
+            controller,
+            groups_per_rank,
+            push_weights=self._cb_push_weights,
+            on_main=self._cb_on_main,
+            num_processes=accelerator.num_processes,
+            process_index=accelerator.process_index,
+        )
 
     def _cb_drop_replicas(self, failed: dict[WeightSender, str]) -> None:
         """Stop using replicas a push did not reach: they serve older weights, so sampling there would be silently
@@ -202,46 +206,60 @@ class RemoteRolloutsMixin:
                 pass
 
 
-class ScatteredRemoteRollouts:
-    """The async controller every rank holds when rollouts come from servers (the local controller's interface).
+class ScatteredRemoteRollouts(AsyncRolloutSource):
+    """The async rollouts every rank holds when rollouts come from servers.
 
     The main process's `RemoteRolloutController` (`controller`; `None` on the other ranks) takes all ranks' groups at
-    once, oldest first, and rank r trains on slice r. Weight pushes run on every rank (a collective: all ranks gather,
-    the main process sends), so the controller's own push callback only reports the version pushed here. The stream
-    position (`consumed_groups`) is the main process's, shared with every rank for checkpoints.
+    once, oldest first, and rank r trains on slice r. Weight pushes run on every rank (`push_weights`, a collective:
+    all ranks gather, the main process sends), so the controller is only told the version pushed. The stream position
+    (`consumed_groups`) is the main process's, shared with every rank for checkpoints. `on_main(work)` runs `work` on
+    the main process and hands its result (or its failure) to every rank.
     """
 
-    def __init__(self, trainer: RemoteRolloutsMixin, groups_per_step: int) -> None:
-        self.trainer = trainer
+    def __init__(
+        self,
+        controller: RemoteRolloutController | None,
+        groups_per_step: int,
+        push_weights: Callable[[], int],
+        on_main: Callable[[Callable[[], Any]], Any],
+        num_processes: int,
+        process_index: int,
+    ) -> None:
+        self.controller = controller
         self.groups_per_step = groups_per_step
-        self.controller: RemoteRolloutController | None = None
+        self.push_weights = push_weights
+        self.on_main = on_main
+        self.num_processes = num_processes
+        self.process_index = process_index
         self.policy_version = 0
         self.consumed_groups = 0
 
     def start(self) -> None:
-        self.policy_version = self.trainer._cb_push_weights()  # the servers never sample unsent weights
+        """Push the weights first (the servers never sample unsent weights), then start requesting."""
+        self.policy_version = self.push_weights()
         if self.controller is not None:
-            self.controller.start(self.policy_version)
+            self.controller.weights_pushed(self.policy_version)
+            self.controller.start()
 
     def begin_weight_update(self) -> None:
         """Nothing to hold: the servers generate on their own copy while the trainer steps."""
 
     def end_weight_update(self) -> None:
-        self.policy_version = self.trainer._cb_push_weights()
+        self.policy_version = self.push_weights()
         if self.controller is not None:
             self.controller.weights_pushed(self.policy_version)
 
     def take(self, num_groups: int) -> tuple[list[RolloutGroup], AsyncMetrics]:
         """This rank's `num_groups` groups; a collective (every rank calls it each step)."""
-        ranks = self.trainer.accelerator.num_processes
+        ranks = self.num_processes
 
         def take_all() -> tuple[list[list[RolloutGroup]], AsyncMetrics, int]:
             groups, metrics = self.controller.take(num_groups * ranks)
             shares = [groups[r * num_groups : (r + 1) * num_groups] for r in range(ranks)]
             return shares, metrics, self.controller.consumed_groups
 
-        shares, metrics, self.consumed_groups = self.trainer._cb_on_main(take_all)
-        return shares[self.trainer.accelerator.process_index], metrics
+        shares, metrics, self.consumed_groups = self.on_main(take_all)
+        return shares[self.process_index], metrics
 
     def stop(self) -> None:
         if self.controller is not None:

@@ -1,4 +1,4 @@
-"""Async rollouts (trl_cb/async_rollouts.py): staleness, versions, behaviour logprobs across updates, lifecycle."""
+"""Async rollouts on the in-process engine (trl_cb/rollouts/async_controller.py): staleness, versions, behaviour logprobs across updates, lifecycle."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ def controller(model, tokenizer, max_new_tokens=24, cb_config=None, **kwargs) ->
     )
     options = dict(num_generations=2, groups_per_step=2, prefetch_depth=1, max_staleness=1)
     options.update(kwargs)
-    ctl = AsyncRolloutController(gen, model, stream, **options)
-    ctl.start(max_prompt_len=64)
+    ctl = AsyncRolloutController(gen, model, stream, max_prompt_len=64, **options)
+    ctl.start()
     return ctl
 
 
@@ -60,7 +60,7 @@ def test_groups_intact_metrics_complete_and_fifo(model, tokenizer):
         order = []
         for _ in range(3):
             groups, metrics = ctl.take(2)
-            assert set(metrics.as_dict()) == {f"async/{k}" for k in vars(AsyncMetrics())}  # every name, every step
+            assert set(metrics.as_dict()) == AsyncMetrics.names()  # every name, every step
             for g in groups:
                 assert len(g.completion_ids) == len(g.logprobs) == len(g.versions) == 2
                 assert all(len(c) == len(lp) == len(v) for c, lp, v in zip(g.completion_ids, g.logprobs, g.versions))
@@ -114,8 +114,8 @@ def test_behaviour_logprobs_across_a_weight_update(tokenizer):
     try:
         ctl.take(2)  # leaves prefetched groups in flight
         # Proven, not assumed: let the engine run until a held request has sampled some (not all) of its tokens.
-        while not any(_upstream.inflight_generated_lengths(ctl._manager).values()):
-            with ctl._hold.running():
+        while not any(_upstream.inflight_generated_lengths(ctl.backend.manager).values()):
+            with ctl.backend.hold.running():
                 time.sleep(0.002)
         old = copy.deepcopy(model)
         with ctl.weight_update():
@@ -201,7 +201,7 @@ def test_trainer_async_is_exact_without_updates_and_logs_every_metric(kind, sett
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     assert len(logs) == 3
-    names = {f"async/{k}" for k in vars(AsyncMetrics())}
+    names = AsyncMetrics.names()
     for entry in logs:
         assert names <= set(entry), names - set(entry)
         assert entry["sampling/sampling_logp_difference/max"] <= 1e-4
@@ -233,8 +233,8 @@ def heavy_controller(tokenizer, **kwargs) -> tuple[AsyncRolloutController, torch
     rows = synthetic_gsm8k(40, seed=4)
     stream = ((r, tokenizer(r["prompt"])["input_ids"]) for r in itertools.cycle(rows))
     gen = ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=160))
-    ctl = AsyncRolloutController(gen, model, stream, **options)
-    ctl.start(max_prompt_len=64)
+    ctl = AsyncRolloutController(gen, model, stream, max_prompt_len=64, **options)
+    ctl.start()
     return ctl, model
 
 
@@ -265,7 +265,7 @@ def test_ctrl_c_in_take_reaches_the_caller_within_2s(tokenizer, monkeypatch):
         with engine_gate(model, monkeypatch, after=3) as gate:  # no group can finish before the signal
             latency = interrupted_in_round(lambda: ctl.take(2), gate)
         assert gate.parked and latency is not None and latency < 2.0, latency
-        assert ctl._hold.depth == 1, "the engine must be held again after the interrupt"
+        assert ctl.backend.hold.depth == 1, "the engine must be held again after the interrupt"
     finally:
         start = time.monotonic()
         ctl.stop()
@@ -284,10 +284,12 @@ def test_prompts_are_validated_before_submission(model, tokenizer, bad, message)
     good = tokenizer("what is 2 plus 2?")["input_ids"]
     stream = iter([({"i": i}, good) for i in range(2)] + [({"i": 2}, bad)] + [({"i": i}, good) for i in range(3, 99)])
     gen = ContinuousBatchingGenerator(model, sampling_config(tokenizer))
-    ctl = AsyncRolloutController(gen, model, stream, num_generations=2, groups_per_step=2, max_staleness=1)
+    ctl = AsyncRolloutController(
+        gen, model, stream, max_prompt_len=64, num_generations=2, groups_per_step=2, max_staleness=1
+    )
     try:
         with pytest.raises(ValueError, match=rf"Async prompt stream item 2.*{message}|{message}.*item 2"):
-            ctl.start(max_prompt_len=64)
+            ctl.start()
             for _ in range(3):
                 ctl.take(2)
     finally:
@@ -411,7 +413,7 @@ def test_stop_with_requests_in_flight_leaves_no_engine_error(tokenizer):
 
     model = tiny_model(tokenizer)
     ctl = controller(model, tokenizer, max_new_tokens=48, cb_config={"max_requests_per_batch": 4}, prefetch_depth=2)
-    manager = ctl._manager
+    manager = ctl.backend.manager
     ctl.take(2)  # leaves prefetched groups in flight
     ctl.stop()
     assert _upstream.engine_fatal_error(manager) is None

@@ -419,9 +419,9 @@ def test_interpreter_exit_with_unclosed_engines_prints_nothing_and_does_not_hang
             gen.generate([[5, 6, 7]], num_generations=2)
             model = tiny_model(tok)
             stream = (({"i": i}, [5, 6, 7 + i % 50]) for i in itertools.count())
-            ctl = AsyncRolloutController(ContinuousBatchingGenerator(model, cfg), model, stream, num_generations=2,
-                                         groups_per_step=2)
-            ctl.start(max_prompt_len=8)
+            ctl = AsyncRolloutController(ContinuousBatchingGenerator(model, cfg), model, stream, max_prompt_len=8,
+                                         num_generations=2, groups_per_step=2)
+            ctl.start()
             ctl.take(2)
             print("exiting with both open", flush=True)
             """

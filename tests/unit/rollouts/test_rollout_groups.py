@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from trl_cb.rollouts.rollout_groups import InFlightGroups
+from trl_cb.rollouts.rollout_groups import InFlightGroups, RolloutGroup
 
 
 @dataclass
@@ -48,8 +48,8 @@ class ScriptedEngine:
 
 def test_a_request_finished_before_the_pause_keeps_its_old_version():
     engine, groups = ScriptedEngine(), InFlightGroups()
-    groups.submit(engine, "done-before", [5, 6], 1, 8, version=0)
-    groups.submit(engine, "straddles", [7, 8], 1, 8, version=0)
+    groups.submit(engine, RolloutGroup(row="done-before", prompt_ids=[5, 6]), 1, 8)
+    groups.submit(engine, RolloutGroup(row="straddles", prompt_ids=[7, 8]), 1, 8)
     engine.finish("a0", 3)  # finished before the pause: out of the scheduler, result not collected yet
     engine.running("a1", 2)  # 2 tokens so far
     groups.mark_weight_update(engine, new_version=1)

@@ -1,5 +1,6 @@
-"""`RemoteRolloutController` against a scripted client (no server): FIFO whatever the finishing order, staleness
-drops counted in the resume position, weight pushes, errors and timeouts reaching the trainer."""
+"""`RemoteRolloutController` (the async core on `ServerBackend`) against a scripted client (no server): FIFO whatever
+the finishing order, staleness drops counted in the resume position, weight pushes, errors and timeouts reaching the
+trainer."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class ScriptedClient:
         self.version = 0
         self.calls: list[int] = []
         self.streams: list[int] = []  # groups per streaming call
+        self.delivered: set[int] = set()  # prompts answered
         self._lock = threading.Lock()
 
     def stream_generate(self, prompts, n, on_group, preferred=0, **sampling) -> None:
@@ -50,6 +52,8 @@ class ScriptedClient:
                     num_generations=n,
                 ),
             )
+            with self._lock:
+                self.delivered.add(i)
 
 
 def controller(client: ScriptedClient, **kwargs) -> RemoteRolloutController:
@@ -83,14 +87,14 @@ def test_groups_come_back_in_request_order_whatever_finishes_first():
         assert all(g.completion_ids == [[int(g.row[3:])]] * 2 for g in groups)
     assert seen == [f"row{i}" for i in range(6)] and ctl.consumed_groups == 6
     assert metrics.policy_version == 1 and metrics.dropped_total == 0
-    assert len(client.calls) >= 6 and len(ctl._requests) == ctl.capacity_groups == 4, "kept full, never more"
+    assert len(client.calls) >= 6 and ctl.outstanding_groups == ctl.capacity_groups == 4, "kept full, never more"
 
 
-def answered(ctl: RemoteRolloutController, count: int, timeout: float = 30.0) -> None:
+def answered(client: ScriptedClient, count: int, timeout: float = 30.0) -> None:
     """Wait until the first `count` requested groups have their answers (not a sleep: a loaded machine may take
     longer to run the request threads than any fixed pause)."""
     deadline = time.monotonic() + timeout
-    while not all(r.done.is_set() for r in list(ctl._requests)[:count]) or len(ctl._requests) < count:
+    while not set(range(count)) <= client.delivered:
         assert time.monotonic() < deadline, f"{count} groups not answered within {timeout} s"
         time.sleep(0.005)
 
@@ -98,7 +102,7 @@ def answered(ctl: RemoteRolloutController, count: int, timeout: float = 30.0) ->
 def test_stale_groups_are_dropped_and_counted_in_the_resume_position():
     client = ScriptedClient()
     ctl = started(client, prefetch_depth=1, max_staleness=1)
-    answered(ctl, 4)  # the first 4 groups are sampled with version 1
+    answered(client, 4)  # the first 4 groups are sampled with version 1
     for _ in range(2):  # two optimizer steps: version 3, those groups are 2 updates old
         push(ctl, client)
     groups, metrics = ctl.take(2)
@@ -110,7 +114,7 @@ def test_stale_groups_are_dropped_and_counted_in_the_resume_position():
 def test_keep_stale_keeps_them():
     client = ScriptedClient()
     ctl = started(client, prefetch_depth=1, max_staleness=0, keep_stale=True)
-    answered(ctl, 4)
+    answered(client, 4)
     push(ctl, client)
     groups, metrics = ctl.take(2)
     assert [g.row for g in groups] == ["row0", "row1"] and metrics.staleness_max == 1 and metrics.dropped_total == 0
