@@ -37,7 +37,7 @@ _ESCAPE_AFTER = 2
 def module_lock(module: Any) -> threading.RLock:
     """The lock that serialises engine rounds on `module` (one per module object, dropped with the module).
 
-    Held by `ContinuousBatchingGenerator.generate` for a whole round and by `AsyncRolloutController` whenever its
+    Held by `ContinuousBatchingGenerator.generate` for a whole round and by the async `EngineBackend` whenever its
     engine may run. Reentrant so that a holder may call helpers that take it again (e.g. `stop` -> `close`).
     """
     with _locks_guard:

@@ -80,10 +80,13 @@ class AsyncRolloutSource(ABC):
     """What the trainers' async bridge drives: the core on one process, or `trainers.remote.ScatteredRemoteRollouts`
     sharing the main process's core between ranks."""
 
-    groups_per_step: int
-    #: Stream items handed to the trainer or dropped, in stream order (the resume position).
-    consumed_groups: int
-    policy_version: int
+    def __init__(self, groups_per_step: int) -> None:
+        #: Groups each `take` returns to this process.
+        self.groups_per_step = groups_per_step
+        #: Stream items handed to the trainer or dropped, in stream order (the resume position).
+        self.consumed_groups = 0
+        #: The trainer's weight version: updates (in-process) or pushes (servers) so far.
+        self.policy_version = 0
 
     @abstractmethod
     def start(self) -> None:
@@ -163,16 +166,14 @@ class AsyncRollouts(AsyncRolloutSource, Generic[BackendT]):
         validate_async_bounds(max_staleness, prefetch_depth)
         if groups_per_step <= 0 or num_generations <= 0:
             raise ValueError(f"groups_per_step and G must be > 0, got {groups_per_step}, {num_generations}.")
+        super().__init__(groups_per_step)
         self.backend = backend
         self.prompt_stream = prompt_stream
         self.num_generations = num_generations
-        self.groups_per_step = groups_per_step
         self.prefetch_depth = prefetch_depth
         self.max_staleness = max_staleness
         self.keep_stale = keep_stale
         self.timeout = timeout
-        self.policy_version = 0
-        self.consumed_groups = 0
         self._queue: deque[RolloutGroup] = deque()  # submitted, not handed out: stream order
         self._unfinished: dict[int, RolloutGroup] = {}  # by id: in `_queue`, not reported finished
         self._drawn = 0  # stream items drawn so far

@@ -225,14 +225,10 @@ class ScatteredRemoteRollouts(AsyncRolloutSource):
         num_processes: int,
         process_index: int,
     ) -> None:
+        super().__init__(groups_per_step)
         self.controller = controller
-        self.groups_per_step = groups_per_step
-        self.push_weights = push_weights
-        self.on_main = on_main
-        self.num_processes = num_processes
-        self.process_index = process_index
-        self.policy_version = 0
-        self.consumed_groups = 0
+        self.push_weights, self.on_main = push_weights, on_main
+        self.num_processes, self.process_index = num_processes, process_index
 
     def start(self) -> None:
         """Push the weights first (the servers never sample unsent weights), then start requesting."""

@@ -1,4 +1,5 @@
-"""Async rollouts on the in-process engine (trl_cb/rollouts/async_controller.py): staleness, versions, behaviour logprobs across updates, lifecycle."""
+"""Async rollouts on the in-process engine (trl_cb/rollouts/async_controller.py): staleness, versions, behaviour
+logprobs across updates, lifecycle."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from tests.unit.trainers.test_trainers import make_trainer
 from trl_cb import ContinuousBatchingGenerator, EngineDiedError, GenerationError, GRPOConfig
 from trl_cb.engine import _upstream
 from trl_cb.offline.data import synthetic_gsm8k
-from trl_cb.rollouts.async_controller import AsyncMetrics, AsyncRolloutController
+from trl_cb.rollouts.async_controller import AsyncRolloutController
+from trl_cb.rollouts.async_metrics import AsyncMetrics
 
 
 def controller(model, tokenizer, max_new_tokens=24, cb_config=None, **kwargs) -> AsyncRolloutController:
