@@ -24,7 +24,7 @@ import trl
 
 from .checks.engine_config import DEFAULT_MAX_MEMORY_PERCENT, cb_kwargs
 from .deprecation import warn_deprecated
-from .importance_sampling import IS_MODES, validate_mode
+from .importance_sampling import DEFAULT_M2_THRESHOLD, IS_MODES, TOKEN_LEVEL_MODES, is_token_level, validate_mode
 from .rollouts.async_core import validate_async_bounds
 from .trainers.upstream_warnings import trl_config_post_init
 
@@ -52,7 +52,9 @@ class ContinuousBatchingArguments:
         cb_importance_sampling_clip_min (`float`, *optional*):
             Lower IS bound (truncate: clamp; mask: zero below).
         cb_importance_sampling_clip_max (`float`, *optional*, defaults to `3.0`):
-            Upper IS bound (truncate: clamp; mask: zero above).
+            Upper IS bound (truncate: clamp; mask: zero above; `*_m2`: clamp).
+        cb_importance_sampling_m2_threshold (`float`, *optional*, defaults to `0.04`):
+            `token_m2` / `geometric_m2`: bound on the mean squared token log-ratio of what is kept (M2PO's tau).
         cb_generation_timeout (`float`, *optional*):
             Seconds one generation round may take before it fails with `TimeoutError` (`None`: no limit).
         cb_keep_generation_weights (`bool`, *optional*):
@@ -110,7 +112,13 @@ class ContinuousBatchingArguments:
     )
     cb_importance_sampling_clip_max: float | None = field(
         default=3.0,
-        metadata={"help": "Upper importance-sampling bound (truncate: clamp, mask: zero above)."},
+        metadata={"help": "Upper importance-sampling bound (truncate: clamp, mask: zero above, *_m2: clamp)."},
+    )
+    cb_importance_sampling_m2_threshold: float = field(
+        default=DEFAULT_M2_THRESHOLD,
+        metadata={
+            "help": "token_m2 / geometric_m2: largest mean squared token log-ratio of the tokens kept (M2PO's tau)."
+        },
     )
     cb_generation_timeout: float | None = field(
         default=None,
@@ -229,6 +237,7 @@ class ContinuousBatchingArguments:
             self.cb_importance_sampling_mode,
             self.cb_importance_sampling_clip_min,
             self.cb_importance_sampling_clip_max,
+            self.cb_importance_sampling_m2_threshold,
         )
         if self.cb_generation_timeout is not None and self.cb_generation_timeout <= 0:
             raise ValueError(f"cb_generation_timeout must be > 0 or None, got {self.cb_generation_timeout}.")
@@ -273,12 +282,12 @@ class GRPOConfig(ContinuousBatchingArguments, trl.GRPOConfig):
             self.use_transformers_continuous_batching
             and self.cb_importance_sampling_correction
             and self.loss_type == "vespo"
-            and not self.cb_importance_sampling_mode.startswith("token")
+            and not is_token_level(self.cb_importance_sampling_mode)
         ):
             raise ValueError(
                 "loss_type='vespo' weights tokens itself and needs a token-level IS mode; set "
-                "cb_importance_sampling_mode to 'token_truncate' or 'token_mask' "
-                f"(got {self.cb_importance_sampling_mode!r})."
+                f"cb_importance_sampling_mode to one of {TOKEN_LEVEL_MODES}"
+                f" (got {self.cb_importance_sampling_mode!r})."
             )
 
 
@@ -286,17 +295,17 @@ class GRPOConfig(ContinuousBatchingArguments, trl.GRPOConfig):
 class RLOOConfig(ContinuousBatchingArguments, trl.RLOOConfig):
     """TRL's `RLOOConfig` with trl_cb's continuous batching fields (see `ContinuousBatchingArguments`).
 
-    RLOO's loss is per sequence, so its IS weight is too: `cb_importance_sampling_mode` must be `sequence_mask`
-    (default) or `sequence_truncate`.
+    RLOO's loss is per sequence, so its IS weight is too: `cb_importance_sampling_mode` must be a sequence-level
+    mode (`sequence_*`, `geometric_*`).
     """
 
     def __post_init__(self) -> None:
         self._post_init_continuous_batching()
         with trl_config_post_init(self):  # TRL's own `gradient_checkpointing` default warns otherwise
             super().__post_init__()
-        if not self.cb_importance_sampling_mode.startswith("sequence"):
+        if is_token_level(self.cb_importance_sampling_mode):
+            sequence_modes = tuple(m for m in IS_MODES if not is_token_level(m))
             raise ValueError(
                 "RLOO's loss is per sequence, so its importance-sampling weight is too: set "
-                "cb_importance_sampling_mode to 'sequence_mask' or 'sequence_truncate' "
-                f"(got {self.cb_importance_sampling_mode!r})."
+                f"cb_importance_sampling_mode to one of {sequence_modes} (got {self.cb_importance_sampling_mode!r})."
             )

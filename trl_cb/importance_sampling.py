@@ -1,23 +1,53 @@
 """Importance-sampling (IS) correction between the CB sampler and the training policy.
 
-For every completion token t, `log w_t = log pi_old(y_t) - log mu(y_t)`, both `log_softmax(logits / T)` over the
+For every completion token t, `log r_t = log pi_old(y_t) - log mu(y_t)`, both `log_softmax(logits / T)` over the
 whole vocabulary: `pi_old` from the trainer's forward, `mu` from the sampler's own logits when it sampled y_t (the
-design and why not the processed logprob: docs/index.md, "Importance-sampling correction"). Modes (TRL's semantics):
-`token_*` one ratio per token, `sequence_*` one per sequence (exp of the summed log-ratios); `*_truncate` clamps to
-[clip_min, clip_max], `*_mask` zeroes ratios outside the bounds. Tokens whose sampling logprob is NaN get ratio 1.
+design and why not the processed logprob: docs/index.md, "Importance-sampling correction"). Tokens whose sampling
+logprob is NaN get `log r_t = 0`; padding never counts.
 
+Modes. TRL's four: `token_*` one weight per token `r_t`; `sequence_*` one per sequence, `exp(sum_t log r_t)` (the
+product of its token ratios); `*_truncate` clamps to [clip_min, clip_max], `*_mask` zeroes weights outside them.
+For stale (async) samples, where the product of 24-256 token ratios is heavy-tailed and a mask on it discards the
+very sequences the current policy prefers (docs/async.md, "Off-policy correction"):
+- `geometric_truncate` / `geometric_mask`: one weight per sequence, `exp(mean_t log r_t)` (the geometric mean of
+  its token ratios: length-normalised, verl's geometric sequence mode), clamped / zeroed outside the bounds.
+  Sequence level, so RLOO can use it.
+- `token_m2` / `geometric_m2` (M2PO, Zheng et al. 2025): a second-moment trust region instead of a bound on each
+  weight. Units (tokens, or sequences with their mean token `(log r)^2`) are masked, largest `(log r)^2` first, until
+  the mean `(log r_t)^2` over the tokens still counted is <= `m2_threshold`; the rest keep their weight (`r_t`, or the
+  geometric mean), clamped to `clip_max` when set. The mask is computed over the tokens the correction sees at once.
+The decoupled (proximal) objective of AReaL needs no mode of its own: TRL's old-policy logprobs are computed with the
+current weights, so they are the proximal policy, the loss's clip is relative to them, and `token_mask` with
+`clip_max=5` is AReaL's behaviour-weight rejection (`token_truncate` is its truncated variant).
+
+`ImportanceWeights` keeps the raw (pre-truncation) weight and which units the mode changed, for the metrics.
 `ImportanceSamplingStats` are mergeable: the stats of a batch's row splits, merged, are the batch's, so metrics logged
-per generation batch match TRL's whatever the micro-batching (`IS_METRIC_NAMES`, in `local_values` order).
+per generation batch match TRL's whatever the micro-batching (`IS_METRIC_NAMES`, in `local_values` order), plus the
+off-policy diagnostics (`IS_EXTRA_METRIC_NAMES`: raw weight mean/min/max, share of tokens and sequences truncated or
+masked), reduced exactly across processes.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+IS_MODES = (
+    "token_truncate",
+    "token_mask",
+    "sequence_truncate",
+    "sequence_mask",
+    "geometric_truncate",
+    "geometric_mask",
+    "token_m2",
+    "geometric_m2",
+)
+#: Modes with one weight per token; every other mode has one weight per sequence.
+TOKEN_LEVEL_MODES = ("token_truncate", "token_mask", "token_m2")
+#: M2PO's second-moment bound on the token log-ratios (its paper's tau).
+DEFAULT_M2_THRESHOLD = 0.04
 
 
 #: TRL's metric names for the IS correction, in the order `ImportanceSamplingStats.local_values` returns them.
@@ -28,12 +58,38 @@ IS_METRIC_NAMES = (
     "sampling/importance_sampling_ratio/mean",
     "sampling/importance_sampling_ratio/max",
 )
+#: trl_cb's off-policy diagnostics, in the order `ImportanceSamplingStats.extra_values` returns them: the raw weight
+#: (before truncation or masking, over the mode's units) and the share of counted tokens / sequences whose weight the
+#: mode changed (truncated, or masked to 0).
+IS_EXTRA_METRIC_NAMES = (
+    "sampling/importance_sampling_raw_ratio/min",
+    "sampling/importance_sampling_raw_ratio/mean",
+    "sampling/importance_sampling_raw_ratio/max",
+    "sampling/importance_sampling_corrected/token_fraction",
+    "sampling/importance_sampling_corrected/sequence_fraction",
+)
+
+
+def is_token_level(mode: str) -> bool:
+    """Whether `mode` gives one weight per token ((B, T)) rather than one per sequence ((B, 1))."""
+    return mode in TOKEN_LEVEL_MODES
+
+
+@dataclass
+class ImportanceWeights:
+    """The weights of one batch: `weight` (what the loss uses), `raw` (before truncation/masking) and `changed` (the
+    units whose weight the mode changed), all (B, T) for token-level modes and (B, 1) for sequence-level ones."""
+
+    weight: torch.Tensor
+    raw: torch.Tensor
+    changed: torch.Tensor
 
 
 @dataclass
 class ImportanceSamplingStats:
-    """Per-process sums, counts and extrema of the weights (over counted tokens, or sequences for `sequence_*`
-    modes) and of |log pi_old - log mu| (over counted tokens whose sampling logprob is not NaN).
+    """Per-process sums, counts and extrema of the weights (over counted tokens, or sequences for sequence-level
+    modes), of |log pi_old - log mu| (over counted tokens whose sampling logprob is not NaN), of the raw weights, and
+    the counts of tokens and sequences the mode changed.
 
     Mergeable: the stats of the micro-batches of one generation batch, merged, equal the stats of the whole batch,
     so the logged values are TRL's (which computes them once per generation batch) whatever the micro-batching."""
@@ -45,17 +101,24 @@ class ImportanceSamplingStats:
     diff_sum: torch.Tensor
     diff_count: torch.Tensor
     diff_max: torch.Tensor
+    raw_sum: torch.Tensor
+    raw_min: torch.Tensor
+    raw_max: torch.Tensor
+    changed_tokens: torch.Tensor
+    token_count: torch.Tensor
+    changed_sequences: torch.Tensor
+    sequence_count: torch.Tensor
 
     def merge(self, other: ImportanceSamplingStats) -> ImportanceSamplingStats:
-        return ImportanceSamplingStats(
-            ratio_sum=self.ratio_sum + other.ratio_sum,
-            ratio_count=self.ratio_count + other.ratio_count,
-            ratio_min=torch.minimum(self.ratio_min, other.ratio_min),
-            ratio_max=torch.maximum(self.ratio_max, other.ratio_max),
-            diff_sum=self.diff_sum + other.diff_sum,
-            diff_count=self.diff_count + other.diff_count,
-            diff_max=torch.maximum(self.diff_max, other.diff_max),
-        )
+        def combine(name: str) -> torch.Tensor:
+            a, b = getattr(self, name), getattr(other, name)
+            if name.endswith("_min"):
+                return torch.minimum(a, b)
+            if name.endswith("_max"):
+                return torch.maximum(a, b)
+            return a + b
+
+        return ImportanceSamplingStats(**{f.name: combine(f.name) for f in fields(self)})
 
     def local_values(self) -> torch.Tensor:
         """(5,) fp32 in `IS_METRIC_NAMES` order; 0 for a quantity with nothing counted (as TRL logs it)."""
@@ -71,8 +134,46 @@ class ImportanceSamplingStats:
             ]
         ).float()
 
+    def reduction_sums(self) -> torch.Tensor:
+        """(8,) fp32: what `extra_values` needs from each process, to be gathered and reduced by
+        `reduce_extra_values` (sums add, extrema take their extremum): exact across processes."""
+        return torch.stack(
+            [
+                self.raw_sum,
+                self.ratio_count,
+                self.raw_min,
+                self.raw_max,
+                self.changed_tokens,
+                self.token_count,
+                self.changed_sequences,
+                self.sequence_count,
+            ]
+        ).float()
 
-def validate_mode(mode: str, clip_min: float | None, clip_max: float | None) -> None:
+    def extra_values(self) -> torch.Tensor:
+        """(5,) fp32 in `IS_EXTRA_METRIC_NAMES` order, for this process alone."""
+        return reduce_extra_values(self.reduction_sums()[None])
+
+
+def reduce_extra_values(gathered: torch.Tensor) -> torch.Tensor:
+    """`IS_EXTRA_METRIC_NAMES` values from the (P, 8) `reduction_sums` of P processes; 0 where nothing counted."""
+    raw_sum, count, raw_min, raw_max, changed_tok, tokens, changed_seq, seqs = gathered.unbind(dim=1)
+    zero = torch.zeros((), device=gathered.device)
+    n, n_tok, n_seq = count.sum(), tokens.sum(), seqs.sum()
+    return torch.stack(
+        [
+            torch.where(n > 0, raw_min.min(), zero),
+            torch.where(n > 0, raw_sum.sum() / n.clamp(min=1), zero),
+            torch.where(n > 0, raw_max.max(), zero),
+            torch.where(n_tok > 0, changed_tok.sum() / n_tok.clamp(min=1), zero),
+            torch.where(n_seq > 0, changed_seq.sum() / n_seq.clamp(min=1), zero),
+        ]
+    ).float()
+
+
+def validate_mode(
+    mode: str, clip_min: float | None, clip_max: float | None, m2_threshold: float | None = None
+) -> None:
     """`ValueError` for an unknown mode or unusable bounds."""
     if mode not in IS_MODES:
         raise ValueError(f"Unknown importance sampling mode {mode!r}; choose one of {IS_MODES}.")
@@ -80,42 +181,110 @@ def validate_mode(mode: str, clip_min: float | None, clip_max: float | None) -> 
         raise ValueError(f"IS clip_min ({clip_min}) must be smaller than clip_max ({clip_max}).")
     if mode.endswith("_truncate") and clip_min is None and clip_max is None:
         raise ValueError(f"IS mode {mode!r} needs clip_min or clip_max (or both).")
+    if m2_threshold is not None and not (m2_threshold > 0 and math.isfinite(m2_threshold)):
+        raise ValueError(f"IS m2_threshold must be a finite number > 0, got {m2_threshold}.")
 
 
-def importance_sampling_ratio(
+def importance_weights(
     old_logps: torch.Tensor,  # (B, T) training-policy logprobs of the sampled tokens
     sampling_logps: torch.Tensor,  # (B, T) behaviour logprobs recorded by the sampler
     mask: torch.Tensor,  # (B, T) 1 for completion tokens that count
     mode: str,
     clip_min: float | None,
     clip_max: float | None,
-) -> torch.Tensor:
-    """IS weights: (B, T) for `token_*` modes, (B, 1) for `sequence_*` modes (see module docstring)."""
-    validate_mode(mode, clip_min, clip_max)
-    log_ratio = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)  # (B, T)
+    m2_threshold: float = DEFAULT_M2_THRESHOLD,
+) -> ImportanceWeights:
+    """The IS weights of `mode` with their raw values and the units the mode changed (see module docstring)."""
+    validate_mode(mode, clip_min, clip_max, m2_threshold)
+    keep = mask.bool()
+    token_log_ratio = torch.nan_to_num((old_logps - sampling_logps).masked_fill(~keep, 0.0), nan=0.0)  # (B, T)
+    log_ratio = token_log_ratio
     if mode.startswith("sequence"):
-        log_ratio = log_ratio.sum(dim=-1, keepdim=True)  # (B, 1)
-    ratio = torch.exp(log_ratio)
-    if mode.endswith("_truncate"):
-        return torch.clamp(ratio, min=clip_min, max=clip_max)
-    low = -math.inf if clip_min is None else clip_min
-    high = math.inf if clip_max is None else clip_max
-    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+        log_ratio = token_log_ratio.sum(dim=-1, keepdim=True)  # (B, 1)
+    elif mode.startswith("geometric"):
+        log_ratio = token_log_ratio.sum(dim=-1, keepdim=True) / keep.sum(dim=-1, keepdim=True).clamp(min=1)
+    raw = torch.exp(log_ratio)
+    if mode.endswith("_m2"):
+        weight = raw.masked_fill(_second_moment_mask(token_log_ratio, keep, mode, m2_threshold), 0.0)
+        if clip_max is not None:
+            weight = weight.clamp(max=clip_max)
+    elif mode.endswith("_truncate"):
+        weight = torch.clamp(raw, min=clip_min, max=clip_max)
+    else:
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        weight = raw.masked_fill((raw < low) | (raw > high), 0.0)
+    return ImportanceWeights(weight=weight, raw=raw, changed=weight != raw)
+
+
+def importance_sampling_ratio(
+    old_logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    clip_min: float | None,
+    clip_max: float | None,
+    m2_threshold: float = DEFAULT_M2_THRESHOLD,
+) -> torch.Tensor:
+    """IS weights: (B, T) for token-level modes, (B, 1) for sequence-level ones (`importance_weights(...).weight`)."""
+    return importance_weights(old_logps, sampling_logps, mask, mode, clip_min, clip_max, m2_threshold).weight
+
+
+def _second_moment_mask(
+    token_log_ratio: torch.Tensor, keep: torch.Tensor, mode: str, threshold: float
+) -> torch.Tensor:
+    """M2PO's mask, True where a unit is masked: drop the units with the largest squared log-ratio until the mean
+    squared token log-ratio over the counted tokens left is <= `threshold`. Returns (B, T) for `token_m2`, (B, 1) for
+    `geometric_m2`.
+
+    Units: the counted tokens (`token_m2`), or the sequences ranked by their mean squared token log-ratio, the bound
+    being on the tokens they hold (`geometric_m2`). Why a prefix: adding units in ascending order of their value
+    never lowers the running (token-weighted) mean, so the largest set within the bound is the longest ascending
+    prefix whose mean is <= `threshold` (ties broken by position, so exactly that many units are kept). A unit with
+    no counted token is never masked (it carries no gradient)."""
+    squared = token_log_ratio.float().square() * keep  # (B, T), 0 where not counted
+    if mode.startswith("token"):
+        sums, counts = squared.flatten(), keep.flatten().float()
+    else:
+        sums, counts = squared.sum(dim=-1), keep.sum(dim=-1).float()
+    values = sums / counts.clamp(min=1)
+    order = torch.argsort(values, stable=True)
+    running = torch.cumsum(sums[order], 0) / torch.cumsum(counts[order], 0).clamp(min=1)
+    within = int((running <= threshold).sum())  # running is non-decreasing: a prefix of the order
+    masked_sorted = torch.arange(len(order), device=order.device) >= within
+    masked = torch.empty_like(masked_sorted).scatter_(0, order, masked_sorted) & (counts > 0)
+    return masked.view_as(token_log_ratio) if mode.startswith("token") else masked.view(-1, 1)
 
 
 def importance_sampling_stats(
-    ratio: torch.Tensor, old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor
+    ratio: torch.Tensor,
+    old_logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    mask: torch.Tensor,
+    weights: ImportanceWeights | None = None,
 ) -> ImportanceSamplingStats:
-    """Stats of one batch: weights over counted tokens (all sequences for `sequence_*` ratios of shape (B, 1)),
-    |log pi_old - log mu| over counted tokens whose difference is not NaN."""
+    """Stats of one batch: weights over counted tokens (all sequences for sequence-level ratios of shape (B, 1)),
+    |log pi_old - log mu| over counted tokens whose difference is not NaN; raw weights and changed units from
+    `weights` (without it: `ratio` is its own raw weight and nothing was changed)."""
     keep = mask.bool()
-    flat = (ratio.flatten() if ratio.shape[-1] == 1 else ratio[keep]).float()
+    per_sequence = ratio.shape[-1] == 1
+
+    def units(t: torch.Tensor) -> torch.Tensor:
+        return (t.flatten() if per_sequence else t[keep]).float()
+
+    flat = units(ratio)
+    raw = units(weights.raw) if weights is not None else flat
+    changed = weights.changed if weights is not None else torch.zeros_like(ratio, dtype=torch.bool)
+    changed_tokens = (changed.expand_as(keep) if per_sequence else changed) & keep
     delta = torch.abs(old_logps - sampling_logps)[keep].float()
     delta = delta[~torch.isnan(delta)]
     inf = torch.tensor(math.inf, device=ratio.device)
 
     def extreme(t: torch.Tensor, fn: str, empty: torch.Tensor) -> torch.Tensor:
         return getattr(t, fn)() if t.numel() else empty
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        return t.sum().to(device=ratio.device, dtype=torch.float32)
 
     return ImportanceSamplingStats(
         ratio_sum=flat.sum(),
@@ -125,4 +294,11 @@ def importance_sampling_stats(
         diff_sum=delta.sum(),
         diff_count=torch.tensor(delta.numel(), device=ratio.device, dtype=torch.float32),
         diff_max=extreme(delta, "max", -inf),
+        raw_sum=raw.sum(),
+        raw_min=extreme(raw, "min", inf),
+        raw_max=extreme(raw, "max", -inf),
+        changed_tokens=count(changed_tokens),
+        token_count=count(keep),
+        changed_sequences=count(changed_tokens.any(dim=-1)),
+        sequence_count=count(keep.any(dim=-1)),
     )

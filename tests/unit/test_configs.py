@@ -151,3 +151,19 @@ def test_rollout_server_api_key_never_in_a_dump_or_log(cls, caplog):
     leaked = [name for name, text in dumps.items() if secret in text]
     assert not leaked, f"the API key appears in {leaked}"
     assert "<ROLLOUT_SERVER_API_KEY>" in dumps["to_dict"]
+
+
+def test_off_policy_modes_follow_the_loss_level():
+    """Geometric and M2 modes are sequence- or token-level like TRL's: RLOO takes the sequence-level ones only,
+    VESPO the token-level ones only; the M2 bound must be a positive number."""
+    assert make(RLOOConfig, cb_importance_sampling_mode="geometric_truncate").cb_importance_sampling_mode
+    assert make(RLOOConfig, cb_importance_sampling_mode="geometric_m2").cb_importance_sampling_mode
+    with pytest.raises(ValueError, match="RLOO's loss is per sequence.*geometric_m2"):
+        make(RLOOConfig, cb_importance_sampling_mode="token_m2")
+    vespo = dict(use_transformers_continuous_batching=True, loss_type="vespo")
+    assert make(GRPOConfig, cb_importance_sampling_mode="token_m2", **vespo).cb_importance_sampling_mode == "token_m2"
+    with pytest.raises(ValueError, match="token-level IS mode"):
+        make(GRPOConfig, cb_importance_sampling_mode="geometric_mask", **vespo)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="m2_threshold"):
+            make(GRPOConfig, cb_importance_sampling_mode="token_m2", cb_importance_sampling_m2_threshold=bad)

@@ -18,10 +18,13 @@ from typing import Any
 import torch
 
 from ..importance_sampling import (
+    DEFAULT_M2_THRESHOLD,
+    IS_EXTRA_METRIC_NAMES,
     IS_METRIC_NAMES,
     ImportanceSamplingStats,
-    importance_sampling_ratio,
     importance_sampling_stats,
+    importance_weights,
+    reduce_extra_values,
 )
 from . import trl_internals
 
@@ -135,10 +138,16 @@ class ImportanceSamplingMixin:
             mask = mask * output["tool_mask"]
         sampling = self._cb_sampling_logps(output) if sampling is None else sampling
         old = self._cb_old_logps(output) if old is None else old
-        mode_name = args.cb_importance_sampling_mode
-        ratio = importance_sampling_ratio(
-            old, sampling, mask, mode_name, args.cb_importance_sampling_clip_min, args.cb_importance_sampling_clip_max
-        )  # (B, T) or (B, 1)
+        weights = importance_weights(
+            old,
+            sampling,
+            mask,
+            args.cb_importance_sampling_mode,
+            args.cb_importance_sampling_clip_min,
+            args.cb_importance_sampling_clip_max,
+            getattr(args, "cb_importance_sampling_m2_threshold", DEFAULT_M2_THRESHOLD),
+        )
+        ratio = weights.weight  # (B, T) or (B, 1)
         output["importance_sampling_ratio"] = ratio
         if getattr(args, "loss_type", None) != "vespo":
             advantages = output["advantages"]
@@ -146,7 +155,7 @@ class ImportanceSamplingMixin:
                 output["advantages"] = advantages.unsqueeze(1) * ratio  # (B, T) or (B, 1)
             else:
                 output["advantages"] = advantages * ratio.squeeze(1)  # sequence modes only: (B,)
-        return importance_sampling_stats(ratio, old, sampling, mask)
+        return importance_sampling_stats(ratio, old, sampling, mask, weights)
 
     def _cb_add_deferred_is_stats(self, batch_id: int, stats: ImportanceSamplingStats) -> None:
         """Merge one micro-batch's stats into its generation batch's; log them once the batch's last part is in."""
@@ -162,18 +171,22 @@ class ImportanceSamplingMixin:
 
     def _cb_log_is_stats(self, stats: ImportanceSamplingStats, mode: str) -> None:
         """Append TRL's five IS metrics for one generation batch, reduced across processes as TRL reduces them
-        (mean of means, max of maxima, NaN-aware min/mean/max of the weights). One collective, one host sync."""
-        ranks = self.accelerator.gather(stats.local_values()[None]).reshape(-1, len(IS_METRIC_NAMES))
+        (mean of means, max of maxima, NaN-aware min/mean/max of the weights), and trl_cb's off-policy diagnostics
+        (`IS_EXTRA_METRIC_NAMES`, reduced exactly from sums and extrema). One collective, one host sync."""
+        local = torch.cat([stats.local_values(), stats.reduction_sums()])[None]
+        ranks = self.accelerator.gather(local).reshape(-1, local.shape[1])  # (processes, 5 + 8)
+        trl_values, sums = ranks[:, : len(IS_METRIC_NAMES)], ranks[:, len(IS_METRIC_NAMES) :]
         reduced = torch.stack(
             [
-                ranks[:, 0].mean(),
-                ranks[:, 1].max(),
-                trl_internals.nanmin(ranks[:, 2]),
-                ranks[:, 3].nanmean(),
-                trl_internals.nanmax(ranks[:, 4]),
+                trl_values[:, 0].mean(),
+                trl_values[:, 1].max(),
+                trl_internals.nanmin(trl_values[:, 2]),
+                trl_values[:, 3].nanmean(),
+                trl_internals.nanmax(trl_values[:, 4]),
+                *reduce_extra_values(sums),
             ]
         ).tolist()
-        for name, value in zip(IS_METRIC_NAMES, reduced, strict=True):
+        for name, value in zip(IS_METRIC_NAMES + IS_EXTRA_METRIC_NAMES, reduced, strict=True):
             trl_internals.log_metric(self, mode, name, value)
 
     def _cb_uses_is(self) -> bool:

@@ -11,6 +11,7 @@ from datasets import Dataset
 from transformers import ProcessorMixin
 
 from trl_cb import ContinuousBatchingGenerator, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from trl_cb.importance_sampling import IS_EXTRA_METRIC_NAMES
 from trl_cb.offline.data import synthetic_gsm8k
 from trl_cb.offline.tiny import tiny_model
 from trl_cb.rollouts.pool import EnginePool
@@ -21,6 +22,7 @@ IS_METRICS = [
     "sampling/importance_sampling_ratio/max",
     "sampling/sampling_logp_difference/mean",
     "sampling/sampling_logp_difference/max",
+    *IS_EXTRA_METRIC_NAMES,
 ]
 PAIRS = {"grpo": (GRPOConfig, GRPOTrainer), "rloo": (RLOOConfig, RLOOTrainer)}
 
@@ -147,16 +149,25 @@ def _loss(trainer, output) -> float:
 
 
 @pytest.mark.parametrize(
-    ("kind", "mode"), [("grpo", "token_truncate"), ("grpo", "sequence_truncate"), ("rloo", "sequence_truncate")]
+    ("kind", "mode"),
+    [
+        ("grpo", "token_truncate"),
+        ("grpo", "sequence_truncate"),
+        ("rloo", "sequence_truncate"),
+        ("grpo", "token_m2"),
+        ("rloo", "geometric_truncate"),
+    ],
 )
 def test_is_weight_reaches_loss_as_the_formula_says(kind, mode, tokenizer, tmp_path):
-    """Shift every sampling logprob up by d: log w drops by d per token (token modes) or d * n per sequence
-    (sequence modes). Without an EOS bias every completion has n = max_completion_length tokens, so the loss,
-    linear in w, must scale by exactly exp(-d) or exp(-d * n). (On-policy, group-normalised advantages make the
+    """Shift every sampling logprob up by d: log w drops by d per token (token modes, and geometric modes whose
+    weight is the mean token ratio in log space) or d * n per sequence (sequence modes). Without an EOS bias every
+    completion has n = max_completion_length tokens, so the loss, linear in w, must scale by exactly exp(-d) or
+    exp(-d * n). (On-policy, group-normalised advantages make the
     loss value 0; one non-zero advantage makes it the weighted contribution of that sequence alone.)"""
     trainer = make_trainer(
         kind, tokenizer, tmp_path, eos_logit_bias=None, cb_importance_sampling_mode=mode,
         cb_importance_sampling_clip_min=None, cb_importance_sampling_clip_max=1e6, max_completion_length=8,
+        cb_importance_sampling_m2_threshold=1e6,
     )  # fmt: skip
     try:
         _check_is_scales_loss(trainer, kind, mode)
@@ -179,7 +190,7 @@ def _check_is_scales_loss(trainer, kind: str, mode: str) -> None:
         shifted["sampling_per_token_logps"] = shifted["sampling_per_token_logps"] + d * shifted["completion_mask"]
     trainer._cb_last_logprobs = [[x + d for x in row] for row in logprobs]
     trainer._cb_importance_sampling(shifted, per_token_loss=kind == "grpo")
-    factor = math.exp(-d) if mode.startswith("token") else math.exp(-d * 8)
+    factor = math.exp(-d * 8) if mode.startswith("sequence") else math.exp(-d)
     loss_base, loss_shifted = _loss(trainer, base), _loss(trainer, shifted)
     assert abs(loss_base) > 1e-6, "advantages must be non-zero for this test to mean anything"
     assert loss_shifted == pytest.approx(factor * loss_base, rel=1e-4)
