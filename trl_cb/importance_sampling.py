@@ -1,30 +1,16 @@
 """Importance-sampling (IS) correction between the CB sampler and the training policy.
 
 For every completion token t, `log r_t = log pi_old(y_t) - log mu(y_t)`, both `log_softmax(logits / T)` over the
-whole vocabulary: `pi_old` from the trainer's forward, `mu` from the sampler's own logits when it sampled y_t (the
-design and why not the processed logprob: docs/index.md, "Importance-sampling correction"). Tokens whose sampling
-logprob is NaN get `log r_t = 0`; padding never counts.
+whole vocabulary: `pi_old` from the trainer's forward, `mu` from the sampler's own logits when it sampled y_t
+(docs/index.md, "Importance-sampling correction"). NaN sampling logprobs give `log r_t = 0`; padding never counts.
+Modes (`IS_MODES`): TRL's `token_*` / `sequence_*` (per token / product per sequence), and for stale async samples
+`geometric_*` (per sequence, geometric mean of the token ratios) and `*_m2` (M2PO second-moment masks); each mode's
+formula is in `importance_weights`. Why the off-policy modes, and the measurements: docs/async.md.
 
-Modes. TRL's four: `token_*` one weight per token `r_t`; `sequence_*` one per sequence, `exp(sum_t log r_t)` (the
-product of its token ratios); `*_truncate` clamps to [clip_min, clip_max], `*_mask` zeroes weights outside them.
-For stale (async) samples, where the product of 24-256 token ratios is heavy-tailed and a mask on it discards the
-very sequences the current policy prefers (docs/async.md, "Off-policy correction"):
-- `geometric_truncate` / `geometric_mask`: one weight per sequence, `exp(mean_t log r_t)` (the geometric mean of
-  its token ratios: length-normalised, verl's geometric sequence mode), clamped / zeroed outside the bounds.
-  Sequence level, so RLOO can use it.
-- `token_m2` / `geometric_m2` (M2PO, Zheng et al. 2025): a second-moment trust region instead of a bound on each
-  weight. Units (tokens, or sequences with their mean token `(log r)^2`) are masked, largest `(log r)^2` first, until
-  the mean `(log r_t)^2` over the tokens still counted is <= `m2_threshold`; the rest keep their weight (`r_t`, or the
-  geometric mean), clamped to `clip_max` when set. The mask is computed over the tokens the correction sees at once.
-The decoupled (proximal) objective of AReaL needs no mode of its own: TRL's old-policy logprobs are computed with the
-current weights, so they are the proximal policy, the loss's clip is relative to them, and `token_mask` with
-`clip_max=5` is AReaL's behaviour-weight rejection (`token_truncate` is its truncated variant).
-
-`ImportanceWeights` keeps the raw (pre-truncation) weight and which units the mode changed, for the metrics.
-`ImportanceSamplingStats` are mergeable: the stats of a batch's row splits, merged, are the batch's, so metrics logged
-per generation batch match TRL's whatever the micro-batching (`IS_METRIC_NAMES`, in `local_values` order), plus the
-off-policy diagnostics (`IS_EXTRA_METRIC_NAMES`: raw weight mean/min/max, share of tokens and sequences truncated or
-masked), reduced exactly across processes.
+Invariants: `weight >= 0`; `ImportanceWeights` keeps the raw (pre-truncation) weight and the units the mode changed;
+`ImportanceSamplingStats` are mergeable (a batch's row splits, merged, give the batch's stats, so metrics logged per
+generation batch match TRL's whatever the micro-batching: `IS_METRIC_NAMES`), and trl_cb's off-policy diagnostics
+(`IS_EXTRA_METRIC_NAMES`) are reduced exactly across processes from sums and extrema.
 """
 
 from __future__ import annotations
@@ -194,7 +180,21 @@ def importance_weights(
     clip_max: float | None,
     m2_threshold: float = DEFAULT_M2_THRESHOLD,
 ) -> ImportanceWeights:
-    """The IS weights of `mode` with their raw values and the units the mode changed (see module docstring)."""
+    """The IS weights of `mode` with their raw values and the units the mode changed.
+
+    - `token_truncate` / `token_mask`: `r_t`, clamped to / zeroed outside [clip_min, clip_max] (TRL's).
+    - `sequence_truncate` / `sequence_mask`: `exp(sum_t log r_t)`, clamped / zeroed (TRL's). For stale samples the
+      product of 24-256 token ratios is heavy-tailed, and a mask on it drops the sequences the policy now prefers.
+    - `geometric_truncate` / `geometric_mask`: `exp(mean_t log r_t)` per sequence (verl's geometric mode: length
+      normalised), clamped / zeroed. Sequence level, so RLOO can use it.
+    - `token_m2` / `geometric_m2` (M2PO): units (tokens; or sequences, ranked by their mean squared token log-ratio)
+      are masked, largest `(log r)^2` first, until the mean `(log r_t)^2` of the counted tokens left is at most
+      `m2_threshold`; kept units keep their weight (`r_t`, or the geometric mean), clamped at `clip_max` when set. The
+      mask is computed over the tokens given at once (a micro-batch when the correction is deferred to the loss).
+    AReaL's decoupled objective needs no mode of its own: TRL's old-policy logprobs come from the current weights, so
+    they are its proximal policy, TRL's clip is relative to them, and `token_mask` with `clip_max=5` is its
+    behaviour-weight rejection (`token_truncate` its truncated variant).
+    """
     validate_mode(mode, clip_min, clip_max, m2_threshold)
     keep = mask.bool()
     token_log_ratio = torch.nan_to_num((old_logps - sampling_logps).masked_fill(~keep, 0.0), nan=0.0)  # (B, T)
