@@ -335,6 +335,36 @@ def test_policy_eval_is_seeded_and_leaves_training_untouched():
     assert other["step"] == 8 and all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--backends", "vllm"], "unknown --backends"),
+        (["--steps", "0"], "--steps must be > 0"),
+        (["--char", "ab"], "one character"),
+        (["--seeds", "1", "1"], "distinct"),
+        (["--variants", "depth=x"], "depth"),
+        (["--variants", "depth=1", "--prefetch-depth", "0"], "excludes the grid flags"),
+        (["--staleness-sweep", "0"], ">= 1"),
+        (["--eval-every", "0"], "--eval-every must be > 0"),
+    ],
+)
+def test_learning_bad_flags_fail_clearly(flags, message):
+    proc = run(str(ROOT / "benchmarks" / "learning.py"), *flags, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_learning_threshold_crossing_and_band_logic():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from learning import _in_band, first_crossing
+
+    assert first_crossing([0.1, 0.5, 0.1, 0.5, 0.5], 0.4, window=1) == 1
+    assert first_crossing([0.1, 0.5, 0.1, 0.5, 0.5], 0.4, window=2) == 4  # trailing mean smooths a lucky step
+    assert first_crossing([0.1, 0.2], 0.4, window=1) is None
+    band = {"min": [0.0, 0.1, 0.2], "max": [0.1, 0.3, 0.4]}
+    assert _in_band([0.05, 0.2, 0.3], band, 0.0) == 1.0
+    assert _in_band([0.05, 0.5, 0.1], band, 0.0) == pytest.approx(1 / 3)
+
+
 @pytest.mark.slow
 def test_precision_memory_quick_measures_kept_and_per_round_copies(tmp_path):
     proc = run(
