@@ -1,9 +1,17 @@
-"""Learning benchmark: does RL through trl_cb learn, and how fast against wall-clock? GRPO and RLOO, reward curves
-for plain `generate()`, trl_cb and trl_cb async, several seeds each.
+"""Learning benchmark: does RL through trl_cb learn, and how fast against wall-clock? GRPO and RLOO; the reward of the
+*current policy* on held-out prompts against training wall-clock and samples, for plain `generate()`, trl_cb sync and
+async (in process or on a rollout server), several seeds each, and several configurations of the async backends.
 
-    pip install -e . && python benchmarks/learning.py     # offline default: tiny Qwen2, CPU, ~5 min on 2 quiet cores
+    pip install -e . && python benchmarks/learning.py     # offline default: tiny Qwen2, CPU, 30 runs of ~20 s each
     python benchmarks/learning.py --quick                 # seconds: schema smoke test (learns nothing)
     python benchmarks/learning.py --trainers grpo --seeds 0 1 2 3 4 --steps 60
+    # staleness sweep: async at depth 0..7 (staleness <= 1, 2, 4, 8), against sync and generate():
+    python benchmarks/learning.py --backends generate trl_cb trl_cb_async --staleness-sweep 1 2 4 8
+    # IS modes and bounds on the async backend (a variant per combination; RLOO takes sequence_* modes only):
+    python benchmarks/learning.py --trainers grpo --backends trl_cb trl_cb_async --prefetch-depth 3 \\
+        --is-mode sequence_mask sequence_truncate token_truncate --is-clip-max 2 3
+    python benchmarks/learning.py --variants depth=0 depth=3,keep_stale=1,max_staleness=4   # explicit variants
+    python benchmarks/learning.py --task longtail         # long-tailed completion lengths (EOS-biased, <= 96 tokens)
     python benchmarks/plot_learning.py runs/benchmarks/learning-YYYYmmdd-HHMMSS.json      # redraw the PNG
     # a real model, GSM8K accuracy as the reward (needs the hub and, to be practical, a GPU):
     python benchmarks/learning.py --model Qwen/Qwen2.5-0.5B-Instruct --reward gsm8k --device cuda \\
@@ -18,11 +26,20 @@ samples at a constant learning rate of 5e-3 on every backend, so the benchmark f
 still depends on everything that matters for RL correctness: sampling, logprobs, IS correction, partial rollouts,
 staleness. (With the throughput benchmarks' EOS bias of 4.0, or at lr 1e-2, one large update can teach the random
 model to stop at once; all-empty groups carry no gradient and such a run never recovers, whatever the backend.)
+`--task longtail`: the same reward on the tiny model with an EOS logit bias (`TASKS`), so completion lengths stay
+spread (near-geometric, p90/p10 >= 3) while the reward rises: the case where async partial rollouts matter.
 
-On a shared machine, run with `OMP_NUM_THREADS=1`: two torch threads per process spin against other load and
-stretch wall-clock unevenly. The JSON also records process CPU seconds per step, which a loaded machine disturbs less.
+What is measured (docs/benchmarks.md, "Learning: method"):
+- **Evaluation reward** (the headline): at step 0 (before training), every `--eval-every` optimizer steps and at the
+  end, the trainer's current weights sample `--eval-samples` fresh completions for each of `--eval-prompts` held-out
+  prompts (disjoint from the training prompts, same source) with plain `model.generate()` and the training sampling
+  settings; the seed of an evaluation point is the same on every backend (`learning_eval.py`). Time and samples to
+  the threshold, seed-band shares and the plot's main panels use it.
+- **Training wall-clock**: since `train()` began (engine start-up included), evaluation seconds excluded (reported).
+- The **training-batch reward** (what TRL logs), plotted against the policy version that sampled the batch (step -
+  its mean staleness), every `async/*` and `sampling/*` log key, and completion-length p10/p50/p90 per step.
 
-Backends, each (trainer, backend, seed) in its own subprocess with the same seed, data and hyper-parameters:
+Backends, each (trainer, backend, seed[, variant]) in its own subprocess with the same seed, data and hyper-parameters:
 - `generate`:     TRL's trainer, `use_transformers_continuous_batching=False` (left-padded `model.generate`).
 - `trl_cb`:       trl_cb's trainer with the flag on (persistent engine, IS-corrected loss).
 - `trl_cb_async`: the same with `async_generation=True` (engine fed ahead of the trainer, bounded staleness).
@@ -30,12 +47,14 @@ Backends, each (trainer, backend, seed) in its own subprocess with the same seed
                   weights pushed before each step's generation). The cores are split: the server gets
                   `--server-threads` (default 1), the trainer the rest (at least 1).
 - `trl_cb_server_async`: the same with `async_generation=True`: the server generates while the trainer trains.
+The async backends run once per variant (`learning_variants.py`: `--prefetch-depth`, `--max-staleness`,
+`--keep-stale`, `--is-mode`, `--is-clip-min`, `--is-clip-max` as a grid, `--staleness-sweep`, or `--variants`); each
+is a curve labelled with its settings. The sync backends run once.
 
-Recorded every optimizer step: the mean reward of the batch trained on, wall-clock since `train()` began (engine
-start-up included), samples trained on so far, and for async the staleness, dropped groups, trainer wait and engine
-occupancy. Output: a table on stdout (time-to-threshold per backend and its ratio to generate()), a JSON file and a
-PNG (reward vs wall-clock, reward vs samples; mean over seeds with a min-max band) under `--out` (default
-runs/benchmarks/, git-ignored), and the JSON document as the last stdout line.
+On a shared machine, run with `OMP_NUM_THREADS=1`: two torch threads per process spin against other load and
+stretch wall-clock unevenly. The JSON also records process CPU seconds per step, which a loaded machine disturbs less.
+Output: a table on stdout, a JSON file and a PNG under `--out` (default runs/benchmarks/, git-ignored), and the JSON
+document as the last stdout line.
 """
 
 from __future__ import annotations
@@ -46,12 +65,12 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import learning_variants as variants  # noqa: E402
 from common import (  # noqa: E402
     DEFAULT_OUT,
     OUT_HELP,
@@ -66,8 +85,23 @@ from common import (  # noqa: E402
 BACKENDS = ("generate", "trl_cb", "trl_cb_async", "trl_cb_server", "trl_cb_server_async")
 #: Rollouts from a local `trl-cb serve` replica the worker starts (`--server-threads`; the trainer gets the rest).
 SERVER_BACKENDS = ("trl_cb_server", "trl_cb_server_async")
+ASYNC_BACKENDS = ("trl_cb_async", "trl_cb_server_async")
+#: The sync reference every curve is compared with (ratios, seed band), and the second one (band only).
+REFERENCE, BASELINE = "trl_cb", "generate"
 TRAINERS = ("grpo", "rloo")
 REWARDS = ("char", "gsm8k")
+#: Task presets: the values of the flags left unset. `longtail`: the tiny model with an EOS bias (lengths
+#: near-geometric, p10/p50/p90 3/29/85 tokens untrained) and room for the tail; only the output projection learns
+#: (`steady_eos`), at a higher learning rate to make up for it.
+TASKS: dict[str, dict[str, Any]] = {
+    "default": {"eos_logit_bias": None, "max_completion_length": 24, "learning_rate": 5e-3},
+    "longtail": {"eos_logit_bias": 4.0, "max_completion_length": 96, "learning_rate": 2e-2, "steady_eos": True},
+}
+
+
+def curve_name(backend: str, variant: str | None) -> str:
+    """A curve's name: the backend, and for async backends the variant's spec (`trl_cb_async depth=1`)."""
+    return backend if variant is None else f"{backend} {variant}"
 
 
 # ------------------------------------------------------------------------------------------------------ worker
@@ -80,7 +114,10 @@ def _model_and_tokenizer(spec: dict[str, Any]) -> tuple[Any, Any]:
 
     if spec["model"] == "tiny":
         tokenizer = tiny_tokenizer()
-        return tiny_model(tokenizer, eos_logit_bias=spec["eos_logit_bias"], seed=spec["model_seed"]), tokenizer
+        model = tiny_model(tokenizer, eos_logit_bias=spec["eos_logit_bias"], seed=spec["model_seed"])
+        if TASKS[spec.get("task", "default")].get("steady_eos"):
+            steady_eos(model, tokenizer.eos_token_id)
+        return model, tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
@@ -89,10 +126,30 @@ def _model_and_tokenizer(spec: dict[str, Any]) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def steady_eos(model: Any, eos_id: int) -> None:
+    """Train only the output projection, EOS row excluded, so completion lengths stay spread while the reward rises.
+
+    Why: `bias_eos` gives EOS a long output row (19x the others' norm on the tiny model), so any change of the final
+    hidden state's direction swings the EOS logit: with every weight trained, one update sends all lengths to 1 token
+    or to the cap (measured at lr 5e-3, and at 3e-4 p90 fell from 96 to 9 tokens in three steps). With the trunk
+    frozen and the EOS row's gradient zeroed, the share of the character is learnt in the other output rows, and EOS
+    only loses the mass those rows gain. Applied in the worker to every backend alike (a server gets the same weights
+    from the trainer's pushes)."""
+    model.model.requires_grad_(False)
+
+    def keep_eos_row(grad: Any) -> Any:
+        grad = grad.clone()
+        grad[eos_id] = 0
+        return grad
+
+    model.lm_head.weight.register_hook(keep_eos_row)
+
+
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """One (trainer, backend, seed) training run; returns its per-step curve."""
+    """One (trainer, backend, seed, variant) training run; returns its per-step and evaluation curves."""
     import torch
     import trl
+    from learning_eval import paused_servers
 
     import trl_cb
 
@@ -103,9 +160,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     if backend != "generate":
         extra["use_transformers_continuous_batching"] = True
-    if backend.endswith("_async"):
-        extra.update(async_generation=True, max_staleness=spec["max_staleness"], prefetch_depth=spec["prefetch_depth"])
+    if backend in ASYNC_BACKENDS:
+        extra.update(async_generation=True, **variants.config_overrides(spec["variant"]))
     model, tokenizer = _model_and_tokenizer(spec)
+    pause: Any = contextlib.nullcontext
     with contextlib.ExitStack() as stack:
         if backend in SERVER_BACKENDS:
             device = spec.get("server_device") or spec["device"]
@@ -113,104 +171,134 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             url = stack.enter_context(served)
             extra["rollout_server_urls"] = [url]
             torch.set_num_threads(max(1, (os.cpu_count() or 1) - spec["server_threads"]))
-        return _train(spec, config_cls, trainer_cls, model, tokenizer, extra)
+            if backend in ASYNC_BACKENDS:  # it would generate ahead while the trainer evaluates
+
+                def pause() -> Any:
+                    return paused_servers([url])
+
+        return _train(spec, config_cls, trainer_cls, model, tokenizer, extra, pause)
+
+
+def _datasets(spec: dict[str, Any], chat: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training records, held-out evaluation records): disjoint slices of the same source and order."""
+    from trl_cb.offline.data import GSM8K_TEST_SIZE, gsm8k_test, load_gsm8k_jsonl
+
+    n, m = spec["num_prompts"], spec["eval_prompts"]
+    if spec["data_file"]:
+        records = load_gsm8k_jsonl(spec["data_file"], limit=n + m, conversational=chat)
+    else:
+        records = gsm8k_test(min(n + m, GSM8K_TEST_SIZE), seed=spec["data_seed"], conversational=chat)
+    if len(records) < n + m:
+        raise ValueError(f"{len(records)} prompts for --num-prompts {n} + --eval-prompts {m}")
+    return records[:n], records[n : n + m]
 
 
 def _train(
-    spec: dict[str, Any], config_cls: Any, trainer_cls: Any, model: Any, tokenizer: Any, extra: dict[str, Any]
+    spec: dict[str, Any],
+    config_cls: Any,
+    trainer_cls: Any,
+    model: Any,
+    tokenizer: Any,
+    extra: dict[str, Any],
+    pause: Any,
 ) -> dict[str, Any]:
     import torch
     from datasets import Dataset
-    from transformers import PrinterCallback, TrainerCallback
+    from learning_eval import Curve, LengthRecorder, PolicyEval, length_percentiles
+    from transformers import PrinterCallback
 
-    from trl_cb.offline.data import GSM8K_TEST_SIZE, char_share_reward, gsm8k_reward, gsm8k_test, load_gsm8k_jsonl
+    from trl_cb.offline.data import char_share_reward, gsm8k_reward, tokenize_prompt
 
     kind, backend, cpu = spec["trainer"], spec["backend"], spec["device"] == "cpu"
     args = config_cls(
         output_dir=spec["output_dir"], per_device_train_batch_size=spec["prompts_per_step"] * spec["num_generations"],
         num_generations=spec["num_generations"], max_completion_length=spec["max_completion_length"],
         max_steps=spec["steps"], learning_rate=spec["learning_rate"], lr_scheduler_type="constant", beta=0.0,
-        temperature=spec["temperature"], top_p=spec.get("top_p", 1.0), top_k=spec.get("top_k", 0),
-        min_p=spec.get("min_p"), repetition_penalty=spec.get("repetition_penalty", 1.0),
-        bf16=not cpu and spec["dtype"] == "bfloat16", use_cpu=cpu, report_to=[], save_strategy="no",
-        logging_steps=1, disable_tqdm=True, seed=spec["seed"], data_seed=spec["seed"], **extra,
+        temperature=spec["temperature"], top_p=spec["top_p"], top_k=spec["top_k"], min_p=spec["min_p"],
+        repetition_penalty=spec["repetition_penalty"], bf16=not cpu and spec["dtype"] == "bfloat16", use_cpu=cpu,
+        report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True, seed=spec["seed"],
+        data_seed=spec["seed"], **extra,
     )  # fmt: skip
     chat = tokenizer.chat_template is not None  # chat-formatted prompts unless the model has no template
-    if spec["data_file"]:
-        records = load_gsm8k_jsonl(spec["data_file"], limit=spec["num_prompts"], conversational=chat)
-    else:
-        records = gsm8k_test(min(spec["num_prompts"], GSM8K_TEST_SIZE), seed=spec["data_seed"], conversational=chat)
-    dataset = Dataset.from_list(records)
-    reward = gsm8k_reward if spec["reward"] == "gsm8k" else char_share_reward(spec["char"], spec["min_chars"])
+    train_records, eval_records = _datasets(spec, chat)
+    score = gsm8k_reward if spec["reward"] == "gsm8k" else char_share_reward(spec["char"], spec["min_chars"])
+    reward = LengthRecorder(score)
 
-    class Curve(TrainerCallback):
-        """Wall-clock and process CPU time (all threads) at every optimizer step, from the start of `train()`.
-
-        CPU time is recorded because a shared machine stretches wall-clock: with one torch thread
-        (`OMP_NUM_THREADS=1`) the CPU seconds are close to what a quiet machine's wall-clock would be.
-        """
-
-        def __init__(self) -> None:
-            self.start = self.cpu_start = 0.0
-            self.step_end: list[float] = []
-            self.cpu_end: list[float] = []
-
-        def on_train_begin(self, *a: Any, **k: Any) -> None:
-            self.start, self.cpu_start = time.perf_counter(), time.process_time()
-
-        def on_step_end(self, *a: Any, **k: Any) -> None:
-            self.step_end.append(time.perf_counter() - self.start)
-            self.cpu_end.append(time.process_time() - self.cpu_start)
-
-    curve = Curve()
-    trainer = trainer_cls(
-        model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer,
-        callbacks=[curve],
+    evaluate = PolicyEval(
+        prompts=[tokenize_prompt(tokenizer, r["prompt"]) for r in eval_records],
+        columns={k: [r[k] for r in eval_records] for k in eval_records[0] if k != "prompt"},
+        reward=score, tokenizer=tokenizer, conversational=chat, samples=spec["eval_samples"], seed=spec["eval_seed"],
+        sampling={k: spec[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                       "max_completion_length")},
+        pause=pause,
     )  # fmt: skip
+    holder: dict[str, Any] = {}
+    curve = Curve(lambda step: evaluate(holder["unwrap"](), step), spec["eval_every"])
+    trainer = trainer_cls(
+        model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(train_records),
+        processing_class=tokenizer, callbacks=[curve],
+    )  # fmt: skip
+    holder["unwrap"] = lambda: trainer.accelerator.unwrap_model(trainer.model)  # the local model, for every backend
     trainer.remove_callback(PrinterCallback)  # the per-step log dicts would bury the progress bar
     # The trainer's wait for rollouts each step: the generation call (sync backends) or the wait for finished groups
     # (async). The rest of a step is scoring, the IS / old-logprob forward, backward and the optimizer step.
-    waits = record_call_times(trainer, "_cb_async_take" if backend.endswith("_async") else "_generate_single_turn")
+    waits = record_call_times(trainer, "_cb_async_take" if backend in ASYNC_BACKENDS else "_generate_single_turn")
     trainer.train()
     logs = [e for e in trainer.state.log_history if "reward" in e and "step" in e]
-    if len(logs) != len(curve.step_end):
-        raise RuntimeError(f"{len(logs)} reward logs for {len(curve.step_end)} steps: expected one per step")
+    steps = len(curve.step_end)
+    if len(logs) != steps or len(reward.batches) != steps:
+        raise RuntimeError(f"{len(logs)} reward logs, {len(reward.batches)} scored batches for {steps} steps")
     per_step = spec["prompts_per_step"] * spec["num_generations"]
 
-    def series(name: str) -> list[float] | None:
+    def series(name: str) -> list[float | None] | None:
         values = [e.get(name) for e in logs]
-        return None if any(v is None for v in values) else [float(v) for v in values]
+        return None if all(v is None for v in values) else [None if v is None else float(v) for v in values]
 
+    def group(prefix: str) -> dict[str, list[float | None]]:
+        names = sorted({k for e in logs for k in e if k.startswith(prefix)})
+        return {name[len(prefix) :]: series(name) or [] for name in names}
+
+    is_async = backend in ASYNC_BACKENDS
+    staleness = group("async/").get("staleness_mean") if is_async else None
+    lengths = [length_percentiles(b) for b in reward.batches]
     return {
         "trainer": kind,
         "backend": backend,
+        "variant": spec["variant_label"],
+        "curve": curve_name(backend, spec["variant_label"]),
         "seed": spec["seed"],
         "reward": [float(e["reward"]) for e in logs],
         "reward_std": series("reward_std"),
         "wall_clock_s": curve.step_end,
         "cpu_time_s": curve.cpu_end,
         "torch_threads": torch.get_num_threads(),
-        "samples": [per_step * (i + 1) for i in range(len(logs))],
+        "samples": [per_step * (i + 1) for i in range(steps)],
+        # the policy version that sampled each step's batch: updates applied before it, minus its mean staleness
+        "batch_policy_version": [i - ((staleness[i] or 0.0) if staleness else 0.0) for i in range(steps)],
         "rollout_wait_s": waits,
         "completion_length": series("completions/mean_length"),
+        "completion_length_pct": {k: [x[k] for x in lengths] for k in lengths[0]},
         "is_ratio_mean": series("sampling/importance_sampling_ratio/mean"),
-        "async": {
-            name: series(f"async/{name}")
-            for name in (
-                "staleness_mean",
-                "staleness_max",
-                "dropped_groups",
-                "dropped_total",
-                "wait_time_s",
-                "engine_occupancy",
-                "inflight_groups",
-                "queue_depth",
-                "policy_version",
-            )
-        }  # fmt: skip
-        if backend.endswith("_async")
-        else None,
+        "eval": {k: [e[k] for e in curve.evals] for k in curve.evals[0]},
+        "eval_seconds_total": curve.eval_s,
+        "eval_cpu_seconds_total": curve.eval_cpu_s,
+        "settings": _trainer_settings(trainer) if backend != "generate" else None,
+        "async": group("async/") if is_async else None,  # every async/* key, per step
+        "sampling": group("sampling/"),  # every sampling/* key, per step
     }
+
+
+def _trainer_settings(trainer: Any) -> dict[str, Any]:
+    """The async and IS settings the trainer ran with (the staleness bound as resolved when unset)."""
+    a = trainer.args
+    out = {name: getattr(a, name, None) for name in (
+        "prefetch_depth", "max_staleness", "async_keep_stale", "cb_importance_sampling_mode",
+        "cb_importance_sampling_clip_min", "cb_importance_sampling_clip_max",
+    )}  # fmt: skip
+    resolve = getattr(trainer, "_cb_max_staleness", None)
+    if getattr(a, "async_generation", False) and callable(resolve):
+        out["max_staleness_resolved"] = resolve()
+    return out
 
 
 # ------------------------------------------------------------------------------------------------- aggregation
@@ -221,7 +309,7 @@ def _trailing_mean(values: list[float], window: int) -> list[float]:
 
 
 def first_crossing(values: list[float], threshold: float, window: int) -> int | None:
-    """Index of the first step whose trailing mean over `window` steps reaches `threshold` (None if never)."""
+    """Index of the first point whose trailing mean over `window` points reaches `threshold` (None if never)."""
     return next((i for i, v in enumerate(_trailing_mean(values, window)) if v >= threshold), None)
 
 
@@ -234,104 +322,149 @@ def _band(rows: list[list[float]]) -> dict[str, list[float]]:
     }
 
 
-def summarize_backend(runs: list[dict[str, Any]], threshold: float, window: int) -> dict[str, Any]:
-    """Seed statistics of one (trainer, backend): mean/min/max curves, time and samples to threshold."""
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values)}
+
+
+def _values(runs: list[dict[str, Any]], group: str, name: str) -> list[float]:
+    return [x for r in runs for x in ((r.get(group) or {}).get(name) or []) if x is not None]
+
+
+def summarize_curve(runs: list[dict[str, Any]], threshold: float, window: int) -> dict[str, Any]:
+    """Seed statistics of one (trainer, curve): evaluation and training-batch reward bands, time and samples to the
+    threshold (on the evaluation reward), async and length statistics. Ratios and band shares: `compare`."""
     steps = min(len(r["reward"]) for r in runs)
-    reward = _band([r["reward"][:steps] for r in runs])
-    wall = _band([r["wall_clock_s"][:steps] for r in runs])
-    cpu = _band([r["cpu_time_s"][:steps] for r in runs])
-    samples = runs[0]["samples"][:steps]
-    crossing = first_crossing(reward["mean"], threshold, window)
-    per_seed = [first_crossing(r["reward"][:steps], threshold, window) for r in runs]
+    points = min(len(r["eval"]["step"]) for r in runs)
+    ev = {
+        "step": runs[0]["eval"]["step"][:points],
+        "reward": _band([r["eval"]["reward"][:points] for r in runs]),
+        "wall_clock_s": _band([r["eval"]["wall_clock_s"][:points] for r in runs]),
+    }
+    per_step = runs[0]["samples"][0]
+    ev["samples"] = [per_step * s for s in ev["step"]]
+    # CPU seconds (evaluation excluded) at each evaluation point; 0 before training
+    cpu_at = [[r["cpu_time_s"][s - 1] if s else 0.0 for s in ev["step"]] for r in runs]
+    crossing = first_crossing(ev["reward"]["mean"], threshold, 1)
+    per_seed = [first_crossing(r["eval"]["reward"][:points], threshold, 1) for r in runs]
     step_times = [b - a for r in runs for a, b in zip([0.0, *r["wall_clock_s"]], r["wall_clock_s"])]
     waits = [w for r in runs for w in r["rollout_wait_s"]]
+    last = [r["eval"]["reward"][points - 1] for r in runs]
+    train_last = [statistics.fmean(r["reward"][steps - window : steps]) for r in runs]
+    train_crossing = first_crossing(_band([r["reward"][:steps] for r in runs])["mean"], threshold, window)
+    spread = [
+        p90 / max(p10, 1.0) for r in runs for p10, p90 in zip(r["completion_length_pct"]["p10"],
+                                                              r["completion_length_pct"]["p90"])
+    ]  # fmt: skip
     out: dict[str, Any] = {
         "trainer": runs[0]["trainer"],
         "backend": runs[0]["backend"],
+        "variant": runs[0]["variant"],
+        "curve": runs[0]["curve"],
         "seeds": [r["seed"] for r in runs],
         "steps": steps,
-        "reward": reward,
-        "wall_clock_s": wall,
-        "cpu_time_s": cpu,
-        "samples": samples,
-        "final_reward": {  # mean of each seed's last `window` steps
-            "mean": statistics.fmean(statistics.fmean(r["reward"][steps - window : steps]) for r in runs),
-            "min": min(statistics.fmean(r["reward"][steps - window : steps]) for r in runs),
-            "max": max(statistics.fmean(r["reward"][steps - window : steps]) for r in runs),
-        },
-        "steps_to_threshold": None if crossing is None else crossing + 1,
-        "time_to_threshold_s": None if crossing is None else wall["mean"][crossing],
-        "cpu_time_to_threshold_s": None if crossing is None else cpu["mean"][crossing],
-        "samples_to_threshold": None if crossing is None else samples[crossing],
-        "time_to_threshold_per_seed_s": [None if i is None else r["wall_clock_s"][i] for r, i in zip(runs, per_seed)],
+        "eval": ev,
+        "final_eval_reward": _stats(last),
+        "steps_to_threshold": None if crossing is None else ev["step"][crossing],
+        "samples_to_threshold": None if crossing is None else ev["samples"][crossing],
+        "time_to_threshold_s": None if crossing is None else ev["wall_clock_s"]["mean"][crossing],
+        "cpu_time_to_threshold_s": None if crossing is None else statistics.fmean(c[crossing] for c in cpu_at),
+        "time_to_threshold_per_seed_s": [
+            None if i is None else r["eval"]["wall_clock_s"][i] for r, i in zip(runs, per_seed)
+        ],
         "seeds_reaching_threshold": sum(i is not None for i in per_seed),
+        "eval_seconds": statistics.fmean(r["eval_seconds_total"] for r in runs),
+        # the training-batch reward (what TRL logs): a policy 0..staleness updates old sampled each batch
+        "reward": _band([r["reward"][:steps] for r in runs]),
+        "batch_policy_version": _band([r["batch_policy_version"][:steps] for r in runs])["mean"],
+        "final_train_reward": _stats(train_last),
+        "train_steps_to_threshold": None if train_crossing is None else train_crossing + 1,
+        "wall_clock_s": _band([r["wall_clock_s"][:steps] for r in runs]),
+        "cpu_time_s": _band([r["cpu_time_s"][:steps] for r in runs]),
+        "samples": runs[0]["samples"][:steps],
         "step_time_s": statistics.fmean(step_times),
         "cpu_time_per_step_s": statistics.fmean(r["cpu_time_s"][steps - 1] / steps for r in runs),
         "rollout_wait_s": statistics.fmean(waits) if waits else None,
         "total_wall_clock_s": statistics.fmean(r["wall_clock_s"][steps - 1] for r in runs),
         "mean_completion_length": statistics.fmean(x for r in runs for x in (r["completion_length"] or [0.0])),
+        "completion_length_p90_over_p10_min": min(spread),
         "async": None,
     }
     if runs[0]["async"] is not None:
+        stale_max = _values(runs, "async", "staleness_max")
         out["async"] = {
-            "dropped_groups_total": [int(r["async"]["dropped_total"][-1]) for r in runs],
+            "dropped_groups_total": [int((r["async"].get("dropped_total") or [0])[-1] or 0) for r in runs],
             # steps whose batch held at least one group sampled (partly) by an older policy, per seed
-            "steps_with_stale_groups": [sum(1 for x in r["async"]["staleness_max"] if x > 0) for r in runs],
-            "staleness_mean": statistics.fmean(x for r in runs for x in r["async"]["staleness_mean"]),
-            "staleness_max": max(x for r in runs for x in r["async"]["staleness_max"]),
-            "wait_time_s": statistics.fmean(x for r in runs for x in r["async"]["wait_time_s"]),
-            "engine_occupancy": statistics.fmean(x for r in runs for x in r["async"]["engine_occupancy"]),
+            "steps_with_stale_groups": [sum(1 for x in r["async"].get("staleness_max") or [] if x) for r in runs],
+            "staleness_mean": statistics.fmean(_values(runs, "async", "staleness_mean") or [0.0]),
+            "staleness_max": max(stale_max, default=0.0),
+            # how often each max staleness occurred over the steps of all seeds: the achieved distribution
+            "staleness_max_counts": {str(int(k)): stale_max.count(k) for k in sorted(set(stale_max))},
+            "wait_time_s": statistics.fmean(_values(runs, "async", "wait_time_s") or [0.0]),
+            "engine_occupancy": statistics.fmean(_values(runs, "async", "engine_occupancy") or [0.0]),
         }
     return out
 
 
 def _in_band(curve: list[float], band: dict[str, list[float]], slack: float) -> float:
-    """Share of steps where `curve` lies inside the [min - slack, max + slack] band."""
+    """Share of points where `curve` lies inside the [min - slack, max + slack] band."""
     n = min(len(curve), len(band["min"]))
     inside = sum(band["min"][i] - slack <= curve[i] <= band["max"][i] + slack for i in range(n))
     return inside / max(n, 1)
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def compare(summary: list[dict[str, Any]]) -> None:
+    """Add, per curve, the ratios to the sync reference (`trl_cb`) and the evaluation-band shares: inside the
+    reference's and `generate()`'s seed band (min-max over seeds) at what share of the evaluation points."""
+    for s in summary:
+        ref = next((x for x in summary if x["trainer"] == s["trainer"] and x["curve"] == REFERENCE), None)
+        base = next((x for x in summary if x["trainer"] == s["trainer"] and x["curve"] == BASELINE), None)
+        for key in ("samples_to_threshold", "time_to_threshold_s", "cpu_time_to_threshold_s"):
+            s[f"{key}_vs_{REFERENCE}"] = _ratio(s[key], ref[key]) if ref else None
+        s["time_to_threshold_s_vs_generate"] = (
+            _ratio(s["time_to_threshold_s"], base["time_to_threshold_s"]) if base else None
+        )
+        for name, other in ((REFERENCE, ref), (BASELINE, base)):
+            band = (
+                None
+                if other is None or other is s
+                else _in_band(s["eval"]["reward"]["mean"], other["eval"]["reward"], 0.0)
+            )
+            s[f"eval_band_share_vs_{name}"] = band
+
+
 def targets(summary: list[dict[str, Any]], band_share: float) -> list[dict[str, Any]]:
-    """The issue's targets, per trainer: ratios and band checks, each with the measured value and a verdict."""
+    """The issue's targets per trainer and curve, on the evaluation reward: each with its value and a verdict."""
     out = []
-    for kind in sorted({s["trainer"] for s in summary}, key=TRAINERS.index):
-        by = {s["backend"]: s for s in summary if s["trainer"] == kind}
-        gen, sync, asy = by.get("generate"), by.get("trl_cb"), by.get("trl_cb_async")
-        served, served_async = by.get("trl_cb_server"), by.get("trl_cb_server_async")
-
-        def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str = "time_to_threshold_s") -> Any:
-            if a is None or b is None or a[key] is None or not b[key]:
-                return None
-            return a[key] / b[key]
-
+    for s in summary:
         checks: list[tuple[str, float | None, str, float]] = []
-        if gen and sync:
-            checks.append(("trl_cb sync reward-vs-samples inside generate()'s seed band (share of steps)",
-                           _in_band(sync["reward"]["mean"], gen["reward"], 0.0), ">=", band_share))  # fmt: skip
-        if sync and asy:
-            checks.append(("trl_cb async reward-vs-samples inside sync's seed band (share of steps)",
-                           _in_band(asy["reward"]["mean"], sync["reward"], 0.0), ">=", band_share))  # fmt: skip
-            checks.append(("trl_cb async time-to-threshold / trl_cb sync", ratio(asy, sync), "<=", 0.75))
-        if gen and asy:
-            checks.append(("trl_cb async time-to-threshold / generate()", ratio(asy, gen), "<=", 0.6))
-        if gen and sync:
-            checks.append(("trl_cb sync time-to-threshold / generate() (no target)", ratio(sync, gen), "", 0.0))
-        if sync and served_async:
-            share = _in_band(served_async["reward"]["mean"], sync["reward"], 0.0)
-            checks.append(("server async reward-vs-samples inside trl_cb sync's seed band", share, ">=", band_share))
-            checks.append(("server async time-to-threshold / trl_cb sync", ratio(served_async, sync), "<=", 0.6))
-        if sync and served:
-            checks.append(("server sync time-to-threshold / trl_cb sync (no target)", ratio(served, sync), "", 0.0))
-        cpu = "cpu_time_to_threshold_s"
-        if sync and asy:
-            checks.append(("same in process CPU seconds: async / sync", ratio(asy, sync, cpu), "", 0.0))
-        if gen and asy:
-            checks.append(("same in process CPU seconds: async / generate()", ratio(asy, gen, cpu), "", 0.0))
-        for name, value, op, bound in checks:
+        name = s["curve"]
+        if s["curve"] == REFERENCE:
+            checks.append((f"{name}: eval reward inside generate()'s seed band (share of eval points)",
+                           s["eval_band_share_vs_generate"], ">=", band_share))  # fmt: skip
+            checks.append((f"{name}: time to threshold / generate() (no target)",
+                           s["time_to_threshold_s_vs_generate"], "", 0.0))  # fmt: skip
+        elif s["backend"] in ASYNC_BACKENDS:
+            server = s["backend"] == "trl_cb_server_async"
+            checks.append((f"{name}: eval reward inside trl_cb sync's seed band (share of eval points)",
+                           s[f"eval_band_share_vs_{REFERENCE}"], ">=", band_share))  # fmt: skip
+            checks.append((f"{name}: time to threshold / trl_cb sync", s[f"time_to_threshold_s_vs_{REFERENCE}"],
+                           "<=", 0.6 if server else 0.75))  # fmt: skip
+            if not server:
+                checks.append((f"{name}: time to threshold / generate()", s["time_to_threshold_s_vs_generate"],
+                               "<=", 0.6))  # fmt: skip
+                checks.append((f"{name}: same in process CPU seconds / trl_cb sync (no target)",
+                               s[f"cpu_time_to_threshold_s_vs_{REFERENCE}"], "", 0.0))  # fmt: skip
+        elif s["curve"] == "trl_cb_server":
+            checks.append((f"{name}: time to threshold / trl_cb sync (no target)",
+                           s[f"time_to_threshold_s_vs_{REFERENCE}"], "", 0.0))  # fmt: skip
+        for target, value, op, bound in checks:
             met = None if value is None or not op else (value >= bound if op == ">=" else value <= bound)
-            out.append({"trainer": kind, "target": name, "value": value, "bound": f"{op} {bound}" if op else None,
-                        "met": met})  # fmt: skip
+            out.append({"trainer": s["trainer"], "target": target, "value": value,
+                        "bound": f"{op} {bound}" if op else None, "met": met})  # fmt: skip
     return out
 
 
@@ -343,11 +476,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trainers", nargs="+", default=list(TRAINERS), help=f"subset of {TRAINERS}")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"subset of {BACKENDS}")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds (sampling, data order)")
+    p.add_argument("--task", default="default", choices=list(TASKS),
+                   help="default: no EOS bias, <= 24 tokens; longtail: EOS bias 4.0, <= 96 tokens, only the output "
+                   "projection learns (lengths stay spread). Sets --eos-logit-bias, --max-completion-length and "
+                   "--learning-rate when those are not given")  # fmt: skip
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     p.add_argument("--prompts-per-step", type=int, default=2)
     p.add_argument("--num-generations", type=int, default=8)
-    p.add_argument("--max-completion-length", type=int, default=24)
-    p.add_argument("--learning-rate", type=float, default=5e-3, help="constant schedule")
+    p.add_argument("--max-completion-length", type=int, default=None, help="default: the --task's (24 or 96)")
+    p.add_argument("--learning-rate", type=float, default=None, help="constant schedule (default: the --task's, "
+                   "5e-3 or 2e-2 for longtail)")  # fmt: skip
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (TRL's top_p)")
     p.add_argument("--top-k", type=int, default=0, help="top-k sampling (TRL's top_k; 0: off)")
@@ -356,44 +494,84 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reward", default="char", choices=REWARDS, help="char: share of --char; gsm8k: accuracy")
     p.add_argument("--char", default="a", help="the character whose share is the reward (--reward char)")
     p.add_argument("--min-chars", type=int, default=20, help="--reward char: divide by at least this many chars")
-    p.add_argument("--threshold", type=float, default=0.4, help="reward for the time-to-threshold table")
-    p.add_argument("--window", type=int, default=3, help="trailing mean (steps) used to find the crossing")
+    p.add_argument("--threshold", type=float, default=0.4, help="evaluation reward for time/samples to threshold")
+    p.add_argument("--window", type=int, default=3, help="training-batch reward: trailing mean (steps) for its "
+                   "crossing and final value")  # fmt: skip
+    p.add_argument("--eval-every", type=int, default=4, help="evaluate the current weights every K optimizer steps "
+                   "(and at step 0 and the last step)")  # fmt: skip
+    p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts (disjoint from the training ones)")
+    p.add_argument("--eval-samples", type=int, default=4, help="fresh samples per held-out prompt and evaluation")
+    p.add_argument("--eval-seed", type=int, default=1234, help="evaluation point `step` samples with seed + step")
     p.add_argument("--model", default="tiny", help="tiny (offline random Qwen2) | hub id | local path")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto (default)")
     p.add_argument("--dtype", default=None, help="real models: float32 | bfloat16 (default: bf16 on GPU)")
-    p.add_argument("--eos-logit-bias", type=float, default=None, help="tiny model: EOS logit boost (default none)")
+    p.add_argument("--eos-logit-bias", type=float, default=None, help="tiny model: EOS logit boost (default: the "
+                   "--task's: none, or 4.0 for longtail)")  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=512, help="GSM8K problems in the training set")
     p.add_argument("--data-file", default=None, help="GSM8K JSONL to train on (e.g. the train split); default: the "
                    "GSM8K test split shipped with trl_cb")  # fmt: skip
-    p.add_argument("--max-staleness", type=int, default=2, help="trl_cb_async: max_staleness")
-    p.add_argument("--prefetch-depth", type=int, default=1, help="trl_cb_async: prefetch_depth")
+    g = p.add_argument_group("async variants (learning_variants.py): each is a curve of every async backend")
+    g.add_argument("--prefetch-depth", type=int, nargs="+", default=None, help="prefetch_depth values (default 1)")
+    g.add_argument(
+        "--max-staleness",
+        type=int,
+        nargs="+",
+        default=None,
+        help="max_staleness values (default: the config's, (prefetch_depth + 1) * k: drops nothing)",
+    )
+    g.add_argument("--keep-stale", action="store_true", help="async_keep_stale=True in every variant")
+    g.add_argument(
+        "--staleness-sweep",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="S",
+        help="per S: depth=S-1,max_staleness=S,keep_stale=1 (replaces --prefetch-depth/--max-staleness)",
+    )
+    g.add_argument("--is-mode", nargs="+", default=None, help="cb_importance_sampling_mode values (default: the "
+                   "config's per trainer)")  # fmt: skip
+    g.add_argument("--is-clip-min", nargs="+", default=None, help="cb_importance_sampling_clip_min values ('none')")
+    g.add_argument("--is-clip-max", nargs="+", default=None, help="cb_importance_sampling_clip_max values ('none')")
+    g.add_argument("--variants", nargs="+", default=None, metavar="SPEC",
+                   help="explicit variants, e.g. depth=3,keep_stale=1,max_staleness=4 (keys: "
+                   f"{', '.join(variants.FIELDS)}); excludes the grid flags")  # fmt: skip
     p.add_argument("--server-threads", type=int, default=1, help="server backends: the local server's threads")
     p.add_argument("--server-device", default=None, help="server backends: the server's device (default: --device)")
-    p.add_argument("--band-share", type=float, default=0.8, help="share of steps that must lie inside a seed band")
+    p.add_argument("--band-share", type=float, default=0.8, help="share of eval points that must lie inside a band")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
-    p.add_argument("--quick", action="store_true", help="3 steps of a tiny workload, 2 seeds at most: smoke test")
+    p.add_argument("--quick", action="store_true", help="3 steps of a tiny workload, 2 seeds at most, evaluation "
+                   "every 2 steps on 2 prompts x 2 samples: smoke test")  # fmt: skip
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker is not None:
         return args
+    for name, value in TASKS[args.task].items():
+        if name != "steady_eos" and getattr(args, name) is None:
+            setattr(args, name, value)
     if args.quick:
         args.steps, args.seeds, args.prompts_per_step, args.num_generations = 3, args.seeds[:2], 2, 2
         args.max_completion_length, args.window = 8, 1
+        args.eval_every, args.eval_prompts, args.eval_samples = 2, 2, 2
     for flag, allowed, given in (("--trainers", TRAINERS, args.trainers), ("--backends", BACKENDS, args.backends)):
         unknown = sorted(set(given) - set(allowed))
         if unknown:
             p.error(f"unknown {flag} value(s) {unknown}; choose from {list(allowed)}")
-    for flag in ("steps", "prompts_per_step", "num_generations", "max_completion_length", "window", "num_prompts"):
+    for flag in ("steps", "prompts_per_step", "num_generations", "max_completion_length", "window", "num_prompts",
+                 "eval_every", "eval_prompts", "eval_samples"):  # fmt: skip
         if getattr(args, flag) <= 0:
             p.error(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if args.data_file is not None and not Path(args.data_file).is_file():
         p.error(f"--data-file not found: {args.data_file}")
+    if args.data_file is None and args.num_prompts + args.eval_prompts > 1319:  # GSM8K_TEST_SIZE
+        p.error(f"--num-prompts + --eval-prompts must be <= 1319 (the GSM8K test split), got "
+                f"{args.num_prompts + args.eval_prompts}")  # fmt: skip
     if args.window > args.steps:
         p.error(f"--window ({args.window}) must be <= --steps ({args.steps})")
     if len(args.char) != 1:
         p.error(f"--char must be one character, got {args.char!r}")
     if len(set(args.seeds)) != len(args.seeds):
         p.error(f"--seeds must be distinct, got {args.seeds}")
+    args.variant_settings = _variants(p, args)
     if args.device == "auto":
         import torch
 
@@ -403,29 +581,67 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _variants(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The async variants of the command line (`learning_variants.py`); `p.error` on a bad spec or combination."""
+    grid_flags = {
+        "--prefetch-depth": args.prefetch_depth,
+        "--max-staleness": args.max_staleness,
+        "--keep-stale": args.keep_stale or None,
+        "--staleness-sweep": args.staleness_sweep,
+        "--is-mode": args.is_mode,
+        "--is-clip-min": args.is_clip_min,
+        "--is-clip-max": args.is_clip_max,
+    }
+    given = [flag for flag, value in grid_flags.items() if value is not None]  # fmt: skip
+    if args.variants is not None and given:
+        p.error(f"--variants excludes the grid flags (given: {', '.join(given)}); put those settings in the specs")
+    if args.staleness_sweep and (args.prefetch_depth or args.max_staleness):
+        p.error("--staleness-sweep sets prefetch depth and max staleness; drop --prefetch-depth/--max-staleness")
+    if args.staleness_sweep and min(args.staleness_sweep) < 1:
+        p.error(f"--staleness-sweep values must be >= 1 (S needs prefetch depth S-1), got {args.staleness_sweep}")
+    try:
+        if args.variants is not None:
+            found = variants.dedupe([variants.parse_spec(s) for s in args.variants])
+        else:
+            clips = [None if v is None else [variants.none_or(float, x) for x in v]
+                     for v in (args.is_clip_min, args.is_clip_max)]  # fmt: skip
+            found = variants.grid(
+                args.prefetch_depth, args.max_staleness, args.keep_stale, args.is_mode, *clips, args.staleness_sweep
+            )
+    except ValueError as err:
+        p.error(str(err))
+    if not any(b in ASYNC_BACKENDS for b in args.backends):
+        return found
+    rejected = variants.check_variants(args.trainers, found)
+    for v in found:
+        if all((t, variants.label(v)) in rejected for t in args.trainers):
+            p.error(f"variant {variants.label(v)!r}: {rejected[args.trainers[0], variants.label(v)]}")
+    args.rejected = {f"{t} {label}": err for (t, label), err in rejected.items()}
+    return found
+
+
 def _print_tables(summary: list[dict[str, Any]], checks: list[dict[str, Any]], threshold: float) -> None:
     rows = []
     for s in summary:
-        gen = next((x for x in summary if x["trainer"] == s["trainer"] and x["backend"] == "generate"), None)
-        ratio = None
-        if gen and gen["time_to_threshold_s"] and s["time_to_threshold_s"] is not None:
-            ratio = s["time_to_threshold_s"] / gen["time_to_threshold_s"]
         a = s["async"] or {}
         rows.append({
-            "trainer": s["trainer"], "backend": s["backend"], "final": s["final_reward"]["mean"],
-            "band": f"{s['final_reward']['min']:.2f}-{s['final_reward']['max']:.2f}",
-            "ttt": s["time_to_threshold_s"], "ratio": ratio, "stt": s["samples_to_threshold"],
-            "reached": f"{s['seeds_reaching_threshold']}/{len(s['seeds'])}", "step": s["step_time_s"],
-            "cpu": s["cpu_time_to_threshold_s"], "cpu_step": s["cpu_time_per_step_s"],
-            "wait": s["rollout_wait_s"], "len": s["mean_completion_length"],
-            "dropped": sum(a["dropped_groups_total"]) if a else None, "stale": a.get("staleness_mean"),
-            "occ": a.get("engine_occupancy"),
+            "trainer": s["trainer"], "curve": s["curve"], "final": s["final_eval_reward"]["mean"],
+            "band": f"{s['final_eval_reward']['min']:.2f}-{s['final_eval_reward']['max']:.2f}",
+            "stt": s["samples_to_threshold"], "stt_x": s[f"samples_to_threshold_vs_{REFERENCE}"],
+            "ttt": s["time_to_threshold_s"], "ttt_x": s[f"time_to_threshold_s_vs_{REFERENCE}"],
+            "reached": f"{s['seeds_reaching_threshold']}/{len(s['seeds'])}",
+            "in_ref": s[f"eval_band_share_vs_{REFERENCE}"], "in_gen": s["eval_band_share_vs_generate"],
+            "eval_s": s["eval_seconds"], "step": s["step_time_s"], "train_final": s["final_train_reward"]["mean"],
+            "spread": s["completion_length_p90_over_p10_min"], "stale": a.get("staleness_mean"),
+            "stale_max": a.get("staleness_max"), "dropped": sum(a["dropped_groups_total"]) if a else None,
         })  # fmt: skip
     print(format_table(rows, [
-        ("trainer", "trainer"), ("backend", "backend"), ("final", "final reward"), ("band", "seed band"),
-        ("ttt", f"s to {threshold}"), ("ratio", "x generate"), ("stt", "samples to"), ("reached", "seeds reached"),
-        ("cpu", "CPU s to"), ("step", "s/step"), ("cpu_step", "CPU s/step"), ("wait", "rollout wait s/step"),
-        ("len", "mean len"), ("dropped", "dropped groups"), ("stale", "mean staleness"), ("occ", "engine occupancy"),
+        ("trainer", "trainer"), ("curve", "backend / variant"), ("final", "final eval reward"), ("band", "seed band"),
+        ("stt", f"samples to {threshold}"), ("stt_x", "x trl_cb"), ("ttt", f"train s to {threshold}"),
+        ("ttt_x", "x trl_cb"), ("reached", "seeds reached"), ("in_ref", "in trl_cb band"),
+        ("in_gen", "in generate band"), ("eval_s", "eval s/run"), ("step", "s/step"),
+        ("train_final", "final batch reward"), ("spread", "min p90/p10 len"), ("stale", "mean staleness"),
+        ("stale_max", "max staleness"), ("dropped", "dropped groups"),
     ]))  # fmt: skip
     print()
     print(format_table(
@@ -433,6 +649,23 @@ def _print_tables(summary: list[dict[str, Any]], checks: list[dict[str, Any]], t
           "met": {True: "yes", False: "NO", None: "-"}[c["met"]]} for c in checks],
         [("trainer", "trainer"), ("target", "target"), ("value", "measured"), ("bound", "target"), ("met", "met")],
     ))  # fmt: skip
+
+
+def _todo(args: argparse.Namespace) -> list[tuple[str, int, str, dict[str, Any] | None]]:
+    """(trainer, seed, backend, variant) runs; backends alternate within each seed, so a slow phase of a shared
+    machine hits all of them alike. Sync backends once, async ones per variant the trainer's config accepts."""
+    rejected = getattr(args, "rejected", {})
+    out = []
+    for kind in args.trainers:
+        for seed in args.seeds:
+            for backend in args.backends:
+                if backend not in ASYNC_BACKENDS:
+                    out.append((kind, seed, backend, None))
+                    continue
+                for v in args.variant_settings:
+                    if f"{kind} {variants.label(v)}" not in rejected:
+                        out.append((kind, seed, backend, v))
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -444,43 +677,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from tqdm import tqdm
 
     default_run = args.model == "tiny" and args.device == "cpu" and not args.quick
+    runs_todo = _todo(args)
     print(
         f"trl_cb learning benchmark: trainers={args.trainers} backends={args.backends} seeds={args.seeds} "
-        f"steps={args.steps} batch={args.prompts_per_step}x{args.num_generations} "
+        f"task={args.task} steps={args.steps} batch={args.prompts_per_step}x{args.num_generations} "
         f"max_completion_length={args.max_completion_length} reward={args.reward}"
         + (f"({args.char!r})" if args.reward == "char" else "")
-        + (" — about 5 minutes on 2 quiet CPU cores (up to 15 when busy)." if default_run else ""),
+        + f" eval: every {args.eval_every} steps, {args.eval_prompts}x{args.eval_samples} samples; "
+        f"async variants: {[variants.label(v) for v in args.variant_settings]}; {len(runs_todo)} runs"
+        + (" — about 20 s per run on 2 quiet CPU cores (more when busy)." if default_run else ""),
         flush=True,
     )
+    for name, err in getattr(args, "rejected", {}).items():
+        print(f"skipped {name}: the config rejects it ({err})")
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"}
-    # Backends alternate within each seed, so a slow phase of a shared machine hits all of them alike.
-    runs_todo = [(t, s, b) for t in args.trainers for s in args.seeds for b in args.backends]
     runs: list[dict[str, Any]] = []
     bar = tqdm(runs_todo, desc="training runs", unit="run")
-    for kind, seed, backend in bar:
-        bar.set_postfix_str(f"{kind} {backend} seed {seed}")
+    for kind, seed, backend, variant in bar:
+        label = None if variant is None else variants.label(variant)
+        bar.set_postfix_str(f"{kind} {curve_name(backend, label)} seed {seed}")
         spec = {
-            "trainer": kind, "backend": backend, "seed": seed, "steps": args.steps,
-            "prompts_per_step": args.prompts_per_step, "num_generations": args.num_generations,
-            "max_completion_length": args.max_completion_length, "learning_rate": args.learning_rate,
-            "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
-            "repetition_penalty": args.repetition_penalty, "device": args.device, "dtype": args.dtype,
-            "model": args.model,
-            "eos_logit_bias": args.eos_logit_bias, "model_seed": 0, "num_prompts": args.num_prompts,
-            "data_seed": 0, "data_file": args.data_file, "reward": args.reward, "char": args.char,
-            "min_chars": args.min_chars, "max_staleness": args.max_staleness,
-            "prefetch_depth": args.prefetch_depth, "server_threads": args.server_threads,
-            "server_device": args.server_device,
+            "trainer": kind, "backend": backend, "seed": seed, "task": args.task, "steps": args.steps,
+            "variant": variant, "variant_label": label, "prompts_per_step": args.prompts_per_step,
+            "num_generations": args.num_generations, "max_completion_length": args.max_completion_length,
+            "learning_rate": args.learning_rate, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
+            "device": args.device, "dtype": args.dtype, "model": args.model, "eos_logit_bias": args.eos_logit_bias,
+            "model_seed": 0, "num_prompts": args.num_prompts, "data_seed": 0, "data_file": args.data_file,
+            "reward": args.reward, "char": args.char, "min_chars": args.min_chars, "eval_every": args.eval_every,
+            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
+            "server_threads": args.server_threads, "server_device": args.server_device,
             "output_dir": f"/tmp/trl_cb_learning_{kind}_{backend}_{seed}",
         }  # fmt: skip
         runs.append(run_worker(Path(__file__), spec, timeout=3600))
     bar.close()
 
+    curves = list(dict.fromkeys((r["trainer"], r["curve"]) for r in runs))
     summary = [
-        summarize_backend([r for r in runs if r["trainer"] == t and r["backend"] == b], args.threshold, args.window)
-        for t in args.trainers
-        for b in args.backends
+        summarize_curve([r for r in runs if (r["trainer"], r["curve"]) == key], args.threshold, args.window)
+        for key in curves
     ]
+    compare(summary)
     checks = targets(summary, args.band_share)
     payload = {
         "benchmark": "learning",

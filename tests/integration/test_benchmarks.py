@@ -183,8 +183,9 @@ def test_default_prompts_are_the_vendored_gsm8k_test_split():
 
 @pytest.mark.slow
 def test_learning_quick_records_curves_png_and_async_counts(tmp_path):
-    steps = 3  # --quick: 3 steps; one seed keeps the suite short
+    steps = 3  # --quick: 3 steps, evaluation every 2 (and at 0 and the end); one seed keeps the suite short
     backends = ("generate", "trl_cb", "trl_cb_async", "trl_cb_server_async")
+    curves = ("generate", "trl_cb", "trl_cb_async depth=1", "trl_cb_server_async depth=1")
     script = str(ROOT / "benchmarks" / "learning.py")
     proc = run(
         script, "--quick", "--trainers", "grpo", "--seeds", "0", "--backends", *backends, "--out", str(tmp_path)
@@ -193,7 +194,7 @@ def test_learning_quick_records_curves_png_and_async_counts(tmp_path):
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
     assert payload["benchmark"] == "learning" and payload["config"]["steps"] == steps
     runs = payload["runs"]
-    assert {(r["backend"], r["seed"]) for r in runs} == {(b, 0) for b in backends}
+    assert {(r["curve"], r["seed"]) for r in runs} == {(c, 0) for c in curves}
     for r in runs:  # one point per optimizer step, wall-clock increasing, samples counted
         assert len(r["reward"]) == len(r["wall_clock_s"]) == len(r["samples"]) == steps
         assert all(0.0 <= x <= 1.0 for x in r["reward"])
@@ -201,27 +202,137 @@ def test_learning_quick_records_curves_png_and_async_counts(tmp_path):
         assert r["samples"] == [4, 8, 12] and len(r["rollout_wait_s"]) == steps
         assert (r["async"] is not None) == r["backend"].endswith("_async")
         assert (r["is_ratio_mean"] is not None) == r["backend"].startswith("trl_cb")
+        # the current weights evaluated at step 0, every 2 steps and the end, on training wall-clock (eval excluded)
+        ev = r["eval"]
+        assert ev["step"] == [0, 2, 3] and all(0.0 <= x <= 1.0 for x in ev["reward"])
+        assert ev["wall_clock_s"] == [0.0, r["wall_clock_s"][1], r["wall_clock_s"][2]]
+        assert all(s > 0 for s in ev["seconds"]) and r["eval_seconds_total"] == pytest.approx(sum(ev["seconds"]))
+        pct = r["completion_length_pct"]
+        assert all(len(pct[k]) == steps for k in ("p10", "p50", "p90"))
+        assert all(a <= b <= c for a, b, c in zip(pct["p10"], pct["p50"], pct["p90"]))
+        assert len(r["batch_policy_version"]) == steps and r["batch_policy_version"][0] == 0.0
+        assert all(len(v) == steps for v in r["sampling"].values())
+    # the evaluation seed is shared: every backend evaluates the same initial weights identically
+    assert len({r["eval"]["reward"][0] for r in runs}) == 1
     for r in (r for r in runs if r["async"]):
         for name in ("dropped_total", "dropped_groups", "staleness_max", "staleness_mean", "engine_occupancy"):
             assert len(r["async"][name]) == steps, name
         # version at take time: one update per earlier step (a server's first push, before any sample, is version 1)
         assert r["async"]["policy_version"][-1] == steps - 1 + (r["backend"] == "trl_cb_server_async")
-    summary = {s["backend"]: s for s in payload["summary"]}
-    assert set(summary) == set(backends)
+        assert r["variant"] == "depth=1" and r["settings"]["max_staleness_resolved"] == 2
+    summary = {s["curve"]: s for s in payload["summary"]}
+    assert set(summary) == set(curves)
     for s in summary.values():
+        assert set(s["eval"]["reward"]) == {"mean", "min", "max"} and s["eval"]["step"] == [0, 2, 3]
         assert set(s["reward"]) == {"mean", "min", "max"} and len(s["reward"]["mean"]) == steps
-        assert "time_to_threshold_s" in s and "samples_to_threshold" in s
-    async_summary = summary["trl_cb_async"]["async"]
-    assert {"dropped_groups_total", "steps_with_stale_groups", "staleness_max"} <= set(async_summary)
+        assert "time_to_threshold_s" in s and "samples_to_threshold" in s and s["eval_seconds"] > 0
+    assert summary["trl_cb_async depth=1"]["eval_band_share_vs_trl_cb"] is not None
+    assert summary["trl_cb"]["eval_band_share_vs_generate"] is not None
+    async_summary = summary["trl_cb_async depth=1"]["async"]
+    assert {"dropped_groups_total", "steps_with_stale_groups", "staleness_max", "staleness_max_counts"} <= set(
+        async_summary
+    )
     assert summary["generate"]["async"] is None
     targets = {t["target"] for t in payload["targets"]}
-    assert "server async time-to-threshold / trl_cb sync" in targets and "x generate" in proc.stdout
+    assert "trl_cb_server_async depth=1: time to threshold / trl_cb sync" in targets and "x trl_cb" in proc.stdout
     json_files, png_files = list(tmp_path.glob("learning-*.json")), list(tmp_path.glob("learning-*.png"))
     assert len(json_files) == 1 and len(png_files) == 1 and png_files[0].stat().st_size > 10_000
 
     redraw = tmp_path / "again.png"
     proc = run(str(ROOT / "benchmarks" / "plot_learning.py"), str(json_files[0]), "--out", str(redraw))
     assert proc.returncode == 0 and redraw.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_learning_quick_variants_and_longtail_task(tmp_path):
+    """Two async variants (one of them keep-stale with an IS mode) as labelled curves; the long-tailed task."""
+    specs = ["depth=0", "depth=2,keep_stale=1,max_staleness=3,is_mode=sequence_truncate,is_clip_max=2"]
+    proc = run(
+        str(ROOT / "benchmarks" / "learning.py"), "--quick", "--task", "longtail", "--trainers", "grpo", "--seeds",
+        "0", "--backends", "trl_cb_async", "--variants", *specs, "--out", str(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert payload["config"]["task"] == "longtail" and payload["config"]["eos_logit_bias"] == 4.0
+    runs = {r["variant"]: r for r in payload["runs"]}
+    labels = ["depth=0", "depth=2,max_staleness=3,keep_stale=1,is_mode=sequence_truncate,is_clip_max=2"]  # canonical
+    assert set(runs) == set(labels) and {s["curve"] for s in payload["summary"]} == {
+        f"trl_cb_async {v}" for v in labels
+    }
+    assert runs["depth=0"]["settings"]["prefetch_depth"] == 0
+    assert runs["depth=0"]["settings"]["max_staleness_resolved"] == 1
+    kept = runs[labels[1]]["settings"]
+    assert kept["prefetch_depth"] == 2 and kept["max_staleness"] == 3 and kept["async_keep_stale"] is True
+    assert kept["cb_importance_sampling_mode"] == "sequence_truncate" and kept["cb_importance_sampling_clip_max"] == 2
+    for r in runs.values():
+        assert len(r["completion_length_pct"]["p90"]) == 3 and {"length_p10", "length_p90"} <= set(r["eval"])
+
+
+def test_learning_variants_parse_label_and_grid():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from learning_variants import config_overrides, grid, label, parse_spec
+
+    settings = parse_spec("keep_stale=1,depth=3,max_staleness=4,is_clip_min=none")
+    assert settings == {"depth": 3, "keep_stale": True, "max_staleness": 4, "is_clip_min": None}
+    assert label(settings) == "depth=3,max_staleness=4,keep_stale=1,is_clip_min=none"  # canonical order
+    assert parse_spec(label(settings)) == settings and parse_spec("is_mode=x") == {"depth": 1, "is_mode": "x"}
+    assert config_overrides({"depth": 0, "keep_stale": True}) == {"prefetch_depth": 0, "async_keep_stale": True}
+    for bad in ("depth", "speed=1", "depth=x", "depth=1,depth=2", "keep_stale=maybe"):
+        with pytest.raises(ValueError):
+            parse_spec(bad)
+    assert [label(v) for v in grid([0, 1], None, False, None, None, None)] == ["depth=0", "depth=1"]
+    sweep = grid(None, None, False, ["sequence_mask", "sequence_truncate"], None, [2.0], staleness_sweep=[2, 4])
+    assert [label(v) for v in sweep] == [
+        f"depth={d},max_staleness={s},keep_stale=1,is_mode={m},is_clip_max=2"
+        for d, s in ((1, 2), (3, 4))
+        for m in ("sequence_mask", "sequence_truncate")
+    ]
+
+
+def test_learning_clock_excludes_evaluation_time():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import time
+    from types import SimpleNamespace
+
+    from learning_eval import Curve
+
+    def evaluate(step):
+        time.sleep(0.2)
+        return {"step": step, "reward": 0.0}
+
+    curve, state = Curve(evaluate, every=2), SimpleNamespace(global_step=0, max_steps=3)
+    curve.on_train_begin()
+    for step in (1, 2, 3):
+        state.global_step = step
+        curve.on_step_end(None, state, None)
+    assert [e["step"] for e in curve.evals] == [0, 2, 3] and curve.eval_s >= 0.6
+    assert curve.step_end[-1] < 0.15  # three evaluations (0.6 s) are not training time
+    assert [e["wall_clock_s"] for e in curve.evals] == [0.0, curve.step_end[1], curve.step_end[2]]
+
+
+def test_policy_eval_is_seeded_and_leaves_training_untouched():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch
+    from learning_eval import PolicyEval
+
+    from trl_cb.offline.data import char_share_reward, gsm8k_test, tokenize_prompt
+    from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tokenizer, eos_logit_bias=4.0).train()
+    records = gsm8k_test(2, seed=0)
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0,
+                "max_completion_length": 8}  # fmt: skip
+    evaluate = PolicyEval(
+        [tokenize_prompt(tokenizer, r["prompt"]) for r in records], {"answer": [r["answer"] for r in records]},
+        char_share_reward(), tokenizer, True, sampling, samples=3, seed=7,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    state = torch.random.get_rng_state()
+    first, again, other = evaluate(model, 4), evaluate(model, 4), evaluate(model, 8)
+    assert torch.equal(torch.random.get_rng_state(), state) and model.training  # RNG and mode restored
+    assert first == again and 1 <= first["length_p10"] <= first["length_p90"] <= 8
+    assert other["step"] == 8 and all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize(
@@ -231,6 +342,10 @@ def test_learning_quick_records_curves_png_and_async_counts(tmp_path):
         (["--steps", "0"], "--steps must be > 0"),
         (["--char", "ab"], "one character"),
         (["--seeds", "1", "1"], "distinct"),
+        (["--variants", "depth=x"], "depth"),
+        (["--variants", "depth=1", "--prefetch-depth", "0"], "excludes the grid flags"),
+        (["--staleness-sweep", "0"], ">= 1"),
+        (["--eval-every", "0"], "--eval-every must be > 0"),
     ],
 )
 def test_learning_bad_flags_fail_clearly(flags, message):
