@@ -13,8 +13,9 @@ work is measured):
    the encodings interleaved; "before" is what the code before issue 27 did (pydantic `CompletionResponse` JSON both
    ways); `x before` is the median of each round's ratio.
 2. `http`: a real `uvicorn` server process whose engine answers instantly (`--serve-fake`): one client thread asks for
-   the whole step's answer `--requests` times per encoding while another polls `/health` every 20 ms; the table gives
-   the request's wall time and `/health` latency percentiles (the event loop's lag while the answer is produced).
+   the whole step's answer `--requests` times per encoding while another process polls `/health` every 20 ms; the
+   table gives the request's wall time and `/health` latency percentiles (the event loop's lag while the answer is
+   produced).
 3. `controller`: the trainer's side of async rollouts (`RemoteRolloutController`) against that server: trainer CPU
    seconds per step, threads, `/health` latency meanwhile; `scale`: the same with `--scale-groups` (1,024) in flight.
 Prints a table, then one JSON document as the last line.
@@ -207,27 +208,43 @@ def fake_server() -> Iterator[str]:
             proc.wait(timeout=10)
 
 
+def warm(url: str, args: argparse.Namespace) -> None:
+    """One request that makes the fake engine build every group it will hand out (64 distinct ones, on the server's
+    event loop: done before anything is timed)."""
+    body = {"prompt": [[5] * 8] * 64, "n": args.n, "max_tokens": args.tokens}
+    requests.post(url + "/v1/completions", json=body, timeout=600).raise_for_status()
+
+
 @contextlib.contextmanager
 def health_poller(url: str) -> Iterator[list[float]]:
-    """Polls `url`'s `/health` every 20 ms from a thread while the block runs; yields the latencies (seconds)."""
+    """Polls `url`'s `/health` every 20 ms from a separate process while the block runs (so that the latencies are the
+    server's, not this process's threads' GIL waits); yields the list the latencies (seconds) land in at the end."""
     latencies: list[float] = []
-    done = threading.Event()
-
-    def poll() -> None:
-        session = requests.Session()
-        while not done.is_set():
-            start = time.perf_counter()
-            session.get(url + "/health", timeout=60)
-            latencies.append(time.perf_counter() - start)
-            time.sleep(0.02)
-
-    poller = threading.Thread(target=poll)
-    poller.start()
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--poll-health", url], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
     try:
+        assert child.stdout.readline().strip() == b"ready"  # the first poll answered
         yield latencies
     finally:
-        done.set()
-        poller.join()
+        out, _ = child.communicate(timeout=120)  # closing stdin ends the polling
+        latencies += json.loads(out)
+
+
+def poll_health(url: str) -> None:
+    """`--poll-health URL`: GET `/health` every 20 ms until stdin closes; print the latencies as one JSON list."""
+    session = requests.Session()
+    session.get(url + "/health", timeout=60)
+    done = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+    print("ready", flush=True)
+    latencies = []
+    while not done.is_set():
+        start = time.perf_counter()
+        session.get(url + "/health", timeout=60)
+        latencies.append(time.perf_counter() - start)
+        time.sleep(0.02)
+    print(json.dumps(latencies))
 
 
 def health_stats(latencies: list[float]) -> dict[str, float]:
@@ -242,8 +259,7 @@ def health_stats(latencies: list[float]) -> dict[str, float]:
 def over_http(args: argparse.Namespace) -> list[dict[str, Any]]:
     with fake_server() as url:
         rows = []
-        warm = {"prompt": [[5] * 8] * args.prompts, "n": args.n, "max_tokens": args.tokens}
-        requests.post(url + "/v1/completions", json=warm, timeout=600).raise_for_status()  # the fake builds its groups
+        warm(url, args)
         for encoding in args.encodings:
             body = {"prompt": [[5] * 8] * args.prompts, "n": args.n, "max_tokens": args.tokens, "encoding": encoding}
             walls, sizes = [], []
@@ -276,6 +292,7 @@ def controller(args: argparse.Namespace, groups_in_flight: int | None = None) ->
 
     depth = args.prefetch_depth if groups_in_flight is None else max(1, groups_in_flight // args.prompts - 1)
     with fake_server() as url:
+        warm(url, args)
         client = RolloutClient([url], timeout=600)
         client.known_versions.add(1)  # the fake groups switch to version 1 halfway
         stream = ((i, [5] * 8) for i in itertools.count())
@@ -290,7 +307,7 @@ def controller(args: argparse.Namespace, groups_in_flight: int | None = None) ->
             for step in range(args.steps + 1):
                 cpu0, wall0 = time.process_time(), time.perf_counter()
                 groups, _ = ctl.take(args.prompts)
-                peak_threads = max(peak_threads, threading.active_count() - threads_before - 1)  # not the poller
+                peak_threads = max(peak_threads, threading.active_count() - threads_before)
                 if step:  # the first take waits for the first fill
                     cpu.append(time.process_time() - cpu0)
                     wall.append(time.perf_counter() - wall0)
@@ -341,10 +358,14 @@ def main() -> None:
         help="HTTP part: answer encodings asked for (a server from before issue 27 answers JSON only)",
     )
     parser.add_argument("--serve-fake", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--poll-health", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     args = parser.parse_args()
     if args.serve_fake is not None:
         serve_fake(args.serve_fake)
+        return
+    if args.poll_health is not None:
+        poll_health(args.poll_health)
         return
     if args.quick:
         args.prompts, args.n, args.tokens, args.requests, args.steps, args.rounds = 16, 4, 1024, 1, 1, 1
@@ -368,7 +389,8 @@ def main() -> None:
         ("rollout_threads", "threads"),
     ]
     print(format_table(rows, columns))
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "serve_fake"}
+    hidden = ("serve_fake", "poll_health")
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in hidden}
     payload = {"benchmark": "payload", "config": config, "env": environment("cpu"), "points": rows}
     path = write_json(payload, args.out, "payload")
     print(f"wrote {path}", file=sys.stderr)

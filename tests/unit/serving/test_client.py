@@ -180,3 +180,10 @@ def test_encodings_carry_the_same_completions(server, prompts, encoding):
     streamed = {}
     client.stream_generate(prompts[:3], 2, lambda i, group: streamed.setdefault(i, group), max_tokens=8)
     assert sorted(streamed) == [0, 1, 2] and all(len(g.completion_ids) == 2 for g in streamed.values())
+
+
+def test_stream_lines_split_across_and_within_pieces():
+    from trl_cb.serving.client import _lines
+
+    pieces = [b'{"a"', b": 1}\n{", b'"b": 2}\n\n{"c": 3}\n{"d"', b": 4}"]
+    assert list(_lines(iter(pieces))) == [b'{"a": 1}', b'{"b": 2}', b"", b'{"c": 3}', b'{"d": 4}']
