@@ -285,8 +285,9 @@ def over_http(args: argparse.Namespace) -> list[dict[str, Any]]:
 def controller(args: argparse.Namespace, groups_in_flight: int | None = None) -> list[dict[str, Any]]:
     """The trainer's side of async rollouts from a server (`RemoteRolloutController`, what the trainers use) at
     `--prompts` groups of `--n` x `--tokens` per step, `--prefetch-depth` steps ahead (or as many as hold
-    `groups_in_flight`): CPU seconds per step of the whole trainer process (its rollout threads included), wall
-    seconds per step, threads, and the server's `/health` latency meanwhile."""
+    `groups_in_flight`): CPU seconds of the whole trainer process (its rollout threads included) and wall seconds per
+    step's worth of groups received (`--steps` + 1 taken, then the window's received: from `start` until every group
+    requested has arrived), threads, and the server's `/health` latency meanwhile."""
     from trl_cb.serving.client import RolloutClient
     from trl_cb.serving.remote_rollouts import RemoteRolloutController
 
@@ -301,26 +302,27 @@ def controller(args: argparse.Namespace, groups_in_flight: int | None = None) ->
             client, stream, args.n, args.prompts, sampling, prefetch_depth=depth, max_staleness=10
         )
         threads_before = threading.active_count()
-        cpu, wall, peak_threads = [], [], 0
+        peak_threads = 0
         with health_poller(url) as latencies:
+            cpu0, wall0 = time.process_time(), time.perf_counter()
             ctl.start(0)
-            for step in range(args.steps + 1):
-                cpu0, wall0 = time.process_time(), time.perf_counter()
+            for _ in range(args.steps + 1):
                 groups, _ = ctl.take(args.prompts)
                 peak_threads = max(peak_threads, threading.active_count() - threads_before)
-                if step:  # the first take waits for the first fill
-                    cpu.append(time.process_time() - cpu0)
-                    wall.append(time.perf_counter() - wall0)
                 assert len(groups) == args.prompts and len(groups[0].completion_ids[0]) == args.tokens
                 del groups
+            while not all(request.done.is_set() for request in ctl._requests):  # the window's groups received too
+                time.sleep(0.05)
+            cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+            received = ctl.consumed_groups + len(ctl._requests)
             ctl.stop()
     return [
         {
             "part": "controller" if groups_in_flight is None else "scale",
             "encoding": getattr(client, "encoding", "json"),
             "groups_in_flight": (depth + 1) * args.prompts,
-            "trainer_cpu_s_per_step": statistics.median(cpu),
-            "step_wall_s": statistics.median(wall),
+            "trainer_cpu_s_per_step": cpu * args.prompts / received,
+            "step_wall_s": wall * args.prompts / received,
             "rollout_threads": peak_threads,
             **health_stats(latencies),
         }
