@@ -1,15 +1,23 @@
 """Rollout-server payload cost at GPU-scale answers: JSON lists vs packed arrays, and the event loop meanwhile.
 
-    python benchmarks/payload.py                      # 256 completions x 8,192 tokens, 2 requests per encoding
+    python benchmarks/payload.py                      # 256 completions x 8,192 tokens per step
     python benchmarks/payload.py --quick              # 64 x 1,024 tokens: a smoke run
 
-Two parts, both with a **fake engine** (the answer's tokens exist at once; only payload work is measured):
-1. In process: the server's encoder (`server.encode_choices`, the code `/v1/completions` runs) and the client's
-   decoder (`RolloutClient`'s parse: the response model, then `PackedChoice.unpack`) on one step's answer, per
-   encoding; "before" is what the code before issue 27 did (pydantic `CompletionResponse` JSON both ways).
-2. A real `uvicorn` server process whose engine answers instantly (`--serve-fake`): one client thread asks for the
-   whole step's answer `--requests` times per encoding while another polls `/health` every 20 ms; the table gives the
-   request's wall time and `/health` latency percentiles (the event loop's lag while the answer is produced).
+    python benchmarks/payload.py --parts scale        # 1,024 groups of 4 x 8,192 tokens in flight (minutes, ~5 GB)
+
+Parts, all with a **fake engine** (the answer's tokens exist at once, as Python lists like the engine's; only payload
+work is measured):
+1. `in-process`: the server's encoder (`server.encode_choices` for JSON, `server.pack_choices` then
+   `PackedColumns.json_pieces` for packed: the code `/v1/completions` runs) and the client's decoder (`RolloutClient`'s
+   parse: the response model, then `PackedChoices.unpack`) on one step's answer, per encoding, `--rounds` rounds with
+   the encodings interleaved; "before" is what the code before issue 27 did (pydantic `CompletionResponse` JSON both
+   ways); `x before` is the median of each round's ratio.
+2. `http`: a real `uvicorn` server process whose engine answers instantly (`--serve-fake`): one client thread asks for
+   the whole step's answer `--requests` times per encoding while another process polls `/health` every 20 ms; the
+   table gives the request's wall time and `/health` latency percentiles (the event loop's lag while the answer is
+   produced).
+3. `controller`: the trainer's side of async rollouts (`RemoteRolloutController`) against that server: trainer CPU
+   seconds per step, threads, `/health` latency meanwhile; `scale`: the same with `--scale-groups` (1,024) in flight.
 Prints a table, then one JSON document as the last line.
 """
 
@@ -54,11 +62,37 @@ def fake_group(prompt: list[int], n: int, tokens: int, seed: int) -> Any:
 
 
 def in_process(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Encode and decode one step's answer per encoding, with the server's and the client's code."""
-    from trl_cb.serving.protocol import Choice, CompletionRequest, CompletionResponse, PackedCompletionResponse
-    from trl_cb.serving.server import encode_choices
-
+    """Encode and decode one step's answer per encoding, with the server's and the client's code, `--rounds` times
+    (medians; `x_before` is the median of each round's ratio to that round's "before")."""
     groups = [fake_group([5] * 8, args.n, args.tokens, seed) for seed in range(args.prompts)]
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for _ in range(args.rounds):  # the encodings interleaved, so that load from other jobs hits all of them alike
+        rounds.append({row["encoding"]: row for row in _in_process_round(args, groups)})
+    rows = []
+    for encoding in ("before", "json", "packed"):
+        runs = [r[encoding] for r in rounds]
+        row = {
+            key: statistics.median(run[key] for run in runs) for key in ("mib", "server_encode_s", "client_decode_s")
+        }
+        row["total_s"] = statistics.median(run["total_s"] for run in runs)
+        ratios = [r[encoding]["total_s"] / r["before"]["total_s"] for r in rounds]
+        row.update(part="in-process", encoding=encoding, rounds=len(runs), x_before=statistics.median(ratios))
+        row.update(x_before_min=min(ratios), x_before_max=max(ratios), total_s_all=[run["total_s"] for run in runs])
+        rows.append(row)
+    return rows
+
+
+def _in_process_round(args: argparse.Namespace, groups: list[Any]) -> list[dict[str, Any]]:
+    """One encode and decode of the step's answer per encoding."""
+    from trl_cb.serving.protocol import (
+        Choice,
+        CompletionRequest,
+        CompletionResponse,
+        PackedColumns,
+        PackedCompletionResponse,
+    )
+    from trl_cb.serving.server import encode_choices, pack_choices
+
     rows = []
     for encoding in ("before", "json", "packed"):
         body = CompletionRequest(
@@ -83,14 +117,19 @@ def in_process(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for k in range(args.n)
             ]
             payload = CompletionResponse(id="x", model="m", choices=choices, usage={}).model_dump_json().encode()
-        else:
+        elif encoding == "json":  # what `/v1/completions` runs per group, joined
             parts = [part for i, g in enumerate(groups) for part in encode_choices(g, i, body, {0})]
             payload = b'{"id": "x", "model": "m", "usage": {}, "choices": [' + b",".join(parts) + b"]}"
+        else:  # packed: each group's arrays packed, then the answer's buffers encoded once
+            columns = PackedColumns()
+            for i, g in enumerate(groups):
+                columns.extend(pack_choices(g, i, body, {0}))
+            payload = b'{"id": "x", "model": "m", "usage": {}, "choices": ' + b"".join(columns.json_pieces()) + b"}"
         encoded = time.perf_counter()
         answer_type = PackedCompletionResponse if encoding == "packed" else CompletionResponse
         choices = answer_type.model_validate_json(payload).choices
         if encoding == "packed":
-            choices = [c.unpack() for c in choices]
+            choices = choices.unpack()
         decoded = time.perf_counter()
         assert len(choices) == args.prompts * args.n and len(choices[-1].token_ids) == args.tokens
         rows.append(
@@ -103,6 +142,7 @@ def in_process(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "total_s": decoded - start,
             }
         )
+        del choices, payload  # freed here, not inside the next encoding's timing
     return rows
 
 
@@ -126,7 +166,7 @@ def serve_fake(port: int) -> None:
     def submit(prompts, n, config, on_done=None):
         tickets = [Ticket(list(p), n, config, on_done=on_done) for p in prompts]
         for seed, ticket in enumerate(tickets):
-            key = (n, int(config.max_new_tokens), seed)
+            key = (n, int(config.max_new_tokens), seed % 64)  # at most 64 distinct groups held: bounded memory
             if key not in made:
                 made[key] = fake_group(ticket.prompt_ids, *key)
             ticket.finish(made[key])
@@ -168,90 +208,130 @@ def fake_server() -> Iterator[str]:
             proc.wait(timeout=10)
 
 
+def warm(url: str, args: argparse.Namespace) -> None:
+    """One request that makes the fake engine build every group it will hand out (64 distinct ones, on the server's
+    event loop: done before anything is timed)."""
+    body = {"prompt": [[5] * 8] * 64, "n": args.n, "max_tokens": args.tokens}
+    requests.post(url + "/v1/completions", json=body, timeout=600).raise_for_status()
+
+
+@contextlib.contextmanager
+def health_poller(url: str) -> Iterator[list[float]]:
+    """Polls `url`'s `/health` every 20 ms from a separate process while the block runs (so that the latencies are the
+    server's, not this process's threads' GIL waits); yields the list the latencies (seconds) land in at the end."""
+    latencies: list[float] = []
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--poll-health", url], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert child.stdout.readline().strip() == b"ready"  # the first poll answered
+        yield latencies
+    finally:
+        out, _ = child.communicate(timeout=120)  # closing stdin ends the polling
+        latencies += json.loads(out)
+
+
+def poll_health(url: str) -> None:
+    """`--poll-health URL`: GET `/health` every 20 ms until stdin closes; print the latencies as one JSON list."""
+    session = requests.Session()
+    session.get(url + "/health", timeout=60)
+    done = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+    print("ready", flush=True)
+    latencies = []
+    while not done.is_set():
+        start = time.perf_counter()
+        session.get(url + "/health", timeout=60)
+        latencies.append(time.perf_counter() - start)
+        time.sleep(0.02)
+    print(json.dumps(latencies))
+
+
+def health_stats(latencies: list[float]) -> dict[str, float]:
+    return {
+        "health_p50_ms": 1000 * percentile(latencies, 50),
+        "health_p99_ms": 1000 * percentile(latencies, 99),
+        "health_max_ms": 1000 * max(latencies),
+        "health_polls": len(latencies),
+    }
+
+
 def over_http(args: argparse.Namespace) -> list[dict[str, Any]]:
     with fake_server() as url:
         rows = []
-        warm = {"prompt": [[5] * 8] * args.prompts, "n": args.n, "max_tokens": args.tokens}
-        requests.post(url + "/v1/completions", json=warm, timeout=600).raise_for_status()  # the fake builds its groups
+        warm(url, args)
         for encoding in args.encodings:
             body = {"prompt": [[5] * 8] * args.prompts, "n": args.n, "max_tokens": args.tokens, "encoding": encoding}
-            latencies: list[float] = []
-            done = threading.Event()
-
-            def poll(done: threading.Event = done, latencies: list[float] = latencies) -> None:
-                session = requests.Session()
-                while not done.is_set():
-                    start = time.perf_counter()
-                    session.get(url + "/health", timeout=60)
-                    latencies.append(time.perf_counter() - start)
-                    time.sleep(0.02)
-
-            poller = threading.Thread(target=poll)
-            poller.start()
             walls, sizes = [], []
-            try:
+            with health_poller(url) as latencies:
                 for _ in range(args.requests):
                     start = time.perf_counter()
                     response = requests.post(url + "/v1/completions", json=body, timeout=600)
                     response.raise_for_status()
                     walls.append(time.perf_counter() - start)
                     sizes.append(len(response.content))
-            finally:
-                done.set()
-                poller.join()
             rows.append(
                 {
                     "part": "http",
                     "encoding": encoding,
                     "mib": sizes[-1] / 2**20,
                     "request_wall_s": min(walls),
-                    "health_p50_ms": 1000 * percentile(latencies, 50),
-                    "health_p99_ms": 1000 * percentile(latencies, 99),
-                    "health_max_ms": 1000 * max(latencies),
-                    "health_polls": len(latencies),
+                    **health_stats(latencies),
                 }
             )
         return rows
 
 
-def controller(args: argparse.Namespace) -> list[dict[str, Any]]:
+def controller(args: argparse.Namespace, groups_in_flight: int | None = None) -> list[dict[str, Any]]:
     """The trainer's side of async rollouts from a server (`RemoteRolloutController`, what the trainers use) at
-    `--prompts` groups of `--n` x `--tokens` per step, `--prefetch-depth` steps ahead: CPU seconds per step of the
-    whole trainer process (its rollout threads included), wall seconds per step, threads."""
+    `--prompts` groups of `--n` x `--tokens` per step, `--prefetch-depth` steps ahead (or as many as hold
+    `groups_in_flight`): CPU seconds of the whole trainer process (its rollout threads included) and wall seconds per
+    step's worth of groups received (`--steps` + 1 taken, then the window's received: from `start` until every group
+    requested has arrived), threads, and the server's `/health` latency meanwhile."""
     from trl_cb.serving.client import RolloutClient
     from trl_cb.serving.remote_rollouts import RemoteRolloutController
 
+    depth = args.prefetch_depth if groups_in_flight is None else max(1, groups_in_flight // args.prompts - 1)
     with fake_server() as url:
+        warm(url, args)
         client = RolloutClient([url], timeout=600)
         client.known_versions.add(1)  # the fake groups switch to version 1 halfway
         stream = ((i, [5] * 8) for i in itertools.count())
         sampling = {"max_tokens": args.tokens}
         ctl = RemoteRolloutController(
-            client, stream, args.n, args.prompts, sampling, prefetch_depth=args.prefetch_depth, max_staleness=10
+            client, stream, args.n, args.prompts, sampling, prefetch_depth=depth, max_staleness=10
         )
         threads_before = threading.active_count()
-        ctl.start(0)
-        cpu, wall, peak_threads = [], [], 0
-        for step in range(args.steps + 1):
+        peak_threads = 0
+        with health_poller(url) as latencies:
             cpu0, wall0 = time.process_time(), time.perf_counter()
-            groups, _ = ctl.take(args.prompts)
-            peak_threads = max(peak_threads, threading.active_count() - threads_before)
-            if step:  # the first take waits for the first fill
-                cpu.append(time.process_time() - cpu0)
-                wall.append(time.perf_counter() - wall0)
-            assert len(groups) == args.prompts and len(groups[0].completion_ids[0]) == args.tokens
-        ctl.stop()
-    in_flight = (args.prefetch_depth + 1) * args.prompts
+            ctl.start(0)
+            for _ in range(args.steps + 1):
+                groups, _ = ctl.take(args.prompts)
+                peak_threads = max(peak_threads, threading.active_count() - threads_before)
+                assert len(groups) == args.prompts and len(groups[0].completion_ids[0]) == args.tokens
+                del groups
+            while not all(request.done.is_set() for request in ctl._requests):  # the window's groups received too
+                time.sleep(0.05)
+            cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+            received = ctl.consumed_groups + len(ctl._requests)
+            ctl.stop()
     return [
         {
-            "part": "controller",
+            "part": "controller" if groups_in_flight is None else "scale",
             "encoding": getattr(client, "encoding", "json"),
-            "groups_in_flight": in_flight,
-            "trainer_cpu_s_per_step": statistics.median(cpu),
-            "step_wall_s": statistics.median(wall),
+            "groups_in_flight": (depth + 1) * args.prompts,
+            "trainer_cpu_s_per_step": cpu * args.prompts / received,
+            "step_wall_s": wall * args.prompts / received,
             "rollout_threads": peak_threads,
+            **health_stats(latencies),
         }
     ]
+
+
+def scale(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """`controller` with `--scale-groups` groups in flight (issue 27's scale test: 1,024)."""
+    return controller(args, groups_in_flight=args.scale_groups)
 
 
 def main() -> None:
@@ -260,12 +340,15 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4, help="completions per prompt (prompts x n = the step's answer)")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--requests", type=int, default=2, help="HTTP requests per encoding (the fastest is kept)")
+    parser.add_argument("--rounds", type=int, default=3, help="in-process part: rounds of every encoding, interleaved")
+    parser.add_argument("--scale-groups", type=int, default=1024, help="scale part: groups in flight")
     parser.add_argument("--quick", action="store_true", help="64 completions x 1,024 tokens, one request")
     parser.add_argument(
         "--parts",
         nargs="+",
         default=["in-process", "http", "controller"],
-        choices=["in-process", "http", "controller"],
+        choices=["in-process", "http", "controller", "scale"],
+        help="scale: the controller part with --scale-groups groups in flight (not run by default: minutes, GBs)",
     )
     parser.add_argument("--prefetch-depth", type=int, default=1, help="controller part: steps requested ahead")
     parser.add_argument("--steps", type=int, default=3, help="controller part: steps timed (after the first)")
@@ -277,19 +360,19 @@ def main() -> None:
         help="HTTP part: answer encodings asked for (a server from before issue 27 answers JSON only)",
     )
     parser.add_argument("--serve-fake", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--poll-health", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     args = parser.parse_args()
     if args.serve_fake is not None:
         serve_fake(args.serve_fake)
         return
+    if args.poll_health is not None:
+        poll_health(args.poll_health)
+        return
     if args.quick:
-        args.prompts, args.n, args.tokens, args.requests, args.steps = 16, 4, 1024, 1, 1
-    parts = {"in-process": in_process, "http": over_http, "controller": controller}
+        args.prompts, args.n, args.tokens, args.requests, args.steps, args.rounds = 16, 4, 1024, 1, 1, 1
+    parts = {"in-process": in_process, "http": over_http, "controller": controller, "scale": scale}
     rows = [row for name in args.parts for row in parts[name](args)]
-    before = next((r["total_s"] for r in rows if r["encoding"] == "before"), None)
-    for row in rows:
-        if "total_s" in row and before:
-            row["x_before"] = row["total_s"] / before
     columns = [
         ("part", "part"),
         ("encoding", "encoding"),
@@ -308,7 +391,8 @@ def main() -> None:
         ("rollout_threads", "threads"),
     ]
     print(format_table(rows, columns))
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "serve_fake"}
+    hidden = ("serve_fake", "poll_health")
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in hidden}
     payload = {"benchmark": "payload", "config": config, "env": environment("cpu"), "points": rows}
     path = write_json(payload, args.out, "payload")
     print(f"wrote {path}", file=sys.stderr)

@@ -28,6 +28,7 @@ from .protocol import (
     Choice,
     CompletionRequest,
     CompletionResponse,
+    PackedChoices,
     PackedCompletionResponse,
     PackedStreamLine,
     StreamLine,
@@ -81,7 +82,7 @@ class RemoteGenerationResult:
 class RolloutClient:
     """Talks to rollout servers at `urls` (`http://host:port`); `timeout` bounds every request, in seconds;
     `retries` and `backoff_s` shape the retries of transient faults (see the module docstring); `encoding` is how
-    answers carry per-token arrays (`packed`: base64 arrays, `protocol.PackedChoice`; `json`: lists)."""
+    answers carry per-token arrays (`packed`: one base64 buffer per field, `protocol.PackedChoices`; `json`: lists)."""
 
     def __init__(
         self,
@@ -198,12 +199,12 @@ class RolloutClient:
                     raise RolloutServerError(f"HTTP {response.status_code}: {response.text[:300]}")
                 if response.status_code != 200:
                     raise ValueError(f"{url} refused the request: HTTP {response.status_code} {response.text[:500]}")
-                for raw in response.iter_lines():
+                for raw in _lines(response.iter_content(chunk_size=None)):  # each piece as it arrives
                     if not raw:
                         continue
                     try:
                         line = line_type.model_validate_json(raw)
-                        choices = [_unpacked(c) for c in line.choices]
+                        choices, versions = _choices(line.choices)
                     except ValueError as exc:  # pydantic's ValidationError too
                         raise RolloutServerError(f"a stream line breaks the protocol: {str(exc)[:300]}") from exc
                     if line.error is not None:
@@ -217,13 +218,12 @@ class RolloutClient:
                     if any(c.prompt_index != i for c in choices):
                         raise RolloutServerError("a stream line mixes prompts")
                     seen.add(i)
-                    self._check_versions(choices)
+                    self._check_versions(versions)
                     yield i, _result(sorted(choices, key=lambda c: c.index), n)
         except requests.RequestException as exc:
             raise RolloutServerError(f"{type(exc).__name__}: {exc}") from exc
 
-    def _check_versions(self, choices: list[Choice]) -> None:
-        versions = {v for c in choices for v in [c.weight_version, *c.token_weight_versions]}
+    def _check_versions(self, versions: set[int]) -> None:
         unknown = versions - self.known_versions
         if unknown:
             raise RolloutServerError(f"completions sampled with weight versions {sorted(unknown)} never pushed")
@@ -242,7 +242,7 @@ class RolloutClient:
             raise ValueError(f"{url} refused the request: HTTP {response.status_code} {response.text[:500]}")
         answer_type = PackedCompletionResponse if self.encoding == "packed" else CompletionResponse
         try:
-            choices = [_unpacked(c) for c in answer_type.model_validate_json(response.content).choices]
+            choices, versions = _choices(answer_type.model_validate_json(response.content).choices)
         except ValueError as exc:  # pydantic's ValidationError too
             raise RolloutServerError(f"the answer breaks the protocol: {str(exc)[:300]}") from exc
         expected = {(i, k) for i in range(len(prompts)) for k in range(n)}
@@ -251,12 +251,34 @@ class RolloutClient:
             raise RolloutServerError(
                 f"returned {len(choices)} completions that do not cover the {len(prompts)} prompts x {n} samples asked"
             )
-        self._check_versions(choices)
+        self._check_versions(versions)
         return choices
 
 
-def _unpacked(choice: Any) -> Choice:
-    return choice if isinstance(choice, Choice) else choice.unpack()
+def _lines(pieces: Iterator[bytes]) -> Iterator[bytes]:
+    """The lines of a byte stream, each as soon as its newline arrives, in time linear in the stream's length
+    (`requests`' `iter_lines` re-joins and re-splits a pending line at every 512-byte read: quadratic in a line's
+    length, seconds per step for lines of a few hundred kB)."""
+    pending: list[bytes] = []
+    for piece in pieces:
+        start = 0
+        while (end := piece.find(b"\n", start)) >= 0:
+            pending.append(piece[start:end])
+            yield b"".join(pending)
+            pending, start = [], end + 1
+        if start < len(piece):
+            pending.append(piece[start:])
+    if pending:
+        yield b"".join(pending)
+
+
+def _choices(answer: list[Choice] | PackedChoices | None) -> tuple[list[Choice], set[int]]:
+    """An answer's choices, unpacked (`ValueError` for packed columns that do not fit together), and every weight
+    version they carry."""
+    if isinstance(answer, PackedChoices):
+        return answer.unpack(), answer.versions()
+    choices = answer or []
+    return choices, {v for c in choices for v in [c.weight_version, *c.token_weight_versions]}
 
 
 def _result(choices: list[Choice], n: int) -> RemoteGenerationResult:

@@ -10,10 +10,16 @@ server build and read bodies from these models.
 
 from __future__ import annotations
 
+import array
 import base64
-from typing import Annotated, Any, Literal
+import binascii
+import bisect
+import json
+import struct
+import sys
+from dataclasses import dataclass, field
+from typing import Annotated, Any, ClassVar, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..checks.generation_settings import FIELD_RULES, MIN_SAMPLING_TEMPERATURE, settings_servers_cannot_apply
@@ -51,8 +57,8 @@ class CompletionRequest(_Strict):
     top_k: int = Field(default=0, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=0)  # only the sampled token's logprob is returned
     return_token_ids: bool = True
-    #: How choices carry their per-token arrays: JSON lists (OpenAI-style clients), or `packed` (`PackedChoice`:
-    #: base64 of little-endian arrays, ~20x cheaper to encode and decode at 8k-token completions).
+    #: How choices carry their per-token arrays: JSON lists (OpenAI-style clients), or `packed` (`PackedChoices`: one
+    #: base64 buffer per field for the whole answer, no per-token JSON on either side).
     encoding: Literal["json", "packed"] = "json"
 
     @model_validator(mode="before")
@@ -85,42 +91,195 @@ class Choice(BaseModel):
     finish_reason: str | None = None
 
 
-#: The per-token arrays of a `PackedChoice` and their dtypes (little-endian; values round-trip exactly: ids and
-#: versions are int32, logprobs are the engine's fp32).
-PACKED_ARRAYS = {"token_ids": "<i4", "logprobs": "<f4", "policy_logprobs": "<f4", "token_weight_versions": "<i4"}
+#: Bytes of raw array per base64 piece a packed answer is written in (a multiple of 3, so pieces concatenate into one
+#: valid base64 string; 1 MiB of text each, so no single encode call holds the GIL for long).
+_B64_PIECE = 3 * 2**18
 
 
-class PackedChoice(BaseModel):
-    """A `Choice` whose per-token arrays are base64 strings of `PACKED_ARRAYS` dtypes (`encoding="packed"`)."""
+def value_runs(values: list[int]) -> tuple[list[int], list[int]]:
+    """`(run values, run lengths)` of the runs of equal values in `values`. A completion's per-token versions change
+    only at weight updates (a few runs, nondecreasing), so each run's end is found by bisection and then checked
+    (one C-level `count`); a list that is not nondecreasing still gets exact runs, found one element at a time."""
+    run_values, run_lengths = [], []
+    i, end = 0, len(values)
+    while i < end:
+        value = values[i]
+        j = bisect.bisect_right(values, value, i)  # the run's end if `values` is nondecreasing
+        if values[i:j].count(value) != j - i:
+            j = i + 1
+            while j < end and values[j] == value:
+                j += 1
+        run_values.append(value)
+        run_lengths.append(j - i)
+        i = j
+    return run_values, run_lengths
 
-    index: int
-    prompt_index: int
+
+@dataclass
+class PackedColumns:
+    """The server's side of `PackedChoices`: choices appended one at a time (`add`), each per-token array packed to
+    little-endian bytes once (`struct`, no per-token Python objects kept), written out as one JSON object
+    (`json_pieces`). Policy logprobs equal to the logprobs (the engine's only-temperature case) are sent once."""
+
+    index: list[int] = field(default_factory=list)
+    prompt_index: list[int] = field(default_factory=list)
+    weight_version: list[int] = field(default_factory=list)
+    finish_reason: list[str | None] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    version_runs: list[int] = field(default_factory=list)
+    version_values: list[int] = field(default_factory=list)
+    version_lengths: list[int] = field(default_factory=list)
+    token_ids: list[bytes] = field(default_factory=list)  # per choice: int32 bytes
+    logprobs: list[bytes] = field(default_factory=list)  # per choice: fp32 bytes
+    policy_logprobs: list[bytes] = field(default_factory=list)  # per choice: fp32 bytes, `logprobs[k]` itself if equal
+
+    def add(
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        policy_logprobs: list[float],
+        version_runs: tuple[list[int], list[int]],
+        **scalars: Any,
+    ) -> None:
+        """One choice: its per-token lists, its per-token versions as `value_runs`, and `index`, `prompt_index`,
+        `weight_version`, `finish_reason`."""
+        n = len(token_ids)
+        run_values, run_lengths = version_runs
+        if not len(logprobs) == len(policy_logprobs) == sum(run_lengths) == n:
+            raise ValueError(f"choice {scalars.get('index')}: per-token arrays of different lengths")
+        for name in ("index", "prompt_index", "weight_version", "finish_reason"):
+            getattr(self, name).append(scalars[name])
+        packed = struct.pack(f"<{n}f", *logprobs)
+        same = policy_logprobs is logprobs or policy_logprobs == logprobs  # identical objects: a pointer compare each
+        self.num_tokens.append(n)
+        self.token_ids.append(struct.pack(f"<{n}i", *token_ids))
+        self.logprobs.append(packed)
+        self.policy_logprobs.append(packed if same else struct.pack(f"<{n}f", *policy_logprobs))
+        self.version_runs.append(len(run_values))
+        self.version_values += run_values
+        self.version_lengths += run_lengths
+
+    def extend(self, other: PackedColumns) -> None:
+        for name in self.__dataclass_fields__:
+            getattr(self, name).extend(getattr(other, name))
+
+    def json_pieces(self) -> list[bytes]:
+        """The `PackedChoices` JSON object, in pieces (the per-token buffers base64-encoded in 1 MiB pieces)."""
+        scalars = {name: getattr(self, name) for name in PackedChoices.scalar_fields}
+        pieces = [json.dumps(scalars, separators=(",", ":"))[:-1].encode()]
+        same = all(p is lp for p, lp in zip(self.policy_logprobs, self.logprobs))
+        for name in PackedChoices.buffer_fields:
+            if name == "policy_logprobs" and same:
+                pieces.append(b',"policy_logprobs":null')
+                continue
+            raw = memoryview(b"".join(getattr(self, name)))
+            pieces.append(f',"{name}":"'.encode())
+            starts = range(0, len(raw), _B64_PIECE)
+            pieces += [binascii.b2a_base64(raw[i : i + _B64_PIECE], newline=False) for i in starts]
+            pieces.append(b'"')
+        pieces.append(b"}")
+        return pieces
+
+
+class PackedChoices(BaseModel):
+    """Choices in columns (`encoding="packed"`): per-choice fields as JSON lists; per-token arrays as one base64 string
+    per field for all choices together, little-endian int32 `token_ids` and fp32 `logprobs` / `policy_logprobs`
+    (exact: the engine's values), choice c's tokens right after choice c-1's (`num_tokens[c]` of them);
+    `policy_logprobs` null when equal to `logprobs`; per-token weight versions as runs (`version_runs[c]` runs of
+    `version_values` / `version_lengths` per choice). `unpack` checks every length and offset."""
+
+    #: Fields holding one entry per choice, and the base64 per-token buffers.
+    scalar_fields: ClassVar[tuple[str, ...]] = (
+        "index",
+        "prompt_index",
+        "weight_version",
+        "finish_reason",
+        "num_tokens",
+        "version_runs",
+        "version_values",
+        "version_lengths",
+    )
+    buffer_fields: ClassVar[tuple[str, ...]] = ("token_ids", "logprobs", "policy_logprobs")
+
+    index: list[int]
+    prompt_index: list[int]
+    weight_version: list[int]
+    finish_reason: list[str | None]
+    num_tokens: list[Annotated[int, Field(ge=0)]]
+    version_runs: list[Annotated[int, Field(ge=0)]]
+    version_values: list[int]
+    version_lengths: list[Annotated[int, Field(ge=1)]]
     token_ids: str
     logprobs: str
-    policy_logprobs: str
-    weight_version: int
-    token_weight_versions: str
-    finish_reason: str | None = None
+    policy_logprobs: str | None = None
 
-    @classmethod
-    def pack(cls, arrays: dict[str, list], **fields: Any) -> PackedChoice:
-        """From the per-token lists (`PACKED_ARRAYS` names) and the scalar fields."""
-        packed = {
-            name: base64.b64encode(np.asarray(arrays[name], dtype=dtype).tobytes()).decode("ascii")
-            for name, dtype in PACKED_ARRAYS.items()
-        }
-        return cls(**packed, **fields)
+    def versions(self) -> set[int]:
+        """Every weight version the choices carry (a choice's own and its tokens')."""
+        return set(self.weight_version) | set(self.version_values)
 
-    def unpack(self) -> Choice:
-        """The `Choice` it packs; `ValueError` for arrays that are not base64 of whole elements of equal length."""
-        arrays = {}
-        for name, dtype in PACKED_ARRAYS.items():
-            raw = base64.b64decode(getattr(self, name), validate=True)
-            arrays[name] = np.frombuffer(raw, dtype=dtype).tolist()  # ValueError on a partial element
-        if len({len(values) for values in arrays.values()}) != 1:
-            raise ValueError(f"choice {self.index}: per-token arrays of different lengths")
-        scalars = {"index": self.index, "prompt_index": self.prompt_index, "weight_version": self.weight_version}
-        return Choice.model_construct(**arrays, **scalars, finish_reason=self.finish_reason)  # values checked above
+    def unpack(self) -> list[Choice]:
+        """The `Choice`s, per-token lists built from the buffers; `ValueError` naming the field for columns of
+        different lengths, base64 that is not, buffers whose length is not `num_tokens`' total, or runs that do not
+        cover their choice's tokens."""
+        count = len(self.index)
+        columns = ("prompt_index", "weight_version", "finish_reason", "num_tokens", "version_runs")
+        for name in columns:
+            if len(getattr(self, name)) != count:
+                raise ValueError(f"packed choices: {name} has {len(getattr(self, name))} entries for {count} choices")
+        if len(self.version_values) != len(self.version_lengths) or len(self.version_values) != sum(self.version_runs):
+            raise ValueError(
+                f"packed choices: {len(self.version_values)} version values and {len(self.version_lengths)} lengths "
+                f"for {sum(self.version_runs)} runs"
+            )
+        total = sum(self.num_tokens)
+        token_ids = _decoded(self.token_ids, "i", total, "token_ids")
+        logprobs = _decoded(self.logprobs, "f", total, "logprobs")
+        policy = None
+        if self.policy_logprobs is not None:  # null: equal to `logprobs`
+            policy = _decoded(self.policy_logprobs, "f", total, "policy_logprobs")
+        choices = []
+        start = first_run = 0
+        for c in range(count):
+            end, runs = start + self.num_tokens[c], slice(first_run, first_run + self.version_runs[c])
+            lengths = self.version_lengths[runs]
+            if sum(lengths) != end - start:
+                raise ValueError(
+                    f"packed choices: choice {c}'s version runs cover {sum(lengths)} of its {end - start} tokens"
+                )
+            versions: list[int] = []
+            for value, length in zip(self.version_values[runs], lengths):
+                versions += [value] * length
+            values = logprobs[start:end].tolist()
+            choices.append(
+                Choice.model_construct(  # every value checked above
+                    index=self.index[c],
+                    prompt_index=self.prompt_index[c],
+                    token_ids=token_ids[start:end].tolist(),
+                    logprobs=values,
+                    policy_logprobs=list(values) if policy is None else policy[start:end].tolist(),
+                    weight_version=self.weight_version[c],
+                    token_weight_versions=versions,
+                    finish_reason=self.finish_reason[c],
+                )
+            )
+            start, first_run = end, runs.stop
+        return choices
+
+
+def _decoded(text: str, typecode: str, count: int, name: str) -> array.array:
+    """`count` little-endian int32 (`i`) or fp32 (`f`) values from base64 `text`, else `ValueError` naming `name`."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"packed choices: {name} is not base64 ({exc})") from None
+    values = array.array(typecode)
+    if len(raw) != count * values.itemsize:
+        need = count * values.itemsize
+        raise ValueError(f"packed choices: {name} holds {len(raw)} bytes, {count} tokens need {need}")
+    values.frombytes(raw)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values
 
 
 class CompletionResponse(BaseModel):
@@ -132,12 +291,12 @@ class CompletionResponse(BaseModel):
 
 
 class PackedCompletionResponse(BaseModel):
-    """`CompletionResponse` of a request with `encoding="packed"`."""
+    """`CompletionResponse` of a request with `encoding="packed"`: the choices in columns."""
 
     id: str
     object: str = "text_completion"
     model: str
-    choices: list[PackedChoice]
+    choices: PackedChoices
     usage: dict[str, int]
 
 
@@ -151,10 +310,13 @@ class StreamLine(BaseModel):
     status: int | None = None
 
 
-class PackedStreamLine(StreamLine):
-    """`StreamLine` of a request with `encoding="packed"`."""
+class PackedStreamLine(BaseModel):
+    """`StreamLine` of a request with `encoding="packed"`: the group's choices in columns (none on an error line)."""
 
-    choices: list[PackedChoice] = Field(default_factory=list)
+    prompt_index: int | None = None
+    choices: PackedChoices | None = None
+    error: str | None = None
+    status: int | None = None
 
 
 class WeightsInit(_Strict):

@@ -37,7 +37,7 @@ from .protocol import (
     Choice,
     CompletionRequest,
     CompletionResponse,
-    PackedChoice,
+    PackedColumns,
     PackedCompletionResponse,
     StreamLine,
     WeightsClose,
@@ -45,6 +45,7 @@ from .protocol import (
     WeightsUpdate,
     WeightsWait,
     WeightsWaitResponse,
+    value_runs,
 )
 from .weight_sync import StaleVersion, WeightReceiver
 
@@ -197,14 +198,23 @@ def create_app(
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": model_name}
 
         async def parts() -> AsyncIterator[bytes]:
-            """The response model's JSON in pieces: each group's choices encoded in a worker thread (one short
-            encoder call per choice, so the event loop gets the GIL in between) and sent as it is ready, so that no
-            step of a large answer (an encode, a join, a socket write of the whole body) holds the loop for long."""
-            yield json.dumps(head)[:-1].encode() + b', "choices": ['
-            for i in range(len(body.prompt)):
-                encoded = await run_in_threadpool(encode_choices, groups[i], i, body, eos_ids)
-                yield (b"," if i else b"") + b",".join(encoded)
-            yield b'], "usage": ' + json.dumps(usage).encode() + b"}"
+            """The response model's JSON in pieces: each group's choices encoded in a worker thread and sent as it is
+            ready (packed: each group's arrays packed in a worker thread, then the whole answer's buffers encoded in
+            one, sent in 1 MiB pieces), so that no step of a large answer (an encode, a join, a socket write of the
+            whole body) holds the event loop for long."""
+            yield json.dumps(head)[:-1].encode() + b', "choices": '
+            if body.encoding == "packed":
+                columns = PackedColumns()
+                for i in range(len(body.prompt)):
+                    columns.extend(await run_in_threadpool(pack_choices, groups[i], i, body, eos_ids))
+                for piece in await run_in_threadpool(columns.json_pieces):
+                    yield piece
+            else:
+                for i in range(len(body.prompt)):
+                    encoded = await run_in_threadpool(encode_choices, groups[i], i, body, eos_ids)
+                    yield (b"[" if i == 0 else b",") + b",".join(encoded)
+                yield b"]"
+            yield b', "usage": ' + json.dumps(usage).encode() + b"}"
 
         return StreamingResponse(parts(), media_type="application/json")
 
@@ -213,9 +223,12 @@ def create_app(
         """One JSON line per group (a prompt's `n` choices) as it finishes, in finishing order; errors as a line."""
         groups = finished(body, request)
 
-        def encode(i: int, group: RolloutGroup) -> str:
-            parts = encode_choices(group, i, body, eos_ids)
-            return f'{{"prompt_index": {i}, "choices": [{b",".join(parts).decode()}]}}\n'
+        def encode(i: int, group: RolloutGroup) -> bytes:
+            if body.encoding == "packed":
+                choices = b"".join(pack_choices(group, i, body, eos_ids).json_pieces())
+            else:
+                choices = b"[" + b",".join(encode_choices(group, i, body, eos_ids)) + b"]"
+            return b'{"prompt_index": %d, "choices": ' % i + choices + b"}\n"
 
         async def lines() -> AsyncIterator[str]:
             try:
@@ -223,7 +236,7 @@ def create_app(
                     yield await run_in_threadpool(encode, i, group)  # a `StreamLine` (`PackedStreamLine`)
             except HTTPException as exc:
                 line = StreamLine(error=str(exc.detail), status=exc.status_code)
-                yield line.model_dump_json(exclude_none=True) + "\n"
+                yield line.model_dump_json(exclude_none=True, exclude={"choices"}).encode() + b"\n"
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -279,22 +292,34 @@ def create_app(
     return app
 
 
+def _choice_fields(prompt_index: int, k: int, n: int, ids: list[int], eos_ids: set[int]) -> dict[str, Any]:
+    """Sample k's `index`, `prompt_index` and `finish_reason`."""
+    finish_reason = "stop" if ids and ids[-1] in eos_ids else "length"
+    return {"index": prompt_index * n + k, "prompt_index": prompt_index, "finish_reason": finish_reason}
+
+
 def encode_choices(group: RolloutGroup, prompt_index: int, body: CompletionRequest, eos_ids: set[int]) -> list[bytes]:
-    """The group's choices as JSON objects, one `Choice` (or `PackedChoice`, `encoding="packed"`) each."""
+    """The group's choices as JSON objects, one `Choice` each (`encoding="json"`)."""
     parts = []
     for k, ids in enumerate(group.completion_ids):
-        arrays = {
-            "token_ids": ids,
-            "logprobs": group.logprobs[k],
-            "policy_logprobs": group.policy_logprobs[k],
-            "token_weight_versions": group.versions[k],
-        }
-        fields = {
-            "index": prompt_index * body.n + k,
-            "prompt_index": prompt_index,
-            "weight_version": oldest_version([group.versions[k]], group.submitted_version),
-            "finish_reason": "stop" if ids and ids[-1] in eos_ids else "length",
-        }
-        choice = PackedChoice.pack(arrays, **fields) if body.encoding == "packed" else Choice(**arrays, **fields)
+        choice = Choice(
+            token_ids=ids,
+            logprobs=group.logprobs[k],
+            policy_logprobs=group.policy_logprobs[k],
+            token_weight_versions=group.versions[k],
+            weight_version=oldest_version([group.versions[k]], group.submitted_version),
+            **_choice_fields(prompt_index, k, body.n, ids, eos_ids),
+        )
         parts.append(choice.model_dump_json().encode())
     return parts
+
+
+def pack_choices(group: RolloutGroup, prompt_index: int, body: CompletionRequest, eos_ids: set[int]) -> PackedColumns:
+    """The group's choices packed (`encoding="packed"`): each per-token list read once, into bytes."""
+    columns = PackedColumns()
+    for k, ids in enumerate(group.completion_ids):
+        runs = value_runs(group.versions[k])
+        oldest = oldest_version([runs[0]], group.submitted_version)  # the run values hold every version
+        fields = _choice_fields(prompt_index, k, body.n, ids, eos_ids)
+        columns.add(ids, group.logprobs[k], group.policy_logprobs[k], runs, weight_version=oldest, **fields)
+    return columns

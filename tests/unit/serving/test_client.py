@@ -132,16 +132,34 @@ def test_answer_breaking_the_protocol_raises_rollout_server_error(answer):
             client.generate([[5, 6]], 2, max_tokens=4)
 
 
+def _packed_answer(**changes) -> dict:
+    """A packed answer to 1 prompt x 2 samples of one token each, with `changes` to its `PackedChoices` columns."""
+    columns = {"index": [0, 1], "prompt_index": [0, 0], "weight_version": [0, 0], "finish_reason": ["length"] * 2}
+    columns.update(num_tokens=[1, 1], version_runs=[1, 1], version_values=[0, 0], version_lengths=[1, 1])
+    columns.update(token_ids="BQAAAAYAAAA=", logprobs="AACAvwAAgL8=", policy_logprobs=None)  # [5, 6], [-1.0, -1.0]
+    return {"id": "x", "model": "m", "usage": {}, "choices": {**columns, **changes}}
+
+
+def test_packed_answer_reaches_the_caller():
+    with front(None, failures=0, answer=_packed_answer()) as (fake, _):
+        result = RolloutClient([fake], timeout=30, retries=0).generate([[5, 6]], 2, max_tokens=4)
+    assert result.completion_ids == [[5], [6]] and result.policy_logprobs == [[-1.0], [-1.0]]
+
+
 @pytest.mark.parametrize(
-    ("token_ids", "logprobs"),
-    [("not base64!", "AACAvw=="), ("BQAAAA==", "AACA"), ("BQAAAAYAAAA=", "AACAvw==")],
-    ids=["bad-base64", "partial-element", "lengths-differ"],
+    "changes",
+    [
+        {"token_ids": "not base64!"},
+        {"logprobs": "AACA"},  # a partial fp32
+        {"token_ids": "BQAAAA=="},  # truncated: one token for two
+        {"num_tokens": [2, 1]},  # offsets past the buffers
+        {"version_lengths": [1, 2]},  # version runs longer than the choice
+        {"index": [0]},  # columns of different lengths
+    ],
+    ids=["bad-base64", "partial-element", "truncated", "lengths", "version-runs", "columns"],
 )
-def test_packed_answer_breaking_the_protocol_raises_rollout_server_error(token_ids, logprobs):
-    choice = {"prompt_index": 0, "token_ids": token_ids, "logprobs": logprobs, "policy_logprobs": logprobs}
-    choice.update(weight_version=0, token_weight_versions="AAAAAA==")
-    answer = {"id": "x", "model": "m", "usage": {}, "choices": [{**choice, "index": 0}, {**choice, "index": 1}]}
-    with front(None, failures=0, answer=answer) as (fake, _):
+def test_packed_answer_breaking_the_protocol_raises_rollout_server_error(changes):
+    with front(None, failures=0, answer=_packed_answer(**changes)) as (fake, _):
         with pytest.raises(RolloutServerError, match="protocol"):
             RolloutClient([fake], timeout=30, retries=0).generate([[5, 6]], 2, max_tokens=4)
 
@@ -164,14 +182,8 @@ def test_encodings_carry_the_same_completions(server, prompts, encoding):
     assert sorted(streamed) == [0, 1, 2] and all(len(g.completion_ids) == 2 for g in streamed.values())
 
 
-def test_packed_choice_round_trips_exactly():
-    import torch
+def test_stream_lines_split_across_and_within_pieces():
+    from trl_cb.serving.client import _lines
 
-    from trl_cb.serving.protocol import PackedChoice
-
-    logprobs = torch.log_softmax(torch.randn(8192), -1).tolist()  # fp32 values, as the engine returns them
-    arrays = {"token_ids": list(range(8192)), "logprobs": logprobs, "policy_logprobs": logprobs[::-1]}
-    arrays["token_weight_versions"] = [0] * 4096 + [1] * 4096
-    choice = PackedChoice.pack(arrays, index=3, prompt_index=1, weight_version=0, finish_reason="length").unpack()
-    assert {name: getattr(choice, name) for name in arrays} == arrays
-    assert (choice.index, choice.prompt_index, choice.weight_version) == (3, 1, 0)
+    pieces = [b'{"a"', b": 1}\n{", b'"b": 2}\n\n{"c": 3}\n{"d"', b": 4}"]
+    assert list(_lines(iter(pieces))) == [b'{"a": 1}', b'{"b": 2}', b"", b'{"c": 3}', b'{"d": 4}']
