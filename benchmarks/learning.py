@@ -437,7 +437,11 @@ def compare(summary: list[dict[str, Any]]) -> None:
 
 
 def targets(summary: list[dict[str, Any]], band_share: float) -> list[dict[str, Any]]:
-    """The issue's targets per trainer and curve, on the evaluation reward: each with its value and a verdict."""
+    """Issue 31's targets per trainer and curve, on the evaluation reward: each with its value and a verdict.
+
+    Async curves against trl_cb sync: inside its seed band at >= `band_share` of the eval points; samples to the
+    threshold <= 1.1x (<= 1.5x for `keep_stale` variants, whose staleness is 4-8 by design); wall-clock to the
+    threshold <= 0.9x for server async (generation overlaps training) and <= 0.95x in process."""
     out = []
     for s in summary:
         checks: list[tuple[str, float | None, str, float]] = []
@@ -449,15 +453,15 @@ def targets(summary: list[dict[str, Any]], band_share: float) -> list[dict[str, 
                            s["time_to_threshold_s_vs_generate"], "", 0.0))  # fmt: skip
         elif s["backend"] in ASYNC_BACKENDS:
             server = s["backend"] == "trl_cb_server_async"
+            keep_stale = bool((s.get("variant") or "") and "keep_stale=1" in s["variant"])
             checks.append((f"{name}: eval reward inside trl_cb sync's seed band (share of eval points)",
                            s[f"eval_band_share_vs_{REFERENCE}"], ">=", band_share))  # fmt: skip
+            checks.append((f"{name}: samples to threshold / trl_cb sync", s[f"samples_to_threshold_vs_{REFERENCE}"],
+                           "<=", 1.5 if keep_stale else 1.1))  # fmt: skip
             checks.append((f"{name}: time to threshold / trl_cb sync", s[f"time_to_threshold_s_vs_{REFERENCE}"],
-                           "<=", 0.6 if server else 0.75))  # fmt: skip
-            if not server:
-                checks.append((f"{name}: time to threshold / generate()", s["time_to_threshold_s_vs_generate"],
-                               "<=", 0.6))  # fmt: skip
-                checks.append((f"{name}: same in process CPU seconds / trl_cb sync (no target)",
-                               s[f"cpu_time_to_threshold_s_vs_{REFERENCE}"], "", 0.0))  # fmt: skip
+                           "<=", 0.9 if server else 0.95))  # fmt: skip
+            checks.append((f"{name}: same in process CPU seconds / trl_cb sync (no target)",
+                           s[f"cpu_time_to_threshold_s_vs_{REFERENCE}"], "", 0.0))  # fmt: skip
         elif s["curve"] == "trl_cb_server":
             checks.append((f"{name}: time to threshold / trl_cb sync (no target)",
                            s[f"time_to_threshold_s_vs_{REFERENCE}"], "", 0.0))  # fmt: skip
