@@ -28,6 +28,11 @@ from .importance_sampling import DEFAULT_M2_THRESHOLD, IS_MODES, TOKEN_LEVEL_MOD
 from .rollouts.async_core import validate_async_bounds
 from .trainers.upstream_warnings import trl_config_post_init
 
+#: The IS mode for `async_generation=True` when none is set: one weight per sequence, the geometric mean of its token
+#: ratios, clamped to the bounds (sequence level, so GRPO and RLOO share it). Measured against the other modes on stale
+#: samples: docs/async.md, "Off-policy correction: which mode for stale samples".
+ASYNC_DEFAULT_IS_MODE = "geometric_truncate"
+
 #: Fields holding secrets: masked in `to_dict`, `str` and `repr` (`repr=False`).
 _SECRET_FIELDS = ("rollout_server_api_key",)
 
@@ -46,9 +51,9 @@ class ContinuousBatchingArguments:
         cb_importance_sampling_correction (`bool`, *optional*, defaults to `True`):
             Correct the policy-gradient term for the gap between the sampler's and the trainer's logprobs.
         cb_importance_sampling_mode (`str`, *optional*):
-            `token_truncate`, `token_mask`, `sequence_truncate` or `sequence_mask` (see docs/index.md). Unset, the
-            mode the loss needs is chosen: `sequence_mask`, or `token_mask` for GRPO's `loss_type="vespo"` (which
-            weights tokens itself). Only an explicit choice the loss cannot use raises.
+            One of `IS_MODES` (see docs/index.md). Unset, the mode the loss needs is chosen: `sequence_mask`,
+            `geometric_truncate` with `async_generation` (stale samples), or `token_mask` for GRPO's
+            `loss_type="vespo"` (which weights tokens itself). Only an explicit choice the loss cannot use raises.
         cb_importance_sampling_clip_min (`float`, *optional*):
             Lower IS bound (truncate: clamp; mask: zero below).
         cb_importance_sampling_clip_max (`float`, *optional*, defaults to `3.0`):
@@ -102,7 +107,7 @@ class ContinuousBatchingArguments:
         default=None,
         metadata={
             "help": f"Importance-sampling mode, one of {IS_MODES}. Unset: the one the loss needs ('sequence_mask'; "
-            "'token_mask' for GRPO's loss_type='vespo').",
+            f"'{ASYNC_DEFAULT_IS_MODE}' with async_generation; 'token_mask' for GRPO's loss_type='vespo').",
             "choices": list(IS_MODES),
         },
     )
@@ -205,8 +210,10 @@ class ContinuousBatchingArguments:
         return f"{self.__class__.__name__}(\n{lines})"
 
     def _default_importance_sampling_mode(self) -> str:
-        """The IS mode used when the user sets none: one weight per sequence, zeroed outside the bounds."""
-        return "sequence_mask"
+        """The IS mode used when the user sets none: TRL's `sequence_mask` for synchronous generation (its weights are
+        1 up to numerical noise, and it keeps TRL's semantics); `ASYNC_DEFAULT_IS_MODE` for async generation, whose
+        samples are drawn by older weights (chosen by measurement: docs/async.md, "Off-policy correction")."""
+        return ASYNC_DEFAULT_IS_MODE if self.async_generation else "sequence_mask"
 
     def _post_init_continuous_batching(self) -> None:
         """Normalise and validate the CB fields (called first thing in the configs' `__post_init__`)."""
