@@ -65,6 +65,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -475,6 +476,16 @@ def targets(summary: list[dict[str, Any]], band_share: float) -> list[dict[str, 
 # -------------------------------------------------------------------------------------------------------- main
 
 
+def _load_partial(path: Path) -> dict[tuple[Any, ...], dict[str, Any]]:
+    """Runs finished by an interrupted invocation (`--resume`), by (trainer, seed, backend, variant label)."""
+    done = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            entry = json.loads(line)
+            done[tuple(entry["key"])] = entry["run"]
+    return done
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trainers", nargs="+", default=list(TRAINERS), help=f"subset of {TRAINERS}")
@@ -543,6 +554,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-device", default=None, help="server backends: the server's device (default: --device)")
     p.add_argument("--band-share", type=float, default=0.8, help="share of eval points that must lie inside a band")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
+    p.add_argument("--resume", type=Path, default=None, help="a learning-partial-*.jsonl: skip the runs it holds")
     p.add_argument("--quick", action="store_true", help="3 steps of a tiny workload, 2 seeds at most, evaluation "
                    "every 2 steps on 2 prompts x 2 samples: smoke test")  # fmt: skip
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -696,10 +708,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"skipped {name}: the config rejects it ({err})")
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"}
     runs: list[dict[str, Any]] = []
+    done = _load_partial(args.resume) if args.resume else {}
+    args.out.mkdir(parents=True, exist_ok=True)
+    partial = args.out / f"learning-partial-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    print(f"finished runs are appended to {partial} (--resume it after an interruption)", flush=True)
     bar = tqdm(runs_todo, desc="training runs", unit="run")
     for kind, seed, backend, variant in bar:
         label = None if variant is None else variants.label(variant)
         bar.set_postfix_str(f"{kind} {curve_name(backend, label)} seed {seed}")
+        key = (kind, seed, backend, label)
+        if key in done:
+            runs.append(done[key])
+            continue
         spec = {
             "trainer": kind, "backend": backend, "seed": seed, "task": args.task, "steps": args.steps,
             "variant": variant, "variant_label": label, "prompts_per_step": args.prompts_per_step,
@@ -713,7 +733,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "server_threads": args.server_threads, "server_device": args.server_device,
             "output_dir": f"/tmp/trl_cb_learning_{kind}_{backend}_{seed}",
         }  # fmt: skip
-        runs.append(run_worker(Path(__file__), spec, timeout=3600))
+        try:
+            run = run_worker(Path(__file__), spec, timeout=3600)
+        except RuntimeError as err:  # one retry: a transient fault (a port taken meanwhile) must not end the sweep
+            print(f"\nrun {key} failed, retrying once: {str(err)[-500:]}", file=sys.stderr, flush=True)
+            run = run_worker(Path(__file__), spec, timeout=3600)
+        runs.append(run)
+        with partial.open("a") as f:
+            f.write(json.dumps({"key": list(key), "run": run}) + "\n")
     bar.close()
 
     curves = list(dict.fromkeys((r["trainer"], r["curve"]) for r in runs))

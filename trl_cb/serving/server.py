@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -102,8 +103,9 @@ def create_app(
         return JSONResponse(status_code=422, content={"detail": errors})
 
     @app.get("/health")
-    def health() -> dict[str, str]:
-        return {"status": "ok"}
+    def health() -> dict[str, Any]:
+        # The pid lets a launcher tell its own child from another server that holds the port (`launch.py`).
+        return {"status": "ok", "pid": os.getpid()}
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:

@@ -221,3 +221,37 @@ def test_weight_sync_address_is_the_route_to_the_server():
         assert "no route" in str(exc)
     else:
         assert routed != "127.0.0.1" and routed.count(".") == 3
+
+
+def test_launcher_never_takes_another_servers_port_for_its_own(checkpoint, monkeypatch):  # noqa: F811
+    """A port taken between choosing and binding it: another HTTP server there answers `/health` with 200 (a
+    different pid), the child fails to bind and exits; the launcher must not yield that URL, but start the child
+    again on a new port and yield only once the child itself answers."""
+    import http.server
+    import json
+
+    from trl_cb.serving import launch
+
+    class Impostor(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = json.dumps({"status": "ok", "pid": 1}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    impostor = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Impostor)
+    threading.Thread(target=impostor.serve_forever, daemon=True).start()
+    taken = impostor.server_address[1]
+    ports = iter([taken])
+    real_free_port = launch.free_port
+    monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or real_free_port())
+    try:
+        with running_server(checkpoint) as (proc, url):
+            assert not url.endswith(f":{taken}")
+            assert requests.get(url + "/health", timeout=5).json()["pid"] == proc.pid
+    finally:
+        impostor.shutdown()
