@@ -58,6 +58,9 @@ class ContinuousBatchingArguments:
             Lower IS bound (truncate: clamp; mask: zero below).
         cb_importance_sampling_clip_max (`float`, *optional*, defaults to `3.0`):
             Upper IS bound (truncate: clamp; mask: zero above; `*_m2`: clamp).
+        cb_importance_sampling_normalize (`bool`, *optional*):
+            Divide the IS weights by their batch mean (self-normalised IS: stale samples' weights average below 1 and
+            would otherwise shrink the step). Unset: on with `async_generation`, off otherwise.
         cb_importance_sampling_m2_threshold (`float`, *optional*, defaults to `0.04`):
             `token_m2` / `geometric_m2`: bound on the mean squared token log-ratio of what is kept (M2PO's tau).
         cb_generation_timeout (`float`, *optional*):
@@ -118,6 +121,12 @@ class ContinuousBatchingArguments:
     cb_importance_sampling_clip_max: float | None = field(
         default=3.0,
         metadata={"help": "Upper importance-sampling bound (truncate: clamp, mask: zero above, *_m2: clamp)."},
+    )
+    cb_importance_sampling_normalize: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Divide the IS weights by their batch mean (self-normalised IS). Unset: on with async_generation."
+        },
     )
     cb_importance_sampling_m2_threshold: float = field(
         default=DEFAULT_M2_THRESHOLD,
@@ -240,6 +249,8 @@ class ContinuousBatchingArguments:
 
         if self.cb_importance_sampling_mode is None:
             self.cb_importance_sampling_mode = self._default_importance_sampling_mode()
+        if self.cb_importance_sampling_normalize is None:
+            self.cb_importance_sampling_normalize = bool(self.async_generation)
         validate_mode(
             self.cb_importance_sampling_mode,
             self.cb_importance_sampling_clip_min,

@@ -179,6 +179,7 @@ def importance_weights(
     clip_min: float | None,
     clip_max: float | None,
     m2_threshold: float = DEFAULT_M2_THRESHOLD,
+    normalize: bool = False,
 ) -> ImportanceWeights:
     """The IS weights of `mode` with their raw values and the units the mode changed.
 
@@ -191,6 +192,8 @@ def importance_weights(
       are masked, largest `(log r)^2` first, until the mean `(log r_t)^2` of the counted tokens left is at most
       `m2_threshold`; kept units keep their weight (`r_t`, or the geometric mean), clamped at `clip_max` when set. The
       mask is computed over the tokens given at once (a micro-batch when the correction is deferred to the loss).
+    `normalize=True` then divides the weights by their mean over the counted units (self-normalised IS; the mean is
+    over what is given at once, like the M2 mask).
     AReaL's decoupled objective needs no mode of its own: TRL's old-policy logprobs come from the current weights, so
     they are its proximal policy, TRL's clip is relative to them, and `token_mask` with `clip_max=5` is its
     behaviour-weight rejection (`token_truncate` its truncated variant).
@@ -214,7 +217,20 @@ def importance_weights(
         low = -math.inf if clip_min is None else clip_min
         high = math.inf if clip_max is None else clip_max
         weight = raw.masked_fill((raw < low) | (raw > high), 0.0)
-    return ImportanceWeights(weight=weight, raw=raw, changed=weight != raw)
+    changed = weight != raw
+    if normalize:
+        weight = _self_normalized(weight, keep, per_token=is_token_level(mode))
+    return ImportanceWeights(weight=weight, raw=raw, changed=changed)
+
+
+def _self_normalized(weight: torch.Tensor, keep: torch.Tensor, per_token: bool) -> torch.Tensor:
+    """`weight` divided by its mean over the counted units (tokens, or sequences with a counted token), so the batch's
+    weights average 1: self-normalised (weighted) IS. Why: `E_mu[log pi/mu] = -KL(mu || pi) <= 0`, so the weights of
+    stale samples average below 1 (a geometric weight is `exp(-KL)`-ish for every sequence; a mask drops mass) and
+    shrink the step as much as they reweight it. A batch whose weights are all 0 stays 0."""
+    units = keep if per_token else keep.any(dim=-1, keepdim=True)
+    mean = (weight * units).sum() / units.sum().clamp(min=1)
+    return torch.where(mean > 0, weight / mean.clamp(min=torch.finfo(weight.dtype).tiny), weight)
 
 
 def importance_sampling_ratio(
@@ -225,9 +241,12 @@ def importance_sampling_ratio(
     clip_min: float | None,
     clip_max: float | None,
     m2_threshold: float = DEFAULT_M2_THRESHOLD,
+    normalize: bool = False,
 ) -> torch.Tensor:
     """IS weights: (B, T) for token-level modes, (B, 1) for sequence-level ones (`importance_weights(...).weight`)."""
-    return importance_weights(old_logps, sampling_logps, mask, mode, clip_min, clip_max, m2_threshold).weight
+    return importance_weights(
+        old_logps, sampling_logps, mask, mode, clip_min, clip_max, m2_threshold, normalize
+    ).weight
 
 
 def _second_moment_mask(

@@ -190,3 +190,22 @@ def test_extra_stats_merge_and_reduce_across_processes_exactly(mode):
     torch.testing.assert_close(parts[0].merge(parts[1]).extra_values(), whole.extra_values())
     gathered = torch.stack([p.reduction_sums() for p in parts])
     torch.testing.assert_close(reduce_extra_values(gathered), whole.extra_values())
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "geometric_truncate", "sequence_mask"])
+def test_self_normalized_weights_average_one_over_counted_units(mode):
+    """Counted tokens (token level) or sequences (sequence level) average 1; padding is not counted; the raw weights
+    and what the mode changed are those before normalising. Control: unnormalised, the mean is not 1 here."""
+    plain = importance_weights(OLD, SAMPLING, MASK, mode, 0.5, 1.5)
+    w = importance_weights(OLD, SAMPLING, MASK, mode, 0.5, 1.5, normalize=True)
+    units = MASK.bool() if mode.startswith("token") else torch.ones(2, 1, dtype=torch.bool)
+    assert not math.isclose(plain.weight[units].mean().item(), 1.0, rel_tol=1e-3)  # the control
+    assert math.isclose(w.weight[units].mean().item(), 1.0, rel_tol=1e-6)
+    torch.testing.assert_close(w.weight, plain.weight / plain.weight[units].mean())
+    torch.testing.assert_close(w.raw, plain.raw)
+    assert torch.equal(w.changed, plain.changed)
+
+
+def test_self_normalized_all_masked_batch_stays_zero():
+    w = importance_weights(OLD, SAMPLING, MASK, "sequence_mask", 5.0, 6.0, normalize=True)  # every weight < 5
+    assert torch.equal(w.weight, torch.zeros_like(w.weight))

@@ -146,6 +146,7 @@ class ImportanceSamplingMixin:
             args.cb_importance_sampling_clip_min,
             args.cb_importance_sampling_clip_max,
             getattr(args, "cb_importance_sampling_m2_threshold", DEFAULT_M2_THRESHOLD),
+            normalize=bool(getattr(args, "cb_importance_sampling_normalize", False)),
         )
         ratio = weights.weight  # (B, T) or (B, 1)
         output["importance_sampling_ratio"] = ratio

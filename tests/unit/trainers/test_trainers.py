@@ -196,6 +196,38 @@ def _check_is_scales_loss(trainer, kind: str, mode: str) -> None:
     assert loss_shifted == pytest.approx(factor * loss_base, rel=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_self_normalized_is_undoes_a_uniform_shift(kind, tokenizer, tmp_path):
+    """With `cb_importance_sampling_normalize`, shifting every sampling logprob by d scales every weight alike, which
+    the batch mean divides out: the loss is unchanged (the unnormalised control moves by exp(-d), tested above)."""
+    mode = "token_truncate" if kind == "grpo" else "geometric_truncate"
+    trainer = make_trainer(
+        kind, tokenizer, tmp_path, eos_logit_bias=None, cb_importance_sampling_mode=mode,
+        cb_importance_sampling_clip_min=None, cb_importance_sampling_clip_max=1e6, max_completion_length=8,
+        cb_importance_sampling_normalize=True,
+    )  # fmt: skip
+    try:
+        trainer.model.train()
+        batch = [trainer.train_dataset[i] for i in range(2) for _ in range(4)]
+        raw = super(type(trainer), trainer)._generate_and_score_completions(batch)
+        raw["advantages"] = torch.zeros_like(raw["advantages"])
+        raw["advantages"][0] = 1.0
+        base, shifted = copy.deepcopy(raw), copy.deepcopy(raw)
+        logprobs = trainer._cb_last_logprobs
+        trainer._cb_importance_sampling(base, per_token_loss=kind == "grpo")
+        if "sampling_per_token_logps" in shifted:
+            shifted["sampling_per_token_logps"] = (
+                shifted["sampling_per_token_logps"] + 0.3 * shifted["completion_mask"]
+            )
+        trainer._cb_last_logprobs = [[x + 0.3 for x in row] for row in logprobs]
+        trainer._cb_importance_sampling(shifted, per_token_loss=kind == "grpo")
+        loss_base, loss_shifted = _loss(trainer, base), _loss(trainer, shifted)
+        assert abs(loss_base) > 1e-6, "advantages must be non-zero for this test to mean anything"
+        assert loss_shifted == pytest.approx(loss_base, rel=1e-4)
+    finally:
+        trainer._cb_close()
+
+
 def test_is_disabled_leaves_loss_untouched(tokenizer, tmp_path):
     trainer = make_trainer("grpo", tokenizer, tmp_path, cb_importance_sampling_correction=False, max_steps=1)
     trainer.train()
