@@ -29,6 +29,7 @@ FIELDS: dict[str, tuple[str, Any]] = {
     "is_mode": ("cb_importance_sampling_mode", str),
     "is_clip_min": ("cb_importance_sampling_clip_min", float),
     "is_clip_max": ("cb_importance_sampling_clip_max", float),
+    "is_normalize": ("cb_importance_sampling_normalize", lambda v: _parse_bool(v)),
 }
 #: The depth every variant states (the config's default), so every async label names it.
 DEFAULT_DEPTH = 1
