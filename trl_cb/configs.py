@@ -28,10 +28,12 @@ from .importance_sampling import DEFAULT_M2_THRESHOLD, IS_MODES, TOKEN_LEVEL_MOD
 from .rollouts.async_core import validate_async_bounds
 from .trainers.upstream_warnings import trl_config_post_init
 
-#: The IS mode for `async_generation=True` when none is set: one weight per sequence, the geometric mean of its token
-#: ratios, clamped to the bounds (sequence level, so GRPO and RLOO share it). Measured against the other modes on stale
-#: samples: docs/async.md, "Off-policy correction: which mode for stale samples".
+#: The IS modes for `async_generation=True` when none is set, self-normalised (`cb_importance_sampling_normalize`):
+#: RLOO (a sequence-level loss) one weight per sequence, the geometric mean of its token ratios, clamped; GRPO one
+#: weight per token, clamped (truncated IS). Measured against the other modes on stale samples: docs/async.md,
+#: "Off-policy correction: which mode for stale samples".
 ASYNC_DEFAULT_IS_MODE = "geometric_truncate"
+GRPO_ASYNC_DEFAULT_IS_MODE = "token_truncate"
 
 #: Fields holding secrets: masked in `to_dict`, `str` and `repr` (`repr=False`).
 _SECRET_FIELDS = ("rollout_server_api_key",)
@@ -51,9 +53,10 @@ class ContinuousBatchingArguments:
         cb_importance_sampling_correction (`bool`, *optional*, defaults to `True`):
             Correct the policy-gradient term for the gap between the sampler's and the trainer's logprobs.
         cb_importance_sampling_mode (`str`, *optional*):
-            One of `IS_MODES` (see docs/index.md). Unset, the mode the loss needs is chosen: `sequence_mask`,
-            `geometric_truncate` with `async_generation` (stale samples), or `token_mask` for GRPO's
-            `loss_type="vespo"` (which weights tokens itself). Only an explicit choice the loss cannot use raises.
+            One of `IS_MODES` (see docs/index.md). Unset, the mode the loss needs is chosen: `sequence_mask`; with
+            `async_generation` (stale samples) `token_truncate` (GRPO) or `geometric_truncate` (RLOO); `token_mask`
+            for GRPO's `loss_type="vespo"` (which weights tokens itself). Only an explicit choice the loss cannot use
+            raises.
         cb_importance_sampling_clip_min (`float`, *optional*):
             Lower IS bound (truncate: clamp; mask: zero below).
         cb_importance_sampling_clip_max (`float`, *optional*, defaults to `3.0`):
@@ -110,7 +113,8 @@ class ContinuousBatchingArguments:
         default=None,
         metadata={
             "help": f"Importance-sampling mode, one of {IS_MODES}. Unset: the one the loss needs ('sequence_mask'; "
-            f"'{ASYNC_DEFAULT_IS_MODE}' with async_generation; 'token_mask' for GRPO's loss_type='vespo').",
+            f"with async_generation '{GRPO_ASYNC_DEFAULT_IS_MODE}' (GRPO) or '{ASYNC_DEFAULT_IS_MODE}' (RLOO); "
+            "'token_mask' for GRPO's loss_type='vespo').",
             "choices": list(IS_MODES),
         },
     )
@@ -290,7 +294,9 @@ class GRPOConfig(ContinuousBatchingArguments, trl.GRPOConfig):
 
     def _default_importance_sampling_mode(self) -> str:
         # VESPO folds token-level IS weights into its own sequence weight (TRL's `get_gamma_weights`): token level.
-        return "token_mask" if self.loss_type == "vespo" else super()._default_importance_sampling_mode()
+        if self.loss_type == "vespo":
+            return "token_mask"
+        return GRPO_ASYNC_DEFAULT_IS_MODE if self.async_generation else super()._default_importance_sampling_mode()
 
     def __post_init__(self) -> None:
         self._post_init_continuous_batching()

@@ -171,12 +171,13 @@ def test_off_policy_modes_follow_the_loss_level():
 
 def test_async_generation_defaults_to_the_off_policy_mode_sync_keeps_trls():
     """Unset, async generation gets the mode measured best for stale samples, self-normalised; synchronous generation
-    keeps TRL's `sequence_mask`, unnormalised; an explicit choice always wins, and VESPO still gets its token-level mode."""
-    from trl_cb.configs import ASYNC_DEFAULT_IS_MODE
+    keeps TRL's `sequence_mask`, unnormalised; an explicit choice wins; VESPO still gets its token-level mode."""
+    from trl_cb.configs import ASYNC_DEFAULT_IS_MODE, GRPO_ASYNC_DEFAULT_IS_MODE
 
     async_cb = dict(use_transformers_continuous_batching=True, async_generation=True)
+    assert make(RLOOConfig, **async_cb).cb_importance_sampling_mode == ASYNC_DEFAULT_IS_MODE
+    assert make(GRPOConfig, **async_cb).cb_importance_sampling_mode == GRPO_ASYNC_DEFAULT_IS_MODE
     for cls in CONFIGS:
-        assert make(cls, **async_cb).cb_importance_sampling_mode == ASYNC_DEFAULT_IS_MODE
         assert make(cls, **async_cb).cb_importance_sampling_normalize is True
         assert make(cls, use_transformers_continuous_batching=True).cb_importance_sampling_normalize is False
         assert make(cls, cb_importance_sampling_normalize=False, **async_cb).cb_importance_sampling_normalize is False
