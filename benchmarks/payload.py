@@ -311,10 +311,10 @@ def controller(args: argparse.Namespace, groups_in_flight: int | None = None) ->
                 peak_threads = max(peak_threads, threading.active_count() - threads_before)
                 assert len(groups) == args.prompts and len(groups[0].completion_ids[0]) == args.tokens
                 del groups
-            while not all(request.done.is_set() for request in ctl._requests):  # the window's groups received too
+            while not all(group.completion_ids for group in ctl.pending_groups):  # the window's groups received too
                 time.sleep(0.05)
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-            received = ctl.consumed_groups + len(ctl._requests)
+            received = ctl.consumed_groups + ctl.outstanding_groups
             ctl.stop()
     return [
         {

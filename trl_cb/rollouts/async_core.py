@@ -62,6 +62,10 @@ class RolloutBackend(ABC):
     def stop(self) -> None:
         """Hard-stop: groups in flight are abandoned. Safe to call twice."""
 
+    def flush(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """The groups `submit`ted since the previous call form one top-up: a backend that batches requests may send
+        them now, together (called after every top-up that submitted something)."""
+
     def validate(self, prompt_ids: list[int]) -> None:  # noqa: B027 - optional hook, a no-op by default
         """`ValueError` if this backend cannot generate `prompt_ids` (the core names the stream item)."""
 
@@ -185,6 +189,12 @@ class AsyncRollouts(AsyncRolloutSource, Generic[BackendT]):
         return (self.prefetch_depth + 1) * self.groups_per_step
 
     @property
+    def pending_groups(self) -> tuple[RolloutGroup, ...]:
+        """The groups submitted and not yet handed out or dropped, in stream order (a snapshot, for diagnostics and
+        benchmarks: a group's samples are filled in once its backend has them)."""
+        return tuple(self._queue)
+
+    @property
     def outstanding_groups(self) -> int:
         """Groups submitted and not yet handed out or dropped (never more than `capacity_groups`)."""
         return len(self._queue)
@@ -263,6 +273,7 @@ class AsyncRollouts(AsyncRolloutSource, Generic[BackendT]):
         return dropped
 
     def _top_up(self) -> None:
+        submitted = 0
         while len(self._queue) < self.capacity_groups:
             row, prompt_ids = next(self.prompt_stream)
             item, self._drawn = self._drawn, self._drawn + 1
@@ -274,6 +285,9 @@ class AsyncRollouts(AsyncRolloutSource, Generic[BackendT]):
             self._queue.append(group)
             self._unfinished[id(group)] = group
             self.backend.submit(group)
+            submitted += 1
+        if submitted:
+            self.backend.flush()
 
 
 def validate_async_bounds(max_staleness: int | None, prefetch_depth: int) -> None:

@@ -50,7 +50,9 @@ class ServerBackend(RolloutBackend):
         self.validator = validate
         self.streams_per_replica = max(1, streams_per_replica)
         self.workers: list[threading.Thread] = []
-        self._unsent: list[queue.SimpleQueue[RolloutGroup]] = []  # per replica: submitted, not yet in a stream
+        # per replica: batches of submitted groups (at most `_batch_limit` each), not yet in a stream
+        self._unsent: list[queue.SimpleQueue[list[RolloutGroup]]] = []
+        self._pending: list[list[RolloutGroup]] = []  # per replica: submitted since the last `flush`
         self._done: queue.SimpleQueue[tuple[RolloutGroup, BaseException | None]] = queue.SimpleQueue()
         self._dealt = 0  # groups dealt to the replicas' queues so far
         self._batch_limit = 1
@@ -62,6 +64,7 @@ class ServerBackend(RolloutBackend):
             return
         replicas = max(1, len(self.client.urls))
         self._unsent = [queue.SimpleQueue() for _ in range(replicas)]
+        self._pending = [[] for _ in range(replicas)]
         count = self.streams_per_replica * replicas
         # Each stream takes at most its share of a full window, so the first fill spreads over every stream.
         self._batch_limit = min(MAX_PROMPTS, max(1, math.ceil(capacity_groups / count)))
@@ -76,8 +79,18 @@ class ServerBackend(RolloutBackend):
 
     def submit(self, group: RolloutGroup) -> None:
         live = max(1, min(len(self._unsent), len(self.client.urls)))  # a dropped replica gets no new groups
-        self._unsent[self._dealt % live].put(group)
+        self._pending[self._dealt % live].append(group)
         self._dealt += 1
+
+    def flush(self) -> None:
+        """Queue each replica's new groups as whole batches of at most `_batch_limit`: how many streaming requests a
+        top-up becomes depends on its size only, not on when a worker wakes up (one stream per group, before, when
+        the workers raced the submitting thread)."""
+        limit = self._batch_limit
+        for unsent, pending in zip(self._unsent, self._pending, strict=True):
+            for begin in range(0, len(pending), limit):
+                unsent.put(pending[begin : begin + limit])
+            pending.clear()
 
     def poll(self, timeout: float) -> list[RolloutGroup]:
         finished: list[RolloutGroup] = []
@@ -98,20 +111,15 @@ class ServerBackend(RolloutBackend):
         self._stopped = True
 
     def _work(self, index: int) -> None:
-        """Worker `index` of replica `index % replicas`: take that replica's queued groups (bounded), stream them
-        (from that replica first), repeat."""
+        """Worker `index` of replica `index % replicas`: take that replica's next queued batch, stream it (from that
+        replica first), repeat."""
         replica = index % len(self._unsent)
-        unsent, limit = self._unsent[replica], self._batch_limit
+        unsent = self._unsent[replica]
         while not self._stopped:
             try:
-                batch = [unsent.get(timeout=_WAIT_SLICE_S)]
+                batch = unsent.get(timeout=_WAIT_SLICE_S)
             except queue.Empty:
                 continue
-            while len(batch) < limit:
-                try:
-                    batch.append(unsent.get_nowait())
-                except queue.Empty:
-                    break
             if not self._stopped:
                 self._fetch(batch, replica)
 

@@ -141,6 +141,7 @@ def test_server_backend_reports_each_group_once():
     groups = [RolloutGroup(row=i, prompt_ids=[i]) for i in range(4)]
     for group in groups:
         backend.submit(group)
+    backend.flush()  # the core flushes after each top-up
     finished: list[RolloutGroup] = []
     for _ in range(200):
         finished += backend.poll(0.05)
