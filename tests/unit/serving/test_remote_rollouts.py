@@ -157,7 +157,14 @@ def test_threads_are_o_replicas_not_o_groups():
     requests (not one per group), every group handed out once, in request order."""
     client = ScriptedClient(urls=("http://a", "http://b"))
     before = threading.active_count()
-    ctl = started(client, groups_per_step=512, prefetch_depth=1, max_staleness=5, streams_per_replica=2)
+
+    def slow_submitter(prompt: list[int]) -> None:  # a loaded trainer thread: idle workers see each group alone
+        if prompt[0] < 16:
+            time.sleep(0.005)
+
+    ctl = started(
+        client, groups_per_step=512, prefetch_depth=1, max_staleness=5, streams_per_replica=2, validate=slow_submitter
+    )
     assert ctl.capacity_groups == 1024 and ctl.num_threads == 4
     assert threading.active_count() - before <= 4
     _wait_for(lambda: len(client.delivered) == 1024)  # the whole window answered: the take below hands out 512 at once
