@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +26,24 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 from tests.conftest import sampling_config
 from trl_cb.engine import _upstream, _upstream_sampling
 from trl_cb.engine import varlen_attention as attention
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_engine_refuses_an_untested_transformers_release(monkeypatch):
+    """An untested minor release can change the CB internals and corrupt logprobs silently (5.24.0 did): the engine
+    refuses it unless the user opts in; pyproject.toml pins the same releases."""
+    monkeypatch.delenv(_upstream.ALLOW_UNTESTED_ENV, raising=False)
+    _upstream.check_transformers_version()  # the installed release is a tested one
+    with pytest.raises(RuntimeError, match=r"transformers 5\.24\.0 is installed"):
+        _upstream.check_transformers_version("5.24.0")
+    monkeypatch.setenv(_upstream.ALLOW_UNTESTED_ENV, "1")
+    _upstream.check_transformers_version("5.24.0")
+    pin = re.search(r'"transformers>=([\d.]+),<([\d.]+)"', (ROOT / "pyproject.toml").read_text())
+    assert pin, "pyproject.toml must pin transformers to a range of minor releases"
+    low, high = (tuple(int(x) for x in v.split(".")) for v in pin.groups())
+    tested = sorted(tuple(int(x) for x in v.split(".")) for v in _upstream.TESTED_TRANSFORMERS)
+    assert low == tested[0] and high == (tested[-1][0], tested[-1][1] + 1), (pin.groups(), tested)
 
 
 def params(fn) -> list[str]:

@@ -13,12 +13,14 @@ between rounds (`suspend`); an abort never flushes (`stop_now` hard-stops, waiti
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import transformers
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
@@ -32,6 +34,28 @@ from .guards import deferred_interrupts
 from .request_processors import HistoryProcessor
 
 _fork_lock = threading.Lock()
+
+#: The transformers minor releases whose CB internals this module is checked against (tests/unit/test_contracts.py);
+#: pyproject.toml pins the same range. A new minor release can change them without an error anywhere: 5.24.0 (released
+#: 2026-11-24) runs, but its CB logprobs no longer match teacher forcing (max |diff| 8.9 nats in
+#: test_logprobs_match_teacher_forcing; 154 of 720 suite tests fail), which would train on silently wrong IS weights.
+TESTED_TRANSFORMERS = ("5.23",)
+#: Set to 1 to build an engine on an untested transformers release anyway (at your own risk: run the contract tests).
+ALLOW_UNTESTED_ENV = "TRL_CB_ALLOW_UNTESTED_TRANSFORMERS"
+
+
+def check_transformers_version(version: str | None = None) -> None:
+    """`RuntimeError` unless transformers' `major.minor` is one trl_cb was checked against (or `ALLOW_UNTESTED_ENV`
+    is set): an untested release may change the CB internals and corrupt logprobs without raising."""
+    version = transformers.__version__ if version is None else version
+    if ".".join(version.split(".")[:2]) in TESTED_TRANSFORMERS or os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+        return
+    raise RuntimeError(
+        f"trl_cb was checked against transformers {', '.join(TESTED_TRANSFORMERS)} (its continuous-batching internals "
+        f"change between minor releases), but transformers {version} is installed. Install a tested release (the "
+        f"range in trl_cb's pyproject.toml), or set {ALLOW_UNTESTED_ENV}=1 and run trl_cb's contract tests "
+        "(tests/unit/test_contracts.py) first: an untested release can produce wrong logprobs silently."
+    )
 
 
 def create_manager(
@@ -54,6 +78,7 @@ def create_manager(
     constructor switches the former and calls
     `eval()` before it can raise.
     """
+    check_transformers_version()
     if getattr(model, "_cached_continuous_batching_manager", None) is not None:
         # A cached manager would be returned as-is and silently ignore our configs (notes: "persistent pitfalls").
         model.destroy_cached_continuous_batching_manager()
