@@ -26,6 +26,7 @@ from ..importance_sampling import (
     importance_weights,
     reduce_extra_values,
 )
+from ..rollouts.rollout_groups import TokenValues
 from . import trl_internals
 
 __all__ = ["IS_METRIC_NAMES", "ImportanceSamplingMixin"]
@@ -40,7 +41,7 @@ class ImportanceSamplingMixin:
     """The IS part of `ContinuousBatchingTrainerMixin`. Reads `_cb_last_logprobs` (the last round's sampler-side
     policy logprobs, set by the generation side) and `_cb_per_token_loss` (GRPO: (B, T) weights; RLOO: (B,))."""
 
-    _cb_last_logprobs: list[list[float]] | None = None
+    _cb_last_logprobs: list[TokenValues] | None = None
     _cb_per_token_loss: bool
     #: Generation batches scored so far whose correction was deferred (ids of `_cb_is_pending`).
     _cb_is_batches: int = 0
@@ -76,7 +77,7 @@ class ImportanceSamplingMixin:
         if self._cb_last_logprobs is None:
             raise RuntimeError("The CB path produced no sampling logprobs for this batch.")
         width = output["completion_ids"].size(1)
-        rows = [torch.tensor(lp, dtype=torch.float32) for lp in self._cb_last_logprobs]
+        rows = [torch.as_tensor(lp, dtype=torch.float32) for lp in self._cb_last_logprobs]  # lists or fp32 tensors
         padded = trl_internals.pad(rows, padding_value=0.0, padding_side="right")
         padded = torch.nn.functional.pad(padded, (0, width - padded.size(1)))
         return padded.to(output["completion_ids"].device)

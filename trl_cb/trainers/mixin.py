@@ -19,6 +19,7 @@ from ..checks.engine_config import validate_generation_settings
 from ..engine import guards
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.model_access import plain_module
+from ..rollouts.rollout_groups import TokenValues, as_lists
 from . import trl_internals
 from .async_bridge import ASYNC_STATE_FILE, AsyncRolloutsMixin
 from .is_correction import IS_METRIC_NAMES, ImportanceSamplingMixin
@@ -121,9 +122,10 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
             "keep_generation_weights": args.cb_keep_generation_weights,
         }
 
-    def _cb_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
-        """Completions and their sampler-side policy logprobs (`GenerationResult.policy_logprobs`: what TRL's trainer
-        computes, so the IS weight compares like with like) for TRL's prompt list (each prompt repeated per sample)."""
+    def _cb_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[TokenValues]]:
+        """Completions (lists) and their sampler-side policy logprobs (`GenerationResult.policy_logprobs`: what TRL's
+        trainer computes, so the IS weight compares like with like; lists, or tensors from a server's binary answer)
+        for TRL's prompt list (each prompt repeated per sample)."""
         if self._cb_async_groups is not None:
             return self._cb_async_completions(prompt_ids)
         if self.args.rollout_server_urls:  # rollouts from `trl-cb serve` replicas (trainers/remote.py)
@@ -188,7 +190,8 @@ class GRPOTrainer(ContinuousBatchingTrainerMixin, trl.GRPOTrainer):
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-        return self._cb_generate(prompt_ids)
+        completion_ids, logprobs = self._cb_generate(prompt_ids)
+        return completion_ids, as_lists(logprobs)  # TRL pads its sampling logprobs from lists
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         return self._cb_score(inputs)
