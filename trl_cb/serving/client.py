@@ -5,9 +5,11 @@ Guarantees: `generate` returns every requested completion in the caller's order 
 so it never hangs. Transient faults are retried before they are failures: one `requests.Session` retries connection
 errors and HTTP 502/503 `retries` times with exponential backoff; only then is a replica left for this call and its
 prompts resubmitted to the others. A request the server refuses (4xx) raises `ValueError` (another replica would
-refuse it too). Bodies are built and answers read with `serving/protocol.py`'s models: an answer that breaks the
-protocol raises `RolloutServerError`, never an assertion. A completion with a token of a `weight_version` this client
-never pushed (0 = the initial weights) is rejected. Calls may come from several threads at once.
+refuse it too). Bodies are built and answers read with `serving/protocol.py`'s models (binary answers, the default,
+with `serving/frames.py`: per-token values arrive as tensors, no Python object per token): an answer that breaks the
+protocol (a truncated frame included) raises `RolloutServerError`, never an assertion. A completion with a token of
+a `weight_version` this client never pushed (0 = the initial weights) is rejected. Calls may come from several threads
+at once.
 """
 
 from __future__ import annotations
