@@ -15,8 +15,10 @@ work is measured):
    interleaved; "before" is what the code before issue 27 did (pydantic `CompletionResponse` JSON both ways);
    `x before` is the median of each round's ratio. Every path but binary ends in Python lists; binary ends in
    tensors, and the lists TRL's input format needs are timed on their own: completion ids (`trl lists s`, both
-   trainers: TRL decodes and pads lists) and the policy logprobs (`+grpo lists s`: GRPO hands TRL its sampling
-   logprobs as lists; RLOO does not), with totals that include them (`x before rloo`, `x before grpo`).
+   trainers: TRL decodes and pads lists). GRPO also needs its (B, T) sampling logprobs (`+grpo sampling s`): from
+   lists TRL builds them with a per-token loop and pads them (before binary answers GRPO handed TRL lists); from a
+   binary answer the trainer pads the tensors. `x before rloo` / `x before grpo` compare totals with that work
+   included on both sides (each path against "before" doing the same trainer's work).
    `pack`: the server's ways to turn the engine's lists into bytes (`struct.pack`, `array.array`, numpy, torch), timed
    on the same lists, interleaved.
 2. `http`: a real `uvicorn` server process whose engine answers instantly (`--serve-fake`): one client thread asks for
@@ -82,14 +84,14 @@ def in_process(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for encoding in ENCODINGS:
         runs = [r[encoding] for r in rounds]
-        keys = ("mib", "server_encode_s", "client_decode_s", "trl_lists_s", "grpo_lists_s", "total_s")
+        keys = ("mib", "server_encode_s", "client_decode_s", "trl_lists_s", "grpo_sampling_s", "total_s")
         keys += ("total_rloo_s", "total_grpo_s")
         row = {key: statistics.median(run[key] for run in runs) for key in keys}
         ratios = [r[encoding]["total_s"] / r["before"]["total_s"] for r in rounds]
         row.update(part="in-process", encoding=encoding, rounds=len(runs), x_before=statistics.median(ratios))
         row.update(x_before_min=min(ratios), x_before_max=max(ratios), total_s_all=[run["total_s"] for run in runs])
-        for trainer in ("rloo", "grpo"):
-            ratios = [r[encoding][f"total_{trainer}_s"] / r["before"]["total_s"] for r in rounds]
+        for trainer in ("rloo", "grpo"):  # each against "before" doing the same trainer's work
+            ratios = [r[encoding][f"total_{trainer}_s"] / r["before"][f"total_{trainer}_s"] for r in rounds]
             row[f"x_before_{trainer}"] = statistics.median(ratios)
             row[f"x_before_{trainer}_min"], row[f"x_before_{trainer}_max"] = min(ratios), max(ratios)
         rows.append(row)
@@ -130,6 +132,8 @@ def pack_paths(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _in_process_round(args: argparse.Namespace, groups: list[Any]) -> list[dict[str, Any]]:
     """One encode and decode of the step's answer per encoding."""
+    import torch
+
     from trl_cb.rollouts.rollout_groups import as_lists
     from trl_cb.serving.frames import decode_frame, frame_pieces, read_frames
     from trl_cb.serving.protocol import (
@@ -140,6 +144,7 @@ def _in_process_round(args: argparse.Namespace, groups: list[Any]) -> list[dict[
         PackedCompletionResponse,
     )
     from trl_cb.serving.server import encode_choices, pack_choices
+    from trl_cb.trainers.trl_internals import pad
 
     rows = []
     for encoding in ENCODINGS:
@@ -190,12 +195,17 @@ def _in_process_round(args: argparse.Namespace, groups: list[Any]) -> list[dict[
                 choices = choices.unpack()
         decoded = time.perf_counter()
         # What TRL's input format needs as lists (a no-op where the answer already holds lists): the completion ids
-        # (both trainers), then the policy logprobs (GRPO only)
+        # (both trainers). Then GRPO's (B, T) sampling logprobs: from lists, TRL's own per-token loop and padding (what
+        # GRPO did with every answer before binary ones); from a binary answer, the rows padded (`_cb_score`)
         id_lists = as_lists([c.token_ids for c in choices])
         listed = time.perf_counter()
-        logprob_lists = as_lists([c.policy_logprobs for c in choices])
+        logps = [c.policy_logprobs for c in choices]
+        if encoding != "binary":
+            logps = [torch.tensor([float("nan") if x is None else x for x in row]) for row in logps]
+        sampling = pad([torch.as_tensor(row, dtype=torch.float32) for row in logps], padding_value=0.0)
         grpo_listed = time.perf_counter()
-        assert len(choices) == args.prompts * args.n and len(id_lists[-1]) == len(logprob_lists[-1]) == args.tokens
+        assert len(choices) == args.prompts * args.n and len(id_lists[-1]) == args.tokens
+        assert sampling.shape == (len(choices), args.tokens) and sampling.dtype == torch.float32
         trl_lists, grpo_lists = listed - decoded, grpo_listed - listed
         rows.append(
             {
@@ -205,13 +215,13 @@ def _in_process_round(args: argparse.Namespace, groups: list[Any]) -> list[dict[
                 "server_encode_s": encoded - start,
                 "client_decode_s": decoded - encoded,
                 "trl_lists_s": trl_lists,
-                "grpo_lists_s": grpo_lists,
+                "grpo_sampling_s": grpo_lists,
                 "total_s": decoded - start,
                 "total_rloo_s": decoded - start + trl_lists,
                 "total_grpo_s": decoded - start + trl_lists + grpo_lists,
             }
         )
-        del choices, payload, id_lists, logprob_lists  # freed here, not inside the next encoding's timing
+        del choices, payload, id_lists, logps, sampling  # freed here, not inside the next encoding's timing
     return rows
 
 
@@ -464,7 +474,7 @@ def main() -> None:
         ("x_before", "x before"),
         ("trl_lists_s", "trl lists s"),
         ("x_before_rloo", "x before rloo"),
-        ("grpo_lists_s", "+grpo lists s"),
+        ("grpo_sampling_s", "+grpo sampling s"),
         ("x_before_grpo", "x before grpo"),
         ("request_wall_s", "request s"),
         ("client_wall_s", "client s"),

@@ -148,7 +148,9 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
 
     @quiet_trl_gradient_checkpointing()  # TRL's generation/scoring helpers call transformers' deprecated names
     def _cb_score(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        """TRL's scoring of `inputs` (or, in async mode, of finished groups), then IS correction."""
+        """TRL's scoring of `inputs` (or, in async mode, of finished groups), then IS correction. GRPO's sampling
+        logprobs enter the batch as one padded tensor (`sampling_per_token_logps`, as TRL names it) built here from
+        the rows (tensors from a server's binary answer, or lists), not from per-token lists TRL would pad itself."""
         self._cb_last_logprobs = None
         if self._cb_async_active():
             inputs = self._cb_async_take(inputs)
@@ -156,6 +158,9 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
             output = super()._generate_and_score_completions(inputs)
         finally:
             self._cb_async_groups = None
+        if self._cb_per_token_loss and self._cb_last_logprobs is not None and "sampling_per_token_logps" not in output:
+            # GRPO: the sampler's logprobs TRL would have padded from lists (its loss reads them, e.g. for OPSM)
+            output["sampling_per_token_logps"] = self._cb_sampling_logps(output)
         self._cb_correct(output)
         return output
 
@@ -191,7 +196,10 @@ class GRPOTrainer(ContinuousBatchingTrainerMixin, trl.GRPOTrainer):
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
         completion_ids, logprobs = self._cb_generate(prompt_ids)
-        return completion_ids, as_lists(logprobs)  # TRL pads its sampling logprobs from lists
+        if getattr(self, "tools", None):  # TRL's tool loop extends each completion's logprob list turn by turn
+            return completion_ids, as_lists(logprobs)
+        # No lists for TRL to pad token by token: `_cb_score` puts the padded (B, T) tensor into the batch instead
+        return completion_ids, None
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         return self._cb_score(inputs)
