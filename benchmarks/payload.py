@@ -385,7 +385,7 @@ def controller(args: argparse.Namespace, groups_in_flight: int | None = None) ->
     depth = args.prefetch_depth if groups_in_flight is None else max(1, groups_in_flight // args.prompts - 1)
     with fake_server() as url:
         warm(url, args)
-        client = RolloutClient([url], timeout=600)
+        client = RolloutClient([url], timeout=600, encoding=args.client_encoding)
         client.known_versions.add(1)  # the fake groups switch to version 1 halfway
         stream = ((i, [5] * 8) for i in itertools.count())
         sampling = {"max_tokens": args.tokens}
@@ -449,6 +449,12 @@ def main() -> None:
         default=["json", "packed", "binary"],
         choices=["json", "packed", "binary"],
         help="HTTP part: answer encodings asked for (a server from before issue 27 answers JSON only)",
+    )
+    parser.add_argument(
+        "--client-encoding",
+        default="binary",
+        choices=["json", "packed", "binary"],
+        help="controller and scale parts: the answers the trainer's client asks for",
     )
     parser.add_argument("--serve-fake", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--poll-health", default=None, help=argparse.SUPPRESS)
