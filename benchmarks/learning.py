@@ -7,7 +7,7 @@ async (in process or on a rollout server), several seeds each, and several confi
     python benchmarks/learning.py --trainers grpo --seeds 0 1 2 3 4 --steps 60
     # staleness sweep: async at depth 0..7 (staleness <= 1, 2, 4, 8), against sync and generate():
     python benchmarks/learning.py --backends generate trl_cb trl_cb_async --staleness-sweep 1 2 4 8
-    # IS modes and bounds on the async backend (a variant per combination; RLOO takes sequence_* modes only):
+    # IS modes and bounds on the async backend (a variant per combination):
     python benchmarks/learning.py --trainers grpo --backends trl_cb trl_cb_async --prefetch-depth 3 \\
         --is-mode sequence_mask sequence_truncate token_truncate --is-clip-max 2 3
     python benchmarks/learning.py --variants depth=0 depth=3,keep_stale=1,max_staleness=4   # explicit variants

@@ -130,7 +130,7 @@ def dedupe(variants: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def check_variants(trainers: list[str], variants: list[dict[str, Any]]) -> dict[tuple[str, str], str]:
     """Build each (trainer, variant)'s async config once: `{(trainer, label): the config's error}` for the rejected
-    ones (e.g. a `token_*` IS mode for RLOO, whose loss is per sequence). Nothing runs."""
+    ones (e.g. a `geometric_*` IS mode for GRPO's VESPO loss, which needs token-level weights). Nothing runs."""
     import tempfile
     import warnings
 

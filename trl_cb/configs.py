@@ -9,9 +9,9 @@ Invariants after `__post_init__`:
   `transformers.generation.ContinuousBatchingConfig` accepts, and has `max_memory_percent` in (0, 1] (0.5 if unset).
 - `use_transformers_paged=True` has been turned into `use_transformers_continuous_batching=True`, with one
   FutureWarning, and reads `False` afterwards.
-- The IS settings are a valid combination for the trainer (RLOO's loss is per sequence: `sequence_*` modes only;
-  GRPO's VESPO loss needs `token_*`). An unset `cb_importance_sampling_mode` becomes the mode the loss needs; only an
-  explicit, conflicting choice raises.
+- The IS settings are a valid combination for the trainer (GRPO's VESPO loss needs `token_*`; every mode suits
+  RLOO: token-level weights scale its logprobs' gradient, `trainers/is_correction.py`). An unset
+  `cb_importance_sampling_mode` becomes the mode the loss needs; only an explicit, conflicting choice raises.
 """
 
 from __future__ import annotations
@@ -319,17 +319,11 @@ class GRPOConfig(ContinuousBatchingArguments, trl.GRPOConfig):
 class RLOOConfig(ContinuousBatchingArguments, trl.RLOOConfig):
     """TRL's `RLOOConfig` with trl_cb's continuous batching fields (see `ContinuousBatchingArguments`).
 
-    RLOO's loss is per sequence, so its IS weight is too: `cb_importance_sampling_mode` must be a sequence-level
-    mode (`sequence_*`, `geometric_*`).
+    RLOO's loss is per sequence; a sequence-level IS mode (`sequence_*`, `geometric_*`) weights its advantage, a
+    token-level one (`token_*`) the gradient of each token's logprob (the truncated-IS policy gradient).
     """
 
     def __post_init__(self) -> None:
         self._post_init_continuous_batching()
         with trl_config_post_init(self):  # TRL's own `gradient_checkpointing` default warns otherwise
             super().__post_init__()
-        if is_token_level(self.cb_importance_sampling_mode):
-            sequence_modes = tuple(m for m in IS_MODES if not is_token_level(m))
-            raise ValueError(
-                "RLOO's loss is per sequence, so its importance-sampling weight is too: set "
-                f"cb_importance_sampling_mode to one of {sequence_modes} (got {self.cb_importance_sampling_mode!r})."
-            )

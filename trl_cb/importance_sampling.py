@@ -233,6 +233,18 @@ def _self_normalized(weight: torch.Tensor, keep: torch.Tensor, per_token: bool) 
     return torch.where(mean > 0, weight / mean.clamp(min=torch.finfo(weight.dtype).tiny), weight)
 
 
+def reweight_gradient(logps: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`logps` with the same values and the gradient of token t multiplied by `weight[..., t]` (detached).
+
+    How per-token IS weights reach a loss that sums token logprobs before anything else reads them (RLOO's
+    `exp(sum_t log pi_t - old)` ratio): the weight cannot be folded into a per-sequence advantage, but the policy
+    gradient `A * sum_t w_t * grad log pi_t` (truncated IS per token, as for GRPO's per-token loss) is exactly the
+    gradient of this tensor's sum, while every value TRL computes from it (the ratio, its clip, the logged metrics)
+    is unchanged."""
+    weight = weight.detach()
+    return logps.detach() + weight * (logps - logps.detach())
+
+
 def importance_sampling_ratio(
     old_logps: torch.Tensor,
     sampling_logps: torch.Tensor,

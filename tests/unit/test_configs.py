@@ -73,10 +73,10 @@ def test_is_settings_validated(cls):
         make(cls, cb_importance_sampling_mode="sequence_truncate", cb_importance_sampling_clip_max=None)
 
 
-def test_rloo_rejects_token_level_is():
-    with pytest.raises(ValueError, match="RLOO's loss is per sequence"):
-        make(RLOOConfig, cb_importance_sampling_mode="token_truncate")
-    assert make(GRPOConfig, cb_importance_sampling_mode="token_truncate").cb_importance_sampling_mode
+def test_rloo_takes_token_level_is():
+    """RLOO's sequence-level loss takes token-level weights on its logprobs' gradient (tests/unit/trainers)."""
+    for mode in ("token_truncate", "token_mask", "token_m2"):
+        assert make(RLOOConfig, cb_importance_sampling_mode=mode).cb_importance_sampling_mode == mode
 
 
 def test_grpo_vespo_picks_token_mode_when_unset():
@@ -154,12 +154,10 @@ def test_rollout_server_api_key_never_in_a_dump_or_log(cls, caplog):
 
 
 def test_off_policy_modes_follow_the_loss_level():
-    """Geometric and M2 modes are sequence- or token-level like TRL's: RLOO takes the sequence-level ones only,
-    VESPO the token-level ones only; the M2 bound must be a positive number."""
+    """Geometric and M2 modes are sequence- or token-level like TRL's: VESPO takes the token-level ones only; the M2
+    bound must be a positive number."""
     assert make(RLOOConfig, cb_importance_sampling_mode="geometric_truncate").cb_importance_sampling_mode
     assert make(RLOOConfig, cb_importance_sampling_mode="geometric_m2").cb_importance_sampling_mode
-    with pytest.raises(ValueError, match="RLOO's loss is per sequence.*geometric_m2"):
-        make(RLOOConfig, cb_importance_sampling_mode="token_m2")
     vespo = dict(use_transformers_continuous_batching=True, loss_type="vespo")
     assert make(GRPOConfig, cb_importance_sampling_mode="token_m2", **vespo).cb_importance_sampling_mode == "token_m2"
     with pytest.raises(ValueError, match="token-level IS mode"):

@@ -25,6 +25,7 @@ from ..importance_sampling import (
     importance_sampling_stats,
     importance_weights,
     reduce_extra_values,
+    reweight_gradient,
 )
 from ..rollouts.rollout_groups import TokenValues
 from . import trl_internals
@@ -35,11 +36,14 @@ __all__ = ["IS_METRIC_NAMES", "ImportanceSamplingMixin"]
 _DEFERRED_IS_KEY = "cb_deferred_sampling_per_token_logps"
 #: Key of the 0-dim id of the generation batch a deferred micro-batch belongs to (TRL's split keeps 0-dim tensors).
 _DEFERRED_IS_BATCH = "cb_deferred_is_batch"
+#: Key of the (B, T) per-token weights a sequence-level loss (RLOO) applies to its logprobs' gradient in the loss.
+_GRADIENT_WEIGHTS_KEY = "cb_is_gradient_weights"
 
 
 class ImportanceSamplingMixin:
     """The IS part of `ContinuousBatchingTrainerMixin`. Reads `_cb_last_logprobs` (the last round's sampler-side
-    policy logprobs, set by the generation side) and `_cb_per_token_loss` (GRPO: (B, T) weights; RLOO: (B,))."""
+    policy logprobs, set by the generation side) and `_cb_per_token_loss` (GRPO's loss takes (B, T) advantages; RLOO's
+    (B,), so token-level weights go to its gradient)."""
 
     _cb_last_logprobs: list[TokenValues] | None = None
     _cb_per_token_loss: bool
@@ -106,17 +110,23 @@ class ImportanceSamplingMixin:
 
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         """TRL's loss; a deferred IS correction (`_cb_can_defer_is`) is applied to `inputs` as soon as TRL's loss
-        forward has produced the policy's logprobs, before TRL reads the advantages (pinned by test_contracts)."""
+        forward has produced the policy's logprobs, before TRL reads the advantages (pinned by test_contracts), and
+        per-token weights of a sequence-level loss (RLOO) scale the gradient of those logprobs there."""
         sampling = inputs.pop(_DEFERRED_IS_KEY, None)
         batch = inputs.pop(_DEFERRED_IS_BATCH, None)
-        if sampling is None:
+        gradient_weights = inputs.pop(_GRADIENT_WEIGHTS_KEY, None)  # set at scoring when the correction was eager
+        if sampling is None and gradient_weights is None:
             return super()._compute_loss(model, inputs)
 
-        def correct(old: torch.Tensor) -> None:
-            stats = self._cb_importance_sampling(
-                inputs, per_token_loss=self._cb_per_token_loss, old=old, sampling=sampling
-            )
-            self._cb_add_deferred_is_stats(int(batch), stats)
+        def correct(logps: torch.Tensor) -> torch.Tensor:
+            weights = gradient_weights
+            if sampling is not None:
+                stats = self._cb_importance_sampling(
+                    inputs, per_token_loss=self._cb_per_token_loss, old=logps.detach(), sampling=sampling
+                )
+                self._cb_add_deferred_is_stats(int(batch), stats)
+                weights = inputs.pop(_GRADIENT_WEIGHTS_KEY, None)
+            return logps if weights is None else reweight_gradient(logps, weights)
 
         return trl_internals.with_policy_logps_hook(
             self, lambda: super(ImportanceSamplingMixin, self)._compute_loss(model, inputs), correct
@@ -155,8 +165,10 @@ class ImportanceSamplingMixin:
             advantages = output["advantages"]
             if per_token_loss:
                 output["advantages"] = advantages.unsqueeze(1) * ratio  # (B, T) or (B, 1)
-            else:
-                output["advantages"] = advantages * ratio.squeeze(1)  # sequence modes only: (B,)
+            elif ratio.size(1) == 1:
+                output["advantages"] = advantages * ratio.squeeze(1)  # (B,)
+            else:  # token-level weights on a sequence-level loss: applied to the gradient in `_compute_loss`
+                output[_GRADIENT_WEIGHTS_KEY] = ratio
         return importance_sampling_stats(ratio, old, sampling, mask, weights)
 
     def _cb_add_deferred_is_stats(self, batch_id: int, stats: ImportanceSamplingStats) -> None:

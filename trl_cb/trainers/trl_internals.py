@@ -56,10 +56,13 @@ def policy_logps(trainer: Any, output: dict[str, Any]) -> torch.Tensor:
 
 
 def with_policy_logps_hook(
-    trainer: Any, compute_loss: Callable[[], torch.Tensor], on_logps: Callable[[torch.Tensor], None]
+    trainer: Any,
+    compute_loss: Callable[[], torch.Tensor],
+    on_logps: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """Run TRL's `compute_loss()` and call `on_logps(detached policy logprobs)` right after its loss forward (TRL's
-    first `_get_per_token_logps_and_entropies` call there), before TRL reads anything else of the batch.
+    """Run TRL's `compute_loss()` and call `on_logps(policy logprobs)` right after its loss forward (TRL's first
+    `_get_per_token_logps_and_entropies` call there), before TRL reads anything else of the batch; TRL's loss goes on
+    with what `on_logps` returns (the tensor itself, or one with the same values: `reweight_gradient`).
 
     `RuntimeError` if the loss never made that call: a correction must never be skipped silently."""
     applied = False
@@ -76,9 +79,9 @@ def with_policy_logps_hook(
         nonlocal applied
         restore()  # one call only: the loss forward is TRL's first call in `_compute_loss`
         result = original(*args, **kwargs)
-        on_logps(result[0].detach())
+        logps = on_logps(result[0])
         applied = True
-        return result
+        return (logps, *result[1:])
 
     trainer.__dict__[_LOGPS] = hooked
     try:

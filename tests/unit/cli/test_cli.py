@@ -74,8 +74,9 @@ def test_unknown_recipe_key_fails_clearly(tmp_path, capsys):
 
 def test_bad_values_fail_clearly(capsys):
     # A config's __post_init__ refusing a value: its message, exit 2, no traceback.
-    assert cli.main(["rloo", "--cb_importance_sampling_mode", "token_mask", "--bf16", "false"]) == 2
-    assert "RLOO's loss is per sequence" in capsys.readouterr().err
+    bounds = ["--cb_importance_sampling_clip_min", "2", "--cb_importance_sampling_clip_max", "1"]
+    assert cli.main(["rloo", *bounds, "--bf16", "false"]) == 2
+    assert "must be smaller than clip_max" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:  # argparse's own refusal (choices)
         cli.main(["grpo", "--cb_importance_sampling_mode", "nope"])
     assert exc.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err

@@ -253,6 +253,66 @@ def test_self_normalized_is_undoes_a_uniform_shift(kind, tokenizer, tmp_path):
         trainer._cb_close()
 
 
+def _loss_and_grads(trainer, output) -> tuple[float, list[torch.Tensor]]:
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.zero_grad()
+    loss = trainer.compute_loss(trainer.model, output)
+    loss.backward()
+    return loss.item(), [p.grad.detach().clone() for p in trainer.model.parameters()]
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred", "eager"])
+def test_rloo_token_level_weights_scale_each_tokens_gradient(defer, tokenizer, tmp_path, monkeypatch):
+    """RLOO with a token-level IS mode: the loss value is TRL's own (the weights never touch its sequence ratio), and
+    the gradient is the truncated-IS policy gradient `-mean_b A_b sum_t w_bt grad log pi_bt`, with
+    `w_bt = min(pi/mu, clip_max)` built here by hand from TRL's per-token logprobs and sampler logprobs moved by
+    per-token noise (weights 0.6-1.6). Control: TRL's uncorrected gradient is far from it."""
+    trainer = make_trainer(
+        "rloo", tokenizer, tmp_path, eos_logit_bias=None, cb_importance_sampling_mode="token_truncate",
+        cb_importance_sampling_clip_min=None, cb_importance_sampling_clip_max=1.3, max_completion_length=8,
+    )  # fmt: skip
+    try:
+        trainer.model.train()
+        batch = [trainer.train_dataset[i] for i in range(2) for _ in range(4)]
+        raw = super(type(trainer), trainer)._generate_and_score_completions(batch)  # TRL's, without our IS
+        raw["advantages"] = torch.linspace(-1.0, 1.0, raw["advantages"].numel())
+        noise = [
+            [0.5 * math.sin(7 * b + t) for t in range(len(row))] for b, row in enumerate(trainer._cb_last_logprobs)
+        ]
+        trainer._cb_last_logprobs = [
+            [x + e for x, e in zip(row, n)] for row, n in zip(trainer._cb_last_logprobs, noise)
+        ]
+        sampling = trainer._cb_sampling_logps(raw)
+        corrected = copy.deepcopy(raw)
+        monkeypatch.setattr(trainer, "_cb_can_defer_is", lambda output: defer)
+        trainer._cb_correct(corrected)
+        assert ("cb_deferred_sampling_per_token_logps" in corrected) == defer
+        loss, grads = _loss_and_grads(trainer, corrected)
+
+        uncorrected_loss, uncorrected = _loss_and_grads(trainer, copy.deepcopy(raw))
+        assert loss == pytest.approx(uncorrected_loss, rel=1e-5, abs=1e-7)
+
+        trainer.model.zero_grad()
+        ids = torch.cat([raw["prompt_ids"], raw["completion_ids"]], dim=1)
+        attention = torch.cat([raw["prompt_mask"], raw["completion_mask"]], dim=1)
+        logps = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, attention, raw["completion_ids"].size(1)
+        )[0]
+        mask = raw["completion_mask"]
+        weights = torch.exp(logps.detach() - sampling).clamp(max=1.3) * mask
+        assert weights[mask.bool()].min() < 0.7 and (weights == 1.3).any(), "the weights must vary and truncate"
+        reference = -(raw["advantages"][:, None] * weights * logps * mask).sum(1).mean()
+        reference.backward()
+        expected = [p.grad.detach().clone() for p in trainer.model.parameters()]
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+        gap = sum((a - b).norm() for a, b in zip(uncorrected, expected)) / sum(b.norm() for b in expected)
+        assert gap > 0.05, f"control: the uncorrected gradient is only {gap:.3f} away"
+    finally:
+        trainer._cb_close()
+
+
 def test_is_disabled_leaves_loss_untouched(tokenizer, tmp_path):
     trainer = make_trainer("grpo", tokenizer, tmp_path, cb_importance_sampling_correction=False, max_steps=1)
     trainer.train()
