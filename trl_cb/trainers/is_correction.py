@@ -76,7 +76,7 @@ class ImportanceSamplingMixin:
 
     def _cb_sampling_logps(self, output: dict[str, Any]) -> torch.Tensor:
         """(B, T) sampling logprobs aligned with `output["completion_ids"]`."""
-        if "sampling_per_token_logps" in output:  # GRPO pads them itself (tool turns included)
+        if "sampling_per_token_logps" in output:  # GRPO's batch has them (`_cb_score`; TRL's, tool turns included)
             return output["sampling_per_token_logps"]
         if self._cb_last_logprobs is None:
             raise RuntimeError("The CB path produced no sampling logprobs for this batch.")
