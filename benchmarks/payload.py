@@ -1,4 +1,5 @@
-"""Rollout-server payload cost at GPU-scale answers: JSON lists vs packed arrays, and the event loop meanwhile.
+"""Rollout-server payload cost at GPU-scale answers: JSON lists vs packed arrays vs binary frames, and the event loop
+meanwhile.
 
     python benchmarks/payload.py                      # 256 completions x 8,192 tokens per step
     python benchmarks/payload.py --quick              # 64 x 1,024 tokens: a smoke run
@@ -8,14 +9,23 @@
 Parts, all with a **fake engine** (the answer's tokens exist at once, as Python lists like the engine's; only payload
 work is measured):
 1. `in-process`: the server's encoder (`server.encode_choices` for JSON, `server.pack_choices` then
-   `PackedColumns.json_pieces` for packed: the code `/v1/completions` runs) and the client's decoder (`RolloutClient`'s
-   parse: the response model, then `PackedChoices.unpack`) on one step's answer, per encoding, `--rounds` rounds with
-   the encodings interleaved; "before" is what the code before issue 27 did (pydantic `CompletionResponse` JSON both
-   ways); `x before` is the median of each round's ratio.
+   `PackedColumns.json_pieces` for packed, `frames.frame_pieces` for binary: the code `/v1/completions` runs) and the
+   client's decoder (`RolloutClient`'s parse: the response model, then `PackedChoices.unpack`; binary: `read_frames`
+   and `decode_frame`, into tensors) on one step's answer, per encoding, `--rounds` rounds with the encodings
+   interleaved; "before" is what the code before issue 27 did (pydantic `CompletionResponse` JSON both ways);
+   `x before` is the median of each round's ratio. Every path but binary ends in Python lists; binary ends in
+   tensors, and the lists TRL's input format needs are timed on their own: completion ids (`trl lists s`, both
+   trainers: TRL decodes and pads lists). GRPO also needs its (B, T) sampling logprobs (`+grpo sampling s`): from
+   lists TRL builds them with a per-token loop and pads them (before binary answers GRPO handed TRL lists); from a
+   binary answer the trainer pads the tensors. `x before rloo` / `x before grpo` compare totals with that work
+   included on both sides (each path against "before" doing the same trainer's work).
+   `pack`: the server's ways to turn the engine's lists into bytes (`struct.pack`, `array.array`, numpy, torch), timed
+   on the same lists, interleaved.
 2. `http`: a real `uvicorn` server process whose engine answers instantly (`--serve-fake`): one client thread asks for
    the whole step's answer `--requests` times per encoding while another process polls `/health` every 20 ms; the
-   table gives the request's wall time and `/health` latency percentiles (the event loop's lag while the answer is
-   produced).
+   table gives the request's wall time (raw `requests`, body read), `RolloutClient.generate`'s wall time (body read
+   and decoded into what the client returns) and `/health` latency percentiles (the event loop's lag while the answer
+   is produced).
 3. `controller`: the trainer's side of async rollouts (`RemoteRolloutController`) against that server: trainer CPU
    seconds per step, threads, `/health` latency meanwhile; `scale`: the same with `--scale-groups` (1,024) in flight.
 Prints a table, then one JSON document as the last line.
@@ -25,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -44,6 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_OUT, OUT_HELP, environment, format_table, percentile, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The in-process part's encodings, in the order each round runs them.
+ENCODINGS = ("before", "json", "packed", "binary")
 
 
 def fake_group(prompt: list[int], n: int, tokens: int, seed: int) -> Any:
@@ -56,7 +69,7 @@ def fake_group(prompt: list[int], n: int, tokens: int, seed: int) -> Any:
     group = RolloutGroup(row=None, prompt_ids=prompt, submitted_version=0)
     group.completion_ids = [torch.randint(5, 500, (tokens,), generator=generator).tolist() for _ in range(n)]
     group.logprobs = [(-torch.rand(tokens, generator=generator) * 5).tolist() for _ in range(n)]
-    group.policy_logprobs = [list(values) for values in group.logprobs]
+    group.policy_logprobs = list(group.logprobs)  # the same lists, as `ServingEngine._collect` hands them over
     group.versions = [[0] * (tokens // 2) + [1] * (tokens - tokens // 2) for _ in range(n)]
     return group
 
@@ -69,21 +82,60 @@ def in_process(args: argparse.Namespace) -> list[dict[str, Any]]:
     for _ in range(args.rounds):  # the encodings interleaved, so that load from other jobs hits all of them alike
         rounds.append({row["encoding"]: row for row in _in_process_round(args, groups)})
     rows = []
-    for encoding in ("before", "json", "packed"):
+    for encoding in ENCODINGS:
         runs = [r[encoding] for r in rounds]
-        row = {
-            key: statistics.median(run[key] for run in runs) for key in ("mib", "server_encode_s", "client_decode_s")
-        }
-        row["total_s"] = statistics.median(run["total_s"] for run in runs)
+        keys = ("mib", "server_encode_s", "client_decode_s", "trl_lists_s", "grpo_sampling_s", "total_s")
+        keys += ("total_rloo_s", "total_grpo_s")
+        row = {key: statistics.median(run[key] for run in runs) for key in keys}
         ratios = [r[encoding]["total_s"] / r["before"]["total_s"] for r in rounds]
         row.update(part="in-process", encoding=encoding, rounds=len(runs), x_before=statistics.median(ratios))
         row.update(x_before_min=min(ratios), x_before_max=max(ratios), total_s_all=[run["total_s"] for run in runs])
+        for trainer in ("rloo", "grpo"):  # each against "before" doing the same trainer's work
+            ratios = [r[encoding][f"total_{trainer}_s"] / r["before"][f"total_{trainer}_s"] for r in rounds]
+            row[f"x_before_{trainer}"] = statistics.median(ratios)
+            row[f"x_before_{trainer}_min"], row[f"x_before_{trainer}_max"] = min(ratios), max(ratios)
         rows.append(row)
     return rows
 
 
+def pack_paths(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The server's ways to turn the engine's per-token lists (one step's answer) into little-endian bytes, each
+    exact, timed on the same lists with the ways interleaved, `--rounds` rounds (medians)."""
+    import array
+    import struct
+
+    import numpy as np
+    import torch
+
+    groups = [fake_group([5] * 8, args.n, args.tokens, seed) for seed in range(args.prompts)]
+    ids = [row for g in groups for row in g.completion_ids]
+    logprobs = [row for g in groups for row in g.logprobs]
+    ways = {
+        "struct.pack": lambda rows, code: [struct.pack(f"<{len(r)}{code}", *r) for r in rows],
+        "array.array": lambda rows, code: [array.array(code, r).tobytes() for r in rows],
+        "numpy.array": lambda rows, code: [np.array(r, dtype=f"<{code}4").tobytes() for r in rows],
+        "torch.tensor": lambda rows, code: [
+            torch.tensor(r, dtype=torch.int32 if code == "i" else torch.float32).numpy().tobytes() for r in rows
+        ],
+    }
+    reference = {code: ways["struct.pack"](rows, code) for code, rows in (("i", ids), ("f", logprobs))}
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for _ in range(args.rounds):
+        for way, pack in ways.items():
+            start = time.perf_counter()
+            packed = {"i": pack(ids, "i"), "f": pack(logprobs, "f")}
+            times[way].append(time.perf_counter() - start)
+            assert packed == reference, way  # exact: the same bytes every way
+            del packed
+    return [{"part": "pack", "encoding": way, "server_encode_s": statistics.median(t)} for way, t in times.items()]
+
+
 def _in_process_round(args: argparse.Namespace, groups: list[Any]) -> list[dict[str, Any]]:
     """One encode and decode of the step's answer per encoding."""
+    import torch
+
+    from trl_cb.rollouts.rollout_groups import as_lists
+    from trl_cb.serving.frames import decode_frame, frame_pieces, read_frames
     from trl_cb.serving.protocol import (
         Choice,
         CompletionRequest,
@@ -92,15 +144,17 @@ def _in_process_round(args: argparse.Namespace, groups: list[Any]) -> list[dict[
         PackedCompletionResponse,
     )
     from trl_cb.serving.server import encode_choices, pack_choices
+    from trl_cb.trainers.trl_internals import pad
 
     rows = []
-    for encoding in ("before", "json", "packed"):
+    for encoding in ENCODINGS:
         body = CompletionRequest(
             prompt=[[5] * 8] * args.prompts,
             n=args.n,
             max_tokens=args.tokens,
             encoding="json" if encoding == "before" else encoding,
         )
+        gc.collect()
         start = time.perf_counter()
         if encoding == "before":  # build every Choice, validate and dump the whole response in one call
             choices = [
@@ -120,29 +174,54 @@ def _in_process_round(args: argparse.Namespace, groups: list[Any]) -> list[dict[
         elif encoding == "json":  # what `/v1/completions` runs per group, joined
             parts = [part for i, g in enumerate(groups) for part in encode_choices(g, i, body, {0})]
             payload = b'{"id": "x", "model": "m", "usage": {}, "choices": [' + b",".join(parts) + b"]}"
-        else:  # packed: each group's arrays packed, then the answer's buffers encoded once
+        elif encoding == "packed":  # each group's arrays packed, then the answer's buffers encoded once
             columns = PackedColumns()
             for i, g in enumerate(groups):
                 columns.extend(pack_choices(g, i, body, {0}))
             payload = b'{"id": "x", "model": "m", "usage": {}, "choices": ' + b"".join(columns.json_pieces()) + b"}"
+        else:  # binary: each group's arrays packed, then one frame's pieces (sent as they are, never joined)
+            columns = PackedColumns()
+            for i, g in enumerate(groups):
+                columns.extend(pack_choices(g, i, body, {0}))
+            payload = frame_pieces({"id": "x", "model": "m", "usage": {}}, columns)
         encoded = time.perf_counter()
-        answer_type = PackedCompletionResponse if encoding == "packed" else CompletionResponse
-        choices = answer_type.model_validate_json(payload).choices
-        if encoding == "packed":
-            choices = choices.unpack()
+        if encoding == "binary":  # the client's read: the frame into one buffer, then tensors viewing it
+            (frame,) = read_frames(payload)
+            _, choices = decode_frame(frame)
+        else:
+            answer_type = PackedCompletionResponse if encoding == "packed" else CompletionResponse
+            choices = answer_type.model_validate_json(payload).choices
+            if encoding == "packed":
+                choices = choices.unpack()
         decoded = time.perf_counter()
-        assert len(choices) == args.prompts * args.n and len(choices[-1].token_ids) == args.tokens
+        # What TRL's input format needs as lists (a no-op where the answer already holds lists): the completion ids
+        # (both trainers). Then GRPO's (B, T) sampling logprobs: from lists, TRL's own per-token loop and padding (what
+        # GRPO did with every answer before binary ones); from a binary answer, the rows padded (`_cb_score`)
+        id_lists = as_lists([c.token_ids for c in choices])
+        listed = time.perf_counter()
+        logps = [c.policy_logprobs for c in choices]
+        if encoding != "binary":
+            logps = [torch.tensor([float("nan") if x is None else x for x in row]) for row in logps]
+        sampling = pad([torch.as_tensor(row, dtype=torch.float32) for row in logps], padding_value=0.0)
+        grpo_listed = time.perf_counter()
+        assert len(choices) == args.prompts * args.n and len(id_lists[-1]) == args.tokens
+        assert sampling.shape == (len(choices), args.tokens) and sampling.dtype == torch.float32
+        trl_lists, grpo_lists = listed - decoded, grpo_listed - listed
         rows.append(
             {
                 "part": "in-process",
                 "encoding": encoding,
-                "mib": len(payload) / 2**20,
+                "mib": (len(payload) if isinstance(payload, bytes) else sum(map(len, payload))) / 2**20,
                 "server_encode_s": encoded - start,
                 "client_decode_s": decoded - encoded,
+                "trl_lists_s": trl_lists,
+                "grpo_sampling_s": grpo_lists,
                 "total_s": decoded - start,
+                "total_rloo_s": decoded - start + trl_lists,
+                "total_grpo_s": decoded - start + trl_lists + grpo_lists,
             }
         )
-        del choices, payload  # freed here, not inside the next encoding's timing
+        del choices, payload, id_lists, logps, sampling  # freed here, not inside the next encoding's timing
     return rows
 
 
@@ -257,6 +336,8 @@ def health_stats(latencies: list[float]) -> dict[str, float]:
 
 
 def over_http(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from trl_cb.serving.client import RolloutClient
+
     with fake_server() as url:
         rows = []
         warm(url, args)
@@ -270,12 +351,22 @@ def over_http(args: argparse.Namespace) -> list[dict[str, Any]]:
                     response.raise_for_status()
                     walls.append(time.perf_counter() - start)
                     sizes.append(len(response.content))
+                    del response
+                client = RolloutClient([url], timeout=600, encoding=encoding)
+                client.known_versions.add(1)  # the fake groups switch to version 1 halfway
+                client_walls = []
+                for _ in range(args.requests):
+                    start = time.perf_counter()
+                    result = client.generate([[5] * 8] * args.prompts, args.n, max_tokens=args.tokens)
+                    client_walls.append(time.perf_counter() - start)
+                    del result
             rows.append(
                 {
                     "part": "http",
                     "encoding": encoding,
                     "mib": sizes[-1] / 2**20,
                     "request_wall_s": min(walls),
+                    "client_wall_s": min(client_walls),
                     **health_stats(latencies),
                 }
             )
@@ -294,7 +385,7 @@ def controller(args: argparse.Namespace, groups_in_flight: int | None = None) ->
     depth = args.prefetch_depth if groups_in_flight is None else max(1, groups_in_flight // args.prompts - 1)
     with fake_server() as url:
         warm(url, args)
-        client = RolloutClient([url], timeout=600)
+        client = RolloutClient([url], timeout=600, encoding=args.client_encoding)
         client.known_versions.add(1)  # the fake groups switch to version 1 halfway
         stream = ((i, [5] * 8) for i in itertools.count())
         sampling = {"max_tokens": args.tokens}
@@ -347,7 +438,7 @@ def main() -> None:
         "--parts",
         nargs="+",
         default=["in-process", "http", "controller"],
-        choices=["in-process", "http", "controller", "scale"],
+        choices=["in-process", "pack", "http", "controller", "scale"],
         help="scale: the controller part with --scale-groups groups in flight (not run by default: minutes, GBs)",
     )
     parser.add_argument("--prefetch-depth", type=int, default=1, help="controller part: steps requested ahead")
@@ -355,9 +446,15 @@ def main() -> None:
     parser.add_argument(
         "--encodings",
         nargs="+",
-        default=["json", "packed"],
-        choices=["json", "packed"],
+        default=["json", "packed", "binary"],
+        choices=["json", "packed", "binary"],
         help="HTTP part: answer encodings asked for (a server from before issue 27 answers JSON only)",
+    )
+    parser.add_argument(
+        "--client-encoding",
+        default="binary",
+        choices=["json", "packed", "binary"],
+        help="controller and scale parts: the answers the trainer's client asks for",
     )
     parser.add_argument("--serve-fake", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--poll-health", default=None, help=argparse.SUPPRESS)
@@ -371,7 +468,7 @@ def main() -> None:
         return
     if args.quick:
         args.prompts, args.n, args.tokens, args.requests, args.steps, args.rounds = 16, 4, 1024, 1, 1, 1
-    parts = {"in-process": in_process, "http": over_http, "controller": controller, "scale": scale}
+    parts = {"in-process": in_process, "pack": pack_paths, "http": over_http, "controller": controller, "scale": scale}
     rows = [row for name in args.parts for row in parts[name](args)]
     columns = [
         ("part", "part"),
@@ -381,7 +478,12 @@ def main() -> None:
         ("client_decode_s", "decode s"),
         ("total_s", "total s"),
         ("x_before", "x before"),
+        ("trl_lists_s", "trl lists s"),
+        ("x_before_rloo", "x before rloo"),
+        ("grpo_sampling_s", "+grpo sampling s"),
+        ("x_before_grpo", "x before grpo"),
         ("request_wall_s", "request s"),
+        ("client_wall_s", "client s"),
         ("health_p50_ms", "/health p50 ms"),
         ("health_p99_ms", "/health p99 ms"),
         ("health_max_ms", "/health max ms"),

@@ -54,6 +54,7 @@ def main() -> None:
     from trl_cb.offline.data import synthetic_gsm8k
     from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
     from trl_cb.rollouts.model_access import plain_module
+    from trl_cb.rollouts.rollout_groups import as_lists
 
     torch.set_num_threads(1)
     config = trl_cb.GRPOConfig(
@@ -113,7 +114,7 @@ def main() -> None:
         state = whole_state(plain_module(trainer.model_wrapped))  # on every rank: a collective under ZeRO-3
         reference = merged_copy(state)
         gaps = [
-            (teacher_forced(reference, p, c) - torch.tensor(lp)).abs().max().item()
+            (teacher_forced(reference, p, c) - torch.as_tensor(lp)).abs().max().item()  # lp: a binary answer's tensor
             for p, c, lp in zip(prompt_ids, completion_ids, logprobs)
             if c
         ]
@@ -144,7 +145,7 @@ def main() -> None:
             {
                 "num_groups": len(groups),
                 "prompts_digest": hashlib.sha1(json.dumps([g.prompt_ids for g in groups]).encode()).hexdigest(),
-                "versions": sorted({v for g in groups for per_sample in g.versions for v in per_sample}),
+                "versions": sorted({v for g in groups for per_sample in as_lists(g.versions) for v in per_sample}),
                 "holds_client": trainer._cb_client is not None,
             }
         )

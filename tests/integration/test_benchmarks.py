@@ -413,9 +413,11 @@ def test_payload_quick(tmp_path):
         ("in-process", "before"),
         ("in-process", "json"),
         ("in-process", "packed"),
+        ("in-process", "binary"),
         ("http", "json"),
         ("http", "packed"),
-        ("controller", "packed"),
+        ("http", "binary"),
+        ("controller", "binary"),
     }
     assert all(p["health_polls"] > 0 for p in payload["points"] if p["part"] == "http")
     (ctl,) = [p for p in payload["points"] if p["part"] == "controller"]

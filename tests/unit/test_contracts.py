@@ -483,6 +483,17 @@ def test_trl_output_keys_we_read():
         assert f'"{key}"' in rloo
 
 
+def test_grpo_takes_no_logprob_lists_and_reads_the_sampling_logprobs_from_the_batch():
+    """trl_cb's GRPO hands TRL `None` logprobs (no per-token lists) unless tools are on, and puts the padded
+    `sampling_per_token_logps` into the scored batch itself (trainers/mixin.py): TRL must build that key only from
+    non-`None` lists, run its tool loop only `if self.tools`, and read the key from the batch in its loss."""
+    assert "if sampling_per_token_logps_list is not None:" in inspect.getsource(
+        trl.GRPOTrainer._generate_and_score_completions
+    )
+    assert "if self.tools:" in inspect.getsource(trl.GRPOTrainer._generate)
+    assert 'inputs.get("sampling_per_token_logps"' in inspect.getsource(trl.GRPOTrainer._compute_loss)
+
+
 def test_trl_unwrap_helpers():
     from trl.distributed import DistributedBackend
     from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation

@@ -12,19 +12,30 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
+
+import torch
 
 from ..engine import _upstream, _upstream_sampling
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["InFlightGroups", "RolloutGroup", "oldest_version", "staleness"]
+__all__ = ["InFlightGroups", "RolloutGroup", "TokenValues", "as_lists", "oldest_version", "staleness"]
+
+#: One sequence's per-token values (ids, logprobs or versions): a list (the in-process engine, JSON answers) or a 1-D
+#: tensor (binary answers from rollout servers, `serving/frames.py`: no Python object per token until one is needed).
+TokenValues: TypeAlias = list[int] | list[float] | torch.Tensor
 
 
-def oldest_version(versions: Sequence[Sequence[int]], default: int) -> int:
+def as_lists(rows: Sequence[TokenValues]) -> list[list[Any]]:
+    """`rows` as Python lists (TRL's input format: its decoding and padding read lists), each tensor converted once."""
+    return [row.tolist() if isinstance(row, torch.Tensor) else row for row in rows]
+
+
+def oldest_version(versions: Sequence[TokenValues], default: int) -> int:
     """The policy version of the oldest token among `versions` (per sequence, per token); `default` (the version at
     submission) when no token was sampled yet."""
-    return min((min(v) for v in versions if v), default=default)
+    return min((int(v.min()) if isinstance(v, torch.Tensor) else min(v) for v in versions if len(v)), default=default)
 
 
 @dataclass
@@ -36,10 +47,11 @@ class RolloutGroup:
 
     row: Any  # the dataset row the prompt came from (rewards need its other fields)
     prompt_ids: list[int]
-    completion_ids: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[float]] = field(default_factory=list)
-    policy_logprobs: list[list[float]] = field(default_factory=list)
-    versions: list[list[int]] = field(default_factory=list)
+    # per sample: lists (in-process engine) or read-only 1-D tensors (binary answers from servers, `as_lists`)
+    completion_ids: list[TokenValues] = field(default_factory=list)
+    logprobs: list[TokenValues] = field(default_factory=list)
+    policy_logprobs: list[TokenValues] = field(default_factory=list)
+    versions: list[TokenValues] = field(default_factory=list)
     submitted_version: int = 0
 
     @property

@@ -5,13 +5,16 @@ Guarantees: `generate` returns every requested completion in the caller's order 
 so it never hangs. Transient faults are retried before they are failures: one `requests.Session` retries connection
 errors and HTTP 502/503 `retries` times with exponential backoff; only then is a replica left for this call and its
 prompts resubmitted to the others. A request the server refuses (4xx) raises `ValueError` (another replica would
-refuse it too). Bodies are built and answers read with `serving/protocol.py`'s models: an answer that breaks the
-protocol raises `RolloutServerError`, never an assertion. A completion with a token of a `weight_version` this client
-never pushed (0 = the initial weights) is rejected. Calls may come from several threads at once.
+refuse it too). Bodies are built and answers read with `serving/protocol.py`'s models (binary answers, the default,
+with `serving/frames.py`: per-token values arrive as tensors, no Python object per token): an answer that breaks the
+protocol (a truncated frame included) raises `RolloutServerError`, never an assertion. A completion with a token of
+a `weight_version` this client never pushed (0 = the initial weights) is rejected. Calls may come from several threads
+at once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Iterator
@@ -23,6 +26,8 @@ from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
 from ..errors import RolloutServerError
+from ..rollouts.rollout_groups import TokenValues, as_lists
+from .frames import FRAMES_MEDIA_TYPE, ArrayChoice, FrameError, decode_frame, read_frames
 from .protocol import (
     MAX_PROMPTS,
     Choice,
@@ -68,21 +73,34 @@ def retrying_session(api_key: str | None, retries: int, backoff_s: float, pool_s
 
 @dataclass
 class RemoteGenerationResult:
-    """`GenerationResult`'s fields, plus the weight version each completion was sampled with."""
+    """`GenerationResult`'s fields, plus the weight version each completion was sampled with. Per-token values are
+    lists (JSON and packed answers) or 1-D tensors viewing the answer's buffer (binary answers: int32 ids and
+    versions, fp32 logprobs; read-only); `rollout_groups.as_lists` makes lists where a caller needs them."""
 
-    completion_ids: list[list[int]]
-    logprobs: list[list[float]]
-    policy_logprobs: list[list[float]]
+    completion_ids: list[TokenValues]
+    logprobs: list[TokenValues]
+    policy_logprobs: list[TokenValues]
     weight_versions: list[int]  # per completion: its oldest token's version
-    token_weight_versions: list[list[int]]  # per token: the version that sampled it
+    token_weight_versions: list[TokenValues]  # per token: the version that sampled it
     num_generations: int
     timings: dict[str, float] = field(default_factory=dict)
+
+    def as_lists(self) -> RemoteGenerationResult:
+        """This result with every per-token field as Python lists (a new result; this one is unchanged)."""
+        return dataclasses.replace(
+            self,
+            completion_ids=as_lists(self.completion_ids),
+            logprobs=as_lists(self.logprobs),
+            policy_logprobs=as_lists(self.policy_logprobs),
+            token_weight_versions=as_lists(self.token_weight_versions),
+        )
 
 
 class RolloutClient:
     """Talks to rollout servers at `urls` (`http://host:port`); `timeout` bounds every request, in seconds;
     `retries` and `backoff_s` shape the retries of transient faults (see the module docstring); `encoding` is how
-    answers carry per-token arrays (`packed`: one base64 buffer per field, `protocol.PackedChoices`; `json`: lists)."""
+    answers carry per-token arrays (`binary`: frames of raw arrays, `frames.py`, read into tensors; `packed`: one
+    base64 buffer per field in JSON, `protocol.PackedChoices`; `json`: lists)."""
 
     def __init__(
         self,
@@ -91,10 +109,12 @@ class RolloutClient:
         timeout: float = 300.0,
         retries: int = 3,
         backoff_s: float = 0.2,
-        encoding: str = "packed",
+        encoding: str = "binary",
     ) -> None:
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL")
+        if encoding not in ("binary", "packed", "json"):
+            raise ValueError(f"encoding must be 'binary', 'packed' or 'json', got {encoding!r}")
         self.encoding = encoding
         self.urls = [url.rstrip("/") for url in urls]
         self.timeout = timeout
@@ -116,7 +136,7 @@ class RolloutClient:
         """Sample `num_generations` completions per prompt; `sampling`: max_tokens, temperature, top_p, top_k."""
         n = num_generations
         CompletionRequest(prompt=[[0]], n=n, **sampling)  # a bad setting is the caller's error: ValueError, here
-        slots: list[Choice | None] = [None] * (len(prompts) * n)
+        slots: list[Choice | ArrayChoice | None] = [None] * (len(prompts) * n)
         first = next(self._calls) % len(self.urls)
         live = self.urls[first:] + self.urls[:first]
         failures: dict[str, str] = {}
@@ -184,9 +204,8 @@ class RolloutClient:
     def _stream(
         self, url: str, prompts: list[list[int]], n: int, sampling: dict[str, Any]
     ) -> Iterator[tuple[int, RemoteGenerationResult]]:
-        """(prompt index in `prompts`, its group) per line of one streaming request, each checked."""
+        """(prompt index in `prompts`, its group) per line (frame) of one streaming request, each checked."""
         body = CompletionRequest(prompt=prompts, n=n, return_token_ids=True, encoding=self.encoding, **sampling)
-        line_type = PackedStreamLine if self.encoding == "packed" else StreamLine
         seen: set[int] = set()
         try:
             with self.session.post(
@@ -199,52 +218,87 @@ class RolloutClient:
                     raise RolloutServerError(f"HTTP {response.status_code}: {response.text[:300]}")
                 if response.status_code != 200:
                     raise ValueError(f"{url} refused the request: HTTP {response.status_code} {response.text[:500]}")
-                for raw in _lines(response.iter_content(chunk_size=None)):  # each piece as it arrives
-                    if not raw:
-                        continue
-                    try:
-                        line = line_type.model_validate_json(raw)
-                        choices, versions = _choices(line.choices)
-                    except ValueError as exc:  # pydantic's ValidationError too
-                        raise RolloutServerError(f"a stream line breaks the protocol: {str(exc)[:300]}") from exc
+                self._check_media_type(response)
+                for line in self._stream_lines(response.iter_content(chunk_size=None)):  # each as it arrives
                     if line.error is not None:
                         if line.status is not None and 400 <= line.status < 500:
                             raise ValueError(f"{url} refused the request: HTTP {line.status} {line.error[:500]}")
                         raise RolloutServerError(f"HTTP {line.status}: {line.error[:300]}")
-                    i = line.prompt_index
+                    i, choices = line.prompt_index, line.choices
                     samples = sorted(c.index - i * n for c in choices) if i is not None else []
                     if i is None or not 0 <= i < len(prompts) or i in seen or samples != list(range(n)):
                         raise RolloutServerError(f"a stream line does not hold one new group of {n} samples")
                     if any(c.prompt_index != i for c in choices):
                         raise RolloutServerError("a stream line mixes prompts")
                     seen.add(i)
-                    self._check_versions(versions)
+                    self._check_versions(line.versions)
                     yield i, _result(sorted(choices, key=lambda c: c.index), n)
         except requests.RequestException as exc:
             raise RolloutServerError(f"{type(exc).__name__}: {exc}") from exc
+
+    def _stream_lines(self, pieces: Iterator[bytes]) -> Iterator[_Line]:
+        """The stream's lines (binary: frames), parsed; `RolloutServerError` for one that breaks the protocol (a
+        truncated frame included)."""
+        try:
+            if self.encoding == "binary":
+                for frame in read_frames(pieces):
+                    header, choices = decode_frame(frame)
+                    versions = header.choices.versions() if header.choices is not None else set()
+                    yield _Line(header.prompt_index, choices, versions, header.error, header.status)
+                return
+            line_type = PackedStreamLine if self.encoding == "packed" else StreamLine
+            for raw in _lines(pieces):
+                if raw:
+                    line = line_type.model_validate_json(raw)
+                    choices, versions = _choices(line.choices)
+                    yield _Line(line.prompt_index, choices, versions, line.error, line.status)
+        except ValueError as exc:  # pydantic's ValidationError and `frames.FrameError` too
+            raise RolloutServerError(f"a stream line breaks the protocol: {str(exc)[:300]}") from exc
+
+    def _check_media_type(self, response: requests.Response) -> None:
+        """A binary answer must say so: anything else (an old server's JSON, a proxy's page) is not read as frames."""
+        if self.encoding == "binary":
+            media_type = response.headers.get("Content-Type", "").split(";")[0].strip()
+            if media_type != FRAMES_MEDIA_TYPE:
+                raise RolloutServerError(f"the answer breaks the protocol: {media_type!r} for binary frames")
 
     def _check_versions(self, versions: set[int]) -> None:
         unknown = versions - self.known_versions
         if unknown:
             raise RolloutServerError(f"completions sampled with weight versions {sorted(unknown)} never pushed")
 
-    def _complete(self, url: str, prompts: list[list[int]], n: int, sampling: dict[str, Any]) -> list[Choice]:
+    def _answer_choices(self, response: requests.Response) -> tuple[list[Choice] | list[ArrayChoice], set[int]]:
+        """A `/v1/completions` answer's choices and every weight version they carry (`ValueError` if malformed)."""
+        if self.encoding == "binary":
+            frames = list(read_frames(response.iter_content(chunk_size=None)))  # each byte copied once
+            if len(frames) != 1:
+                raise FrameError(f"{len(frames)} frames in an answer of one")
+            header, choices = decode_frame(frames[0])
+            if header.choices is None:
+                raise FrameError("an answer frame without choices")
+            return choices, header.choices.versions()
+        answer_type = PackedCompletionResponse if self.encoding == "packed" else CompletionResponse
+        return _choices(answer_type.model_validate_json(response.content).choices)
+
+    def _complete(
+        self, url: str, prompts: list[list[int]], n: int, sampling: dict[str, Any]
+    ) -> list[Choice] | list[ArrayChoice]:
         body = CompletionRequest(prompt=prompts, n=n, return_token_ids=True, encoding=self.encoding, **sampling)
         try:
-            response = self.session.post(
-                url + "/v1/completions", json=body.model_dump(exclude_none=True), timeout=self.timeout
-            )
+            with self.session.post(
+                url + "/v1/completions", json=body.model_dump(exclude_none=True), timeout=self.timeout, stream=True
+            ) as response:
+                if response.status_code >= 500:
+                    raise RolloutServerError(f"HTTP {response.status_code}: {response.text[:300]}")
+                if response.status_code != 200:  # the request itself is wrong: another replica would refuse it too
+                    raise ValueError(f"{url} refused the request: HTTP {response.status_code} {response.text[:500]}")
+                self._check_media_type(response)
+                try:
+                    choices, versions = self._answer_choices(response)
+                except ValueError as exc:  # pydantic's ValidationError and `frames.FrameError` too
+                    raise RolloutServerError(f"the answer breaks the protocol: {str(exc)[:300]}") from exc
         except requests.RequestException as exc:
             raise RolloutServerError(f"{type(exc).__name__}: {exc}") from exc
-        if response.status_code >= 500:
-            raise RolloutServerError(f"HTTP {response.status_code}: {response.text[:300]}")
-        if response.status_code != 200:  # the request itself is wrong: another replica would refuse it too
-            raise ValueError(f"{url} refused the request: HTTP {response.status_code} {response.text[:500]}")
-        answer_type = PackedCompletionResponse if self.encoding == "packed" else CompletionResponse
-        try:
-            choices, versions = _choices(answer_type.model_validate_json(response.content).choices)
-        except ValueError as exc:  # pydantic's ValidationError too
-            raise RolloutServerError(f"the answer breaks the protocol: {str(exc)[:300]}") from exc
         expected = {(i, k) for i in range(len(prompts)) for k in range(n)}
         got = {(c.prompt_index, c.index - c.prompt_index * n) for c in choices}
         if len(choices) != len(expected) or got != expected:
@@ -281,7 +335,18 @@ def _choices(answer: list[Choice] | PackedChoices | None) -> tuple[list[Choice],
     return choices, {v for c in choices for v in [c.weight_version, *c.token_weight_versions]}
 
 
-def _result(choices: list[Choice], n: int) -> RemoteGenerationResult:
+@dataclass
+class _Line:
+    """One stream line (or frame), parsed: a group's choices and the versions they carry, or an error."""
+
+    prompt_index: int | None
+    choices: list[Choice] | list[ArrayChoice]
+    versions: set[int]
+    error: str | None
+    status: int | None
+
+
+def _result(choices: list[Choice] | list[ArrayChoice], n: int) -> RemoteGenerationResult:
     return RemoteGenerationResult(
         completion_ids=[c.token_ids for c in choices],
         logprobs=[c.logprobs for c in choices],

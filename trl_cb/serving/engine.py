@@ -244,7 +244,8 @@ class ServingEngine:
             self.stats.groups_finished += 1
             self.stats.tokens_generated += sum(len(ids) for ids in group.completion_ids)
             if only_temperature(ticket.processor_kwargs, self._vocab):  # one quantity, as without warpers
-                group.policy_logprobs = [list(values) for values in group.logprobs]
+                # the same lists (read only from here on): an answer sends them once, found by identity
+                group.policy_logprobs = list(group.logprobs)
             ticket.finish(group)
 
     def _schedule(self) -> None:

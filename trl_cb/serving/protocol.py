@@ -57,9 +57,10 @@ class CompletionRequest(_Strict):
     top_k: int = Field(default=0, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=0)  # only the sampled token's logprob is returned
     return_token_ids: bool = True
-    #: How choices carry their per-token arrays: JSON lists (OpenAI-style clients), or `packed` (`PackedChoices`: one
-    #: base64 buffer per field for the whole answer, no per-token JSON on either side).
-    encoding: Literal["json", "packed"] = "json"
+    #: How choices carry their per-token arrays: JSON lists (OpenAI-style clients); `packed` (`PackedChoices`: one
+    #: base64 buffer per field for the whole answer, no per-token JSON on either side); or `binary` (no JSON body at
+    #: all: length-prefixed frames of raw little-endian arrays, `frames.py`, media type `FRAMES_MEDIA_TYPE`).
+    encoding: Literal["json", "packed", "binary"] = "json"
 
     @model_validator(mode="before")
     @classmethod
@@ -163,11 +164,18 @@ class PackedColumns:
         for name in self.__dataclass_fields__:
             getattr(self, name).extend(getattr(other, name))
 
+    def scalars(self) -> dict[str, list[Any]]:
+        """The per-choice columns (`ChoiceColumns`' fields)."""
+        return {name: getattr(self, name) for name in ChoiceColumns.model_fields}
+
+    def policy_sent(self) -> bool:
+        """Whether the policy logprobs differ from the logprobs somewhere (else they are not sent)."""
+        return not all(p is lp for p, lp in zip(self.policy_logprobs, self.logprobs))
+
     def json_pieces(self) -> list[bytes]:
         """The `PackedChoices` JSON object, in pieces (the per-token buffers base64-encoded in 1 MiB pieces)."""
-        scalars = {name: getattr(self, name) for name in PackedChoices.scalar_fields}
-        pieces = [json.dumps(scalars, separators=(",", ":"))[:-1].encode()]
-        same = all(p is lp for p, lp in zip(self.policy_logprobs, self.logprobs))
+        pieces = [json.dumps(self.scalars(), separators=(",", ":"))[:-1].encode()]
+        same = not self.policy_sent()
         for name in PackedChoices.buffer_fields:
             if name == "policy_logprobs" and same:
                 pieces.append(b',"policy_logprobs":null')
@@ -181,25 +189,10 @@ class PackedColumns:
         return pieces
 
 
-class PackedChoices(BaseModel):
-    """Choices in columns (`encoding="packed"`): per-choice fields as JSON lists; per-token arrays as one base64 string
-    per field for all choices together, little-endian int32 `token_ids` and fp32 `logprobs` / `policy_logprobs`
-    (exact: the engine's values), choice c's tokens right after choice c-1's (`num_tokens[c]` of them);
-    `policy_logprobs` null when equal to `logprobs`; per-token weight versions as runs (`version_runs[c]` runs of
-    `version_values` / `version_lengths` per choice). `unpack` checks every length and offset."""
-
-    #: Fields holding one entry per choice, and the base64 per-token buffers.
-    scalar_fields: ClassVar[tuple[str, ...]] = (
-        "index",
-        "prompt_index",
-        "weight_version",
-        "finish_reason",
-        "num_tokens",
-        "version_runs",
-        "version_values",
-        "version_lengths",
-    )
-    buffer_fields: ClassVar[tuple[str, ...]] = ("token_ids", "logprobs", "policy_logprobs")
+class ChoiceColumns(BaseModel):
+    """The per-choice columns of an answer whose per-token arrays travel as buffers (`PackedChoices`, binary frames):
+    choice c's tokens come right after choice c-1's (`num_tokens[c]` of them); its per-token weight versions are
+    `version_runs[c]` runs of `version_values` / `version_lengths`. `checked_total` checks that they fit together."""
 
     index: list[int]
     prompt_index: list[int]
@@ -209,21 +202,16 @@ class PackedChoices(BaseModel):
     version_runs: list[Annotated[int, Field(ge=0)]]
     version_values: list[int]
     version_lengths: list[Annotated[int, Field(ge=1)]]
-    token_ids: str
-    logprobs: str
-    policy_logprobs: str | None = None
 
     def versions(self) -> set[int]:
         """Every weight version the choices carry (a choice's own and its tokens')."""
         return set(self.weight_version) | set(self.version_values)
 
-    def unpack(self) -> list[Choice]:
-        """The `Choice`s, per-token lists built from the buffers; `ValueError` naming the field for columns of
-        different lengths, base64 that is not, buffers whose length is not `num_tokens`' total, or runs that do not
-        cover their choice's tokens."""
+    def checked_total(self) -> int:
+        """The total token count; `ValueError` naming the field for columns of different lengths or run counts that
+        do not match the runs."""
         count = len(self.index)
-        columns = ("prompt_index", "weight_version", "finish_reason", "num_tokens", "version_runs")
-        for name in columns:
+        for name in ("prompt_index", "weight_version", "finish_reason", "num_tokens", "version_runs"):
             if len(getattr(self, name)) != count:
                 raise ValueError(f"packed choices: {name} has {len(getattr(self, name))} entries for {count} choices")
         if len(self.version_values) != len(self.version_lengths) or len(self.version_values) != sum(self.version_runs):
@@ -231,23 +219,49 @@ class PackedChoices(BaseModel):
                 f"packed choices: {len(self.version_values)} version values and {len(self.version_lengths)} lengths "
                 f"for {sum(self.version_runs)} runs"
             )
-        total = sum(self.num_tokens)
+        return sum(self.num_tokens)
+
+    def check_runs(self) -> None:
+        """`ValueError` unless each choice's version runs cover exactly its tokens (after `checked_total`)."""
+        first_run = 0
+        for c, (tokens, runs) in enumerate(zip(self.num_tokens, self.version_runs)):
+            covered = sum(self.version_lengths[first_run : first_run + runs])
+            if covered != tokens:
+                raise ValueError(f"packed choices: choice {c}'s version runs cover {covered} of its {tokens} tokens")
+            first_run += runs
+
+
+class PackedChoices(ChoiceColumns):
+    """Choices in columns (`encoding="packed"`): the `ChoiceColumns` as JSON lists; per-token arrays as one base64
+    string per field for all choices together, little-endian int32 `token_ids` and fp32 `logprobs` /
+    `policy_logprobs` (exact: the engine's values); `policy_logprobs` null when equal to `logprobs`. `unpack` checks
+    every length and offset."""
+
+    #: Fields holding one entry per choice, and the base64 per-token buffers.
+    scalar_fields: ClassVar[tuple[str, ...]] = tuple(ChoiceColumns.model_fields)
+    buffer_fields: ClassVar[tuple[str, ...]] = ("token_ids", "logprobs", "policy_logprobs")
+
+    token_ids: str
+    logprobs: str
+    policy_logprobs: str | None = None
+
+    def unpack(self) -> list[Choice]:
+        """The `Choice`s, per-token lists built from the buffers; `ValueError` naming the field for columns that do
+        not fit together (`checked_total`, `check_runs`), base64 that is not, or buffers whose length is not
+        `num_tokens`' total."""
+        total = self.checked_total()
         token_ids = _decoded(self.token_ids, "i", total, "token_ids")
         logprobs = _decoded(self.logprobs, "f", total, "logprobs")
         policy = None
         if self.policy_logprobs is not None:  # null: equal to `logprobs`
             policy = _decoded(self.policy_logprobs, "f", total, "policy_logprobs")
+        self.check_runs()
         choices = []
         start = first_run = 0
-        for c in range(count):
+        for c in range(len(self.index)):
             end, runs = start + self.num_tokens[c], slice(first_run, first_run + self.version_runs[c])
-            lengths = self.version_lengths[runs]
-            if sum(lengths) != end - start:
-                raise ValueError(
-                    f"packed choices: choice {c}'s version runs cover {sum(lengths)} of its {end - start} tokens"
-                )
             versions: list[int] = []
-            for value, length in zip(self.version_values[runs], lengths):
+            for value, length in zip(self.version_values[runs], self.version_lengths[runs]):
                 versions += [value] * length
             values = logprobs[start:end].tolist()
             choices.append(
@@ -315,6 +329,27 @@ class PackedStreamLine(BaseModel):
 
     prompt_index: int | None = None
     choices: PackedChoices | None = None
+    error: str | None = None
+    status: int | None = None
+
+
+class FrameChoices(ChoiceColumns):
+    """The columns of a binary frame's choices; its arrays follow the header (`frames.py`)."""
+
+    policy_logprobs_sent: bool  # false: the policy logprobs equal the logprobs and are not in the frame
+
+
+class FrameHeader(BaseModel):
+    """The JSON header of one binary frame (`encoding="binary"`, `frames.py`): a `/v1/completions` answer (`id`,
+    `model`, `usage`, `choices`), a stream's group (`prompt_index`, `choices`), or a stream's error (`error`,
+    `status`: the HTTP status the request would have had), which ends it."""
+
+    id: str | None = None
+    object: str | None = None
+    model: str | None = None
+    usage: dict[str, int] | None = None
+    prompt_index: int | None = None
+    choices: FrameChoices | None = None
     error: str | None = None
     status: int | None = None
 

@@ -32,6 +32,7 @@ from ..checks.inputs import validate_prompts
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.rollout_groups import RolloutGroup, oldest_version
 from .engine import ServingEngine, Ticket
+from .frames import FRAMES_MEDIA_TYPE, frame_pieces
 from .middleware import RequestGate
 from .protocol import (
     DEFAULT_MAX_BODY_BYTES,
@@ -199,6 +200,18 @@ def create_app(
         }
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": model_name}
 
+        if body.encoding == "binary":
+
+            async def frame() -> AsyncIterator[bytes]:
+                """One frame (`frames.py`): each group's arrays packed in a worker thread, then the frame's pieces."""
+                columns = PackedColumns()
+                for i in range(len(body.prompt)):
+                    columns.extend(await run_in_threadpool(pack_choices, groups[i], i, body, eos_ids))
+                for piece in await run_in_threadpool(frame_pieces, {**head, "usage": usage}, columns):
+                    yield piece
+
+            return StreamingResponse(frame(), media_type=FRAMES_MEDIA_TYPE)
+
         async def parts() -> AsyncIterator[bytes]:
             """The response model's JSON in pieces: each group's choices encoded in a worker thread and sent as it is
             ready (packed: each group's arrays packed in a worker thread, then the whole answer's buffers encoded in
@@ -222,10 +235,13 @@ def create_app(
 
     @app.post("/v1/completions/stream")
     async def completions_stream(body: CompletionRequest, request: Request) -> StreamingResponse:
-        """One JSON line per group (a prompt's `n` choices) as it finishes, in finishing order; errors as a line."""
+        """One JSON line (binary: one frame) per group (a prompt's `n` choices) as it finishes, in finishing order;
+        errors as a line (frame)."""
         groups = finished(body, request)
 
         def encode(i: int, group: RolloutGroup) -> bytes:
+            if body.encoding == "binary":  # one frame
+                return b"".join(frame_pieces({"prompt_index": i}, pack_choices(group, i, body, eos_ids)))
             if body.encoding == "packed":
                 choices = b"".join(pack_choices(group, i, body, eos_ids).json_pieces())
             else:
@@ -237,10 +253,14 @@ def create_app(
                 async for i, group in groups:
                     yield await run_in_threadpool(encode, i, group)  # a `StreamLine` (`PackedStreamLine`)
             except HTTPException as exc:
+                if body.encoding == "binary":
+                    yield b"".join(frame_pieces({"error": str(exc.detail), "status": exc.status_code}))
+                    return
                 line = StreamLine(error=str(exc.detail), status=exc.status_code)
                 yield line.model_dump_json(exclude_none=True, exclude={"choices"}).encode() + b"\n"
 
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+        media_type = FRAMES_MEDIA_TYPE if body.encoding == "binary" else "application/x-ndjson"
+        return StreamingResponse(lines(), media_type=media_type)
 
     @app.post("/pause")
     def pause() -> dict[str, bool]:

@@ -27,7 +27,7 @@ from ..rollouts.async_core import AsyncBounds, AsyncRolloutSource
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.model_access import plain_module
 from ..rollouts.prompt_stream import PromptStream
-from ..rollouts.rollout_groups import RolloutGroup
+from ..rollouts.rollout_groups import RolloutGroup, TokenValues, as_lists
 from . import trl_internals
 
 logger = logging.getLogger(__name__)
@@ -244,12 +244,14 @@ class AsyncRolloutsMixin:
         self._cb_async_groups = groups
         return [group.row for group in groups for _ in range(self.num_generations)]
 
-    def _cb_async_completions(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+    def _cb_async_completions(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[TokenValues]]:
+        """The taken groups' completion ids (as lists: TRL decodes and pads them) and policy logprobs (lists, or
+        tensors from a rollout server's binary answers: converted only where TRL needs lists, `mixin.py`)."""
         groups, G = self._cb_async_groups, self.num_generations
         expected = [g.prompt_ids for g in groups for _ in range(G)]
         if [list(p) for p in prompt_ids] != expected:
             raise RuntimeError("Async rollouts are out of step with the prompts TRL tokenized (multi-turn?).")
-        completion_ids = [c for g in groups for c in g.completion_ids]
+        completion_ids = as_lists([c for g in groups for c in g.completion_ids])
         logprobs = [lp for g in groups for lp in g.policy_logprobs]
         self._cb_last_logprobs = logprobs
         return completion_ids, logprobs

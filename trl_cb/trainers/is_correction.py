@@ -27,6 +27,7 @@ from ..importance_sampling import (
     reduce_extra_values,
     reweight_gradient,
 )
+from ..rollouts.rollout_groups import TokenValues
 from . import trl_internals
 
 __all__ = ["IS_METRIC_NAMES", "ImportanceSamplingMixin"]
@@ -44,7 +45,7 @@ class ImportanceSamplingMixin:
     policy logprobs, set by the generation side) and `_cb_per_token_loss` (GRPO's loss takes (B, T) advantages; RLOO's
     (B,), so token-level weights go to its gradient)."""
 
-    _cb_last_logprobs: list[list[float]] | None = None
+    _cb_last_logprobs: list[TokenValues] | None = None
     _cb_per_token_loss: bool
     #: Generation batches scored so far whose correction was deferred (ids of `_cb_is_pending`).
     _cb_is_batches: int = 0
@@ -75,12 +76,12 @@ class ImportanceSamplingMixin:
 
     def _cb_sampling_logps(self, output: dict[str, Any]) -> torch.Tensor:
         """(B, T) sampling logprobs aligned with `output["completion_ids"]`."""
-        if "sampling_per_token_logps" in output:  # GRPO pads them itself (tool turns included)
+        if "sampling_per_token_logps" in output:  # GRPO's batch has them (`_cb_score`; TRL's, tool turns included)
             return output["sampling_per_token_logps"]
         if self._cb_last_logprobs is None:
             raise RuntimeError("The CB path produced no sampling logprobs for this batch.")
         width = output["completion_ids"].size(1)
-        rows = [torch.tensor(lp, dtype=torch.float32) for lp in self._cb_last_logprobs]
+        rows = [torch.as_tensor(lp, dtype=torch.float32) for lp in self._cb_last_logprobs]  # lists or fp32 tensors
         padded = trl_internals.pad(rows, padding_value=0.0, padding_side="right")
         padded = torch.nn.functional.pad(padded, (0, width - padded.size(1)))
         return padded.to(output["completion_ids"].device)

@@ -19,6 +19,7 @@ from ..checks.engine_config import validate_generation_settings
 from ..engine import guards
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.model_access import plain_module
+from ..rollouts.rollout_groups import TokenValues, as_lists
 from . import trl_internals
 from .async_bridge import ASYNC_STATE_FILE, AsyncRolloutsMixin
 from .is_correction import IS_METRIC_NAMES, ImportanceSamplingMixin
@@ -121,9 +122,10 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
             "keep_generation_weights": args.cb_keep_generation_weights,
         }
 
-    def _cb_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
-        """Completions and their sampler-side policy logprobs (`GenerationResult.policy_logprobs`: what TRL's trainer
-        computes, so the IS weight compares like with like) for TRL's prompt list (each prompt repeated per sample)."""
+    def _cb_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[TokenValues]]:
+        """Completions (lists) and their sampler-side policy logprobs (`GenerationResult.policy_logprobs`: what TRL's
+        trainer computes, so the IS weight compares like with like; lists, or tensors from a server's binary answer)
+        for TRL's prompt list (each prompt repeated per sample)."""
         if self._cb_async_groups is not None:
             return self._cb_async_completions(prompt_ids)
         if self.args.rollout_server_urls:  # rollouts from `trl-cb serve` replicas (trainers/remote.py)
@@ -146,7 +148,9 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
 
     @quiet_trl_gradient_checkpointing()  # TRL's generation/scoring helpers call transformers' deprecated names
     def _cb_score(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        """TRL's scoring of `inputs` (or, in async mode, of finished groups), then IS correction."""
+        """TRL's scoring of `inputs` (or, in async mode, of finished groups), then IS correction. GRPO's sampling
+        logprobs enter the batch as one padded tensor (`sampling_per_token_logps`, as TRL names it) built here from
+        the rows (tensors from a server's binary answer, or lists), not from per-token lists TRL would pad itself."""
         self._cb_last_logprobs = None
         if self._cb_async_active():
             inputs = self._cb_async_take(inputs)
@@ -154,6 +158,9 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
             output = super()._generate_and_score_completions(inputs)
         finally:
             self._cb_async_groups = None
+        if self._cb_per_token_loss and self._cb_last_logprobs is not None and "sampling_per_token_logps" not in output:
+            # GRPO: the sampler's logprobs TRL would have padded from lists (its loss reads them, e.g. for OPSM)
+            output["sampling_per_token_logps"] = self._cb_sampling_logps(output)
         self._cb_correct(output)
         return output
 
@@ -188,7 +195,11 @@ class GRPOTrainer(ContinuousBatchingTrainerMixin, trl.GRPOTrainer):
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-        return self._cb_generate(prompt_ids)
+        completion_ids, logprobs = self._cb_generate(prompt_ids)
+        if getattr(self, "tools", None):  # TRL's tool loop extends each completion's logprob list turn by turn
+            return completion_ids, as_lists(logprobs)
+        # No lists for TRL to pad token by token: `_cb_score` puts the padded (B, T) tensor into the batch instead
+        return completion_ids, None
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         return self._cb_score(inputs)

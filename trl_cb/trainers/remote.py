@@ -25,6 +25,7 @@ from ..engine.weight_export import iter_weights, weight_specs
 from ..errors import RolloutServerError
 from ..rollouts.async_core import AsyncBounds, AsyncRolloutSource
 from ..rollouts.model_access import plain_module
+from ..rollouts.rollout_groups import TokenValues, as_lists
 from . import trl_internals
 
 if TYPE_CHECKING:  # the serving modules need the `serve` extra (requests): imported when servers are used
@@ -39,7 +40,7 @@ if TYPE_CHECKING:  # the serving modules need the `serve` extra (requests): impo
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Completions = tuple[list[list[int]], list[list[float]]]
+Completions = tuple[list[list[int]], list[TokenValues]]  # (ids, per-token policy logprobs: lists or tensors)
 
 
 class RemoteRolloutsMixin:
@@ -116,13 +117,13 @@ class RemoteRolloutsMixin:
                 out, start = [], 0
                 for share in shares:  # back to each rank, in its own prompts' order
                     end = start + len(share)
-                    out.append((result.completion_ids[start:end], result.policy_logprobs[start:end]))
+                    out.append((result.completion_ids[start:end], result.policy_logprobs[start:end]))  # tensors
                     start = end
                 return out
 
             completion_ids, logprobs = self._cb_on_main(generate_all)[accelerator.process_index]
         self._cb_last_logprobs = logprobs
-        return completion_ids, logprobs
+        return as_lists(completion_ids), logprobs  # TRL decodes and pads the ids as lists
 
     def _cb_remote_sampling(self) -> dict[str, Any]:
         """The `/v1/completions` sampling fields of the trainer's generation config."""

@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import requests
+import torch
 
 from tests.unit.serving.conftest import KEY, running_server, save_sharp_checkpoint
 from trl_cb.errors import RolloutServerError
@@ -46,11 +47,11 @@ def front(target: str | None, failures: int, answer: dict | None = None):
             else:
                 headers = {"Authorization": self.headers["Authorization"], "Content-Type": "application/json"}
                 forwarded = requests.post(target + self.path, data=body, headers=headers, timeout=60)
-                self._reply(forwarded.status_code, forwarded.content)
+                self._reply(forwarded.status_code, forwarded.content, forwarded.headers["Content-Type"])
 
-        def _reply(self, status: int, payload: bytes) -> None:
+        def _reply(self, status: int, payload: bytes, content_type: str = "application/json") -> None:
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)
@@ -74,7 +75,7 @@ def test_transient_503_is_retried(server, prompts):
     with front(url, failures=2) as (flaky, seen):
         client = RolloutClient([flaky], api_key=KEY, timeout=60, retries=3, backoff_s=0.01)
         result = client.generate(prompts[:2], 2, max_tokens=8)
-    assert len(result.completion_ids) == 4 and all(result.completion_ids)
+    assert len(result.completion_ids) == 4 and all(len(ids) for ids in result.completion_ids)
     assert seen["posts"] == 3  # two 503s, then the answer
 
 
@@ -83,7 +84,7 @@ def test_replica_fails_over_only_after_its_retries(server, prompts):
     with front(url, failures=10**6) as (broken, seen):
         client = RolloutClient([broken, url], api_key=KEY, timeout=60, retries=2, backoff_s=0.01)
         result = client.generate(prompts[:4], 2, max_tokens=8)
-        assert len(result.completion_ids) == 8 and all(result.completion_ids)
+        assert len(result.completion_ids) == 8 and all(len(ids) for ids in result.completion_ids)
         assert seen["posts"] == 3  # one try and two retries, then its prompts went to the other replica
         with pytest.raises(RolloutServerError, match="503"):
             only_broken = RolloutClient([broken], api_key=KEY, timeout=60, retries=1, backoff_s=0.01)
@@ -142,7 +143,7 @@ def _packed_answer(**changes) -> dict:
 
 def test_packed_answer_reaches_the_caller():
     with front(None, failures=0, answer=_packed_answer()) as (fake, _):
-        result = RolloutClient([fake], timeout=30, retries=0).generate([[5, 6]], 2, max_tokens=4)
+        result = RolloutClient([fake], timeout=30, retries=0, encoding="packed").generate([[5, 6]], 2, max_tokens=4)
     assert result.completion_ids == [[5], [6]] and result.policy_logprobs == [[-1.0], [-1.0]]
 
 
@@ -161,22 +162,28 @@ def test_packed_answer_reaches_the_caller():
 def test_packed_answer_breaking_the_protocol_raises_rollout_server_error(changes):
     with front(None, failures=0, answer=_packed_answer(**changes)) as (fake, _):
         with pytest.raises(RolloutServerError, match="protocol"):
-            RolloutClient([fake], timeout=30, retries=0).generate([[5, 6]], 2, max_tokens=4)
+            RolloutClient([fake], timeout=30, retries=0, encoding="packed").generate([[5, 6]], 2, max_tokens=4)
 
 
-@pytest.mark.parametrize("encoding", ["json", "packed"])
+@pytest.mark.parametrize("encoding", ["json", "packed", "binary"])
 def test_encodings_carry_the_same_completions(server, prompts, encoding):
-    """Packed and JSON answers hold the same values (the server's fp32 logprobs and int ids round-trip exactly),
-    through `/v1/completions` and the stream."""
+    """Every encoding's answer has the protocol's shape (the values' equality: test_binary.py), through
+    `/v1/completions` and the stream; binary answers carry tensors, the others lists."""
     _, url = server
     client = RolloutClient([url], api_key=KEY, timeout=60, encoding=encoding)
     result = client.generate(prompts[:2], 2, max_tokens=8)
-    assert len(result.completion_ids) == 4 and all(result.completion_ids)
+    assert len(result.completion_ids) == 4 and all(len(ids) for ids in result.completion_ids)
     assert all(
         len(ids) == len(lp) == len(v)
         for ids, lp, v in zip(result.completion_ids, result.logprobs, result.token_weight_versions)
     )
-    assert all(isinstance(x, float) for lp in result.logprobs for x in lp)
+    if encoding == "binary":
+        assert all(
+            lp.dtype == torch.float32 and ids.dtype == torch.int32
+            for ids, lp in zip(result.completion_ids, result.logprobs)
+        )
+    else:
+        assert all(isinstance(x, float) for lp in result.logprobs for x in lp)
     streamed = {}
     client.stream_generate(prompts[:3], 2, lambda i, group: streamed.setdefault(i, group), max_tokens=8)
     assert sorted(streamed) == [0, 1, 2] and all(len(g.completion_ids) == 2 for g in streamed.values())

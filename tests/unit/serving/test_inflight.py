@@ -65,7 +65,9 @@ def pause_push_resume(
     """Generate `batch` (2 samples each); once the server runs it and `decoding_s` later, pause, push `new_model`
     as `version`, resume. Returns the result and the metrics seen while paused."""
     outcome: dict = {}
-    worker = threading.Thread(target=lambda: outcome.update(result=client.generate(batch, 2, max_tokens=max_tokens)))
+    worker = threading.Thread(
+        target=lambda: outcome.update(result=client.generate(batch, 2, max_tokens=max_tokens).as_lists())
+    )
     worker.start()
     deadline = time.monotonic() + 30
     while metrics(url)["running_groups"] == 0:  # submitted

@@ -94,6 +94,31 @@ def test_sampling_logprobs_match_trl_training_logprobs(kind, tokenizer, tmp_path
         assert entry["sampling/importance_sampling_ratio/max"] == pytest.approx(1.0, abs=1e-3)
 
 
+def test_grpo_hands_trl_no_logprob_lists_and_the_batch_carries_the_sampling_logprobs(tokenizer, tmp_path):
+    """GRPO gives TRL no per-token logprob lists (it would rebuild a tensor from them token by token): the scored
+    batch carries the sampler's rows as TRL's padded `sampling_per_token_logps` (its loss reads them: OPSM here),
+    equal to what TRL 1.16 builds from lists (the control: TRL's own construction from the same rows)."""
+    from trl.trainer.utils import pad
+
+    trainer = make_trainer("grpo", tokenizer, tmp_path, max_steps=1, off_policy_mask_threshold=0.5)
+    returned, scored = [], []
+    single_turn, correct = trainer._generate_single_turn, trainer._cb_correct
+    trainer._generate_single_turn = lambda *a, **k: returned.append(single_turn(*a, **k)) or returned[-1]
+    trainer._cb_correct = lambda output: scored.append((output, trainer._cb_last_logprobs)) or correct(output)
+    trainer.train()
+    assert returned and all(ids and logprobs is None for ids, logprobs in returned)
+    output, rows = scored[0]
+    trl_built = pad(  # GRPOTrainer._generate_and_score_completions (TRL 1.16), from the lists it used to get
+        [torch.tensor([float("nan") if x is None else x for x in row]) for row in rows],
+        padding_value=0.0,
+        padding_side="right",
+        pad_to_multiple_of=trainer.pad_to_multiple_of,
+    )
+    got = output["sampling_per_token_logps"]
+    assert got.shape == output["completion_ids"].shape and got.dtype == trl_built.dtype == torch.float32
+    assert torch.equal(got[:, : trl_built.size(1)], trl_built) and not got[:, trl_built.size(1) :].any()
+
+
 def test_logged_logp_difference_shows_a_sampler_that_differs(tokenizer, tmp_path, monkeypatch):
     """Control for the test above: an engine sampling from another policy than the trained one (here at 1.3x the
     temperature, as a dropped soft-cap or window would) shows in the logged difference far above 1e-4."""
