@@ -67,6 +67,7 @@ def test_mixed_settings_share_one_engine_with_exact_logprobs(server, local_model
     assert metrics(url)["engine_builds"] == builds, "a change of sampling settings rebuilt the engine"
     gaps, policy_gaps, controls = [], [], []
     for i, (temperature, top_k, top_p) in enumerate(SETTINGS):
+        request_controls = []
         for choice in answers[i]["choices"]:
             prompt, ids = prompts[i + choice["prompt_index"]], choice["token_ids"]
             own = teacher_forced_logprobs(local_model, prompt, ids, temperature, top_k, top_p)
@@ -75,6 +76,10 @@ def test_mixed_settings_share_one_engine_with_exact_logprobs(server, local_model
             policy_gaps.append((policy - torch.tensor(choice["policy_logprobs"])).abs().max().item())
             if temperature != 1.0:  # another request's settings would not match
                 plain = teacher_forced_logprobs(local_model, prompt, ids, 1.0, 0, 1.0)
-                controls.append((plain - torch.tensor(choice["logprobs"])).abs().max().item())
+                request_controls.append((plain - torch.tensor(choice["logprobs"])).abs().max().item())
+        # Per request: would its check catch another request's settings? Per request, not per choice: the samples
+        # are unseeded, and one choice whose tokens all sit where T hardly matters can differ by < 0.05 (seen once).
+        if request_controls:
+            controls.append(max(request_controls))
     print(f"\nprocessed max|d|={max(gaps):.2e}, policy max|d|={max(policy_gaps):.2e}; T=1 control {min(controls):.3f}")
     assert max(gaps) <= FP32_LOGPROB_TOL and max(policy_gaps) <= FP32_LOGPROB_TOL and min(controls) > 0.05
