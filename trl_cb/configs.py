@@ -89,6 +89,10 @@ class ContinuousBatchingArguments:
             quiet step. Process-wide. Unset: on for a CPU model with a multi-threaded OpenMP torch, off otherwise.
         async_keep_stale (`bool`, *optional*, defaults to `False`):
             Async: keep and IS-correct groups above `max_staleness` instead of dropping them.
+        async_overlap (`bool`, *optional*, defaults to `False`):
+            Async, in-process: the engine keeps generating during the trainer's forward and backward, on its own view
+            of the training weights (no copy), and pauses between two engine steps only for the optimizer step.
+            Single process or DDP (ZeRO-3 / FSDP are refused: use rollout servers). See docs/async.md, "Overlap".
         use_transformers_paged:
             Deprecated; use `use_transformers_continuous_batching`.
     """
@@ -181,6 +185,14 @@ class ContinuousBatchingArguments:
     async_keep_stale: bool = field(
         default=False,
         metadata={"help": "Async: keep (and IS-correct) groups older than max_staleness instead of dropping them."},
+    )
+    async_overlap: bool = field(
+        default=False,
+        metadata={
+            "help": "Async, in-process: keep the engine generating during the trainer's forward and backward (on a "
+            "view sharing the training weights), pausing only for optimizer steps. Single process or DDP; see "
+            "docs/async.md, 'Overlap'."
+        },
     )
     rollout_server_urls: list[str] | None = field(
         default=None,
@@ -282,6 +294,14 @@ class ContinuousBatchingArguments:
                 self.rollout_server_urls = [url for url in self.rollout_server_urls.split(",") if url]
             if not self.use_transformers_continuous_batching:
                 raise ValueError("rollout_server_urls needs use_transformers_continuous_batching=True.")
+        if self.async_overlap:
+            if not self.async_generation:
+                raise ValueError("async_overlap needs async_generation=True (it is a mode of in-process async).")
+            if self.rollout_server_urls:
+                raise ValueError(
+                    "async_overlap is for the in-process engine; rollout servers already generate while the trainer "
+                    "trains: unset async_overlap or rollout_server_urls."
+                )
         if self.use_transformers_continuous_batching and getattr(self, "use_vllm", False):
             raise ValueError(
                 "use_transformers_continuous_batching and use_vllm are mutually exclusive; enable one of them."
