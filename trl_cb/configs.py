@@ -280,31 +280,36 @@ class ContinuousBatchingArguments:
                 "cb_keep_generation_weights must be True, False or None (auto), got "
                 f"{self.cb_keep_generation_weights!r}."
             )
-        if self.async_generation:
-            if not self.use_transformers_continuous_batching:
-                raise ValueError("async_generation needs use_transformers_continuous_batching=True.")
-            if not self.cb_importance_sampling_correction:
-                raise ValueError(
-                    "async_generation trains on samples drawn by older weights; it needs "
-                    "cb_importance_sampling_correction=True."
-                )
-            validate_async_bounds(self.max_staleness, self.prefetch_depth)
         if self.rollout_server_urls:
             if isinstance(self.rollout_server_urls, str):
                 self.rollout_server_urls = [url for url in self.rollout_server_urls.split(",") if url]
             if not self.use_transformers_continuous_batching:
                 raise ValueError("rollout_server_urls needs use_transformers_continuous_batching=True.")
-        if self.async_overlap:
-            if not self.async_generation:
-                raise ValueError("async_overlap needs async_generation=True (it is a mode of in-process async).")
-            if self.rollout_server_urls:
-                raise ValueError(
-                    "async_overlap is for the in-process engine; rollout servers already generate while the trainer "
-                    "trains: unset async_overlap or rollout_server_urls."
-                )
+        _validate_async_fields(self)
         if self.use_transformers_continuous_batching and getattr(self, "use_vllm", False):
             raise ValueError(
                 "use_transformers_continuous_batching and use_vllm are mutually exclusive; enable one of them."
+            )
+
+
+def _validate_async_fields(args: ContinuousBatchingArguments) -> None:
+    """`ValueError` for async settings that cannot work together (naming the fix)."""
+    if args.async_generation:
+        if not args.use_transformers_continuous_batching:
+            raise ValueError("async_generation needs use_transformers_continuous_batching=True.")
+        if not args.cb_importance_sampling_correction:
+            raise ValueError(
+                "async_generation trains on samples drawn by older weights; it needs "
+                "cb_importance_sampling_correction=True."
+            )
+        validate_async_bounds(args.max_staleness, args.prefetch_depth)
+    if args.async_overlap:
+        if not args.async_generation:
+            raise ValueError("async_overlap needs async_generation=True (it is a mode of in-process async).")
+        if args.rollout_server_urls:
+            raise ValueError(
+                "async_overlap is for the in-process engine; rollout servers already generate while the trainer "
+                "trains: unset async_overlap or rollout_server_urls."
             )
 
 
