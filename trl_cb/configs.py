@@ -90,9 +90,10 @@ class ContinuousBatchingArguments:
         async_keep_stale (`bool`, *optional*, defaults to `False`):
             Async: keep and IS-correct groups above `max_staleness` instead of dropping them.
         async_overlap (`bool`, *optional*, defaults to `False`):
-            Async, in-process: the engine keeps generating during the trainer's forward and backward, on its own view
-            of the training weights (no copy), and pauses between two engine steps only for the optimizer step.
-            Single process or DDP (ZeRO-3 / FSDP are refused: use rollout servers). See docs/async.md, "Overlap".
+            Async, in-process: the engine generates during forward and backward on a view of the training weights and
+            pauses only for optimizer steps. ZeRO-3 / FSDP refused (docs/async.md, "Overlap").
+        async_overlap_engine_threads (`int`, *optional*):
+            `async_overlap` on CPU: the engine's intra-op threads (the trainer keeps its own). Unset: the trainer's.
         use_transformers_paged:
             Deprecated; use `use_transformers_continuous_batching`.
     """
@@ -188,11 +189,10 @@ class ContinuousBatchingArguments:
     )
     async_overlap: bool = field(
         default=False,
-        metadata={
-            "help": "Async, in-process: keep the engine generating during the trainer's forward and backward (on a "
-            "view sharing the training weights), pausing only for optimizer steps. Single process or DDP; see "
-            "docs/async.md, 'Overlap'."
-        },
+        metadata={"help": "Async, in-process: generate during forward and backward, pause for optimizer steps."},
+    )
+    async_overlap_engine_threads: int | None = field(
+        default=None, metadata={"help": "async_overlap on CPU: the engine's intra-op threads (unset: the trainer's)."}
     )
     rollout_server_urls: list[str] | None = field(
         default=None,
@@ -303,6 +303,10 @@ def _validate_async_fields(args: ContinuousBatchingArguments) -> None:
                 "cb_importance_sampling_correction=True."
             )
         validate_async_bounds(args.max_staleness, args.prefetch_depth)
+    if args.async_overlap_engine_threads is not None and args.async_overlap_engine_threads < 1:
+        raise ValueError(
+            f"async_overlap_engine_threads must be >= 1 or None, got {args.async_overlap_engine_threads}."
+        )
     if args.async_overlap:
         if not args.async_generation:
             raise ValueError("async_overlap needs async_generation=True (it is a mode of in-process async).")

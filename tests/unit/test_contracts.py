@@ -690,10 +690,12 @@ def test_paged_cache_internals_the_fast_reads_use(model, tokenizer):
 
 def test_module_attachments_the_engine_view_strips(model, tokenizer):
     """engine/_upstream_view.py: where torch keeps hooks, where transformers caches a persistent engine and keeps
-    the gradient checkpointing switch, and how accelerate wraps `forward` for mixed precision (a method bound to
-    the model, which `deepcopy` rebinds to the copy: the view keeps it)."""
+    the gradient checkpointing switch, and that the wrappers accelerate (mixed precision) and TRL (fused logprobs)
+    install are instance `forward`s, which the view drops (a bound method rebound to the copy by `deepcopy` would
+    still call the training module through its closure)."""
     from types import MethodType
 
+    import trl.trainer.utils
     from accelerate import Accelerator
 
     from trl_cb.engine import _upstream_view
@@ -712,13 +714,12 @@ def test_module_attachments_the_engine_view_strips(model, tokenizer):
         assert getattr(model, _upstream_view.CACHED_MANAGER_ATTRIBUTE) is not None, "cached manager attribute moved"
         source = inspect.getsource(Accelerator.prepare_model)
         assert "model._original_forward = model.forward" in source and "MethodType(new_forward, model)" in source
-        model.forward = MethodType(lambda self, *a, **k: type(self).forward(self, *a, **k), model)  # as accelerate
+        assert "original_forward = model.forward" in inspect.getsource(trl.trainer.utils)  # TRL's fused forward
+        original = model.forward
+        model.forward = MethodType(lambda self, *a, **k: original(*a, **k), model)  # TRL's shape: closes over model
         view = EngineView(model).module
-        assert view.forward.__self__ is view, "a forward bound to the model must be rebound to the view"
+        assert "forward" not in vars(view), "an instance forward would run the training module"
         assert getattr(view, _upstream_view.CACHED_MANAGER_ATTRIBUTE, None) is None
         assert not any(layer.gradient_checkpointing for layer in view.model.layers)
-        original = model.forward
-        model.forward = lambda *a, **k: original(*a, **k)  # a closure over the training module: never kept
-        assert "forward" not in vars(EngineView(model).module)
     finally:
         model.destroy_cached_continuous_batching_manager()

@@ -8,8 +8,6 @@ test instead of letting the view run (or remove) the trainer's hooks.
 
 from __future__ import annotations
 
-from types import MethodType
-
 import torch
 from torch.utils.hooks import RemovableHandle
 
@@ -30,23 +28,22 @@ HOOK_DICTS = (
     "_backward_pre_hooks",
 )
 
-#: Instance attributes that replace a module's `forward`: accelerate's mixed-precision wrapper (`forward` as a method
-#: bound to the model, the original kept in `_original_forward`) and its dispatch hooks (`forward` as a partial,
-#: `_hf_hook`, `_old_forward`).
+#: Instance attributes that replace a module's `forward`: accelerate's mixed-precision wrapper (`forward`, the
+#: original kept in `_original_forward`), its dispatch hooks (`forward` as a partial, `_hf_hook`, `_old_forward`),
+#: TRL's fused-logprob patch (`forward` calling the original module's bound `forward`).
 INSTANCE_FORWARDS = ("forward", "_original_forward", "_old_forward", "_hf_hook")
 
 
 def strip_attachments(module: torch.nn.Module) -> list[str]:
-    """Remove from one copied module (not its children) every hook, hook handle, foreign instance `forward` and
-    gradient checkpointing switch; return what was removed (for the log).
+    """Remove from one copied module (not its children) every hook, hook handle, instance `forward` and gradient
+    checkpointing switch; return what was removed (for the log). The class's own `forward` runs afterwards.
 
-    An instance `forward` that is a method bound to the copy itself stays: `deepcopy` rebinds accelerate's
-    mixed-precision wrapper (`MethodType(autocast(forward), model)`) to the copy, so the view samples under the same
-    autocast as the trainer's forward (and as synchronous rounds). Any other one (a closure or partial over the
-    original module, accelerate's dispatch hook) would run the trainer's module or its hooks: removed, the class's
-    `forward` runs. Handles go too: a copied `RemovableHandle` still points at the *original* module's hook dict, so
-    removing it from the copy (as `gradient_checkpointing_disable` does with PEFT's input-grad hook) would remove the
-    trainer's hook."""
+    Why every instance `forward`: wrappers close over the *original* module even when bound to the copy (TRL's
+    fused-logprob forward calls the training module's bound `forward`; measured: the engine then ran the trainer's
+    module with its config and failed). Accelerate's autocast wrapper goes too: the view samples in the generation
+    dtype of its own parameters, as synchronous rounds do. Handles: a copied `RemovableHandle` still points at the
+    original module's hook dict, so removing it from the copy (as `gradient_checkpointing_disable` does with PEFT's
+    input-grad hook) would remove the trainer's hook."""
     removed: list[str] = []
     for name in HOOK_DICTS:
         hooks = getattr(module, name, None)
@@ -54,8 +51,7 @@ def strip_attachments(module: torch.nn.Module) -> list[str]:
             removed.append(f"{name}[{len(hooks)}]")
             hooks.clear()
     for name, value in list(vars(module).items()):
-        own_method = isinstance(value, MethodType) and value.__self__ is module
-        if (name in INSTANCE_FORWARDS and not own_method) or isinstance(value, RemovableHandle):
+        if name in INSTANCE_FORWARDS or isinstance(value, RemovableHandle):
             removed.append(name)
             delattr(module, name)
     # transformers' `GradientCheckpointingLayer` (and older models' own layers) check `self.gradient_checkpointing`.

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any, Unpack
 
+import torch
 from transformers import PreTrainedModel
 
 from ..engine import _upstream, guards
@@ -45,9 +46,13 @@ class OverlapEngineBackend(LocalEngineBackend):
         module: PreTrainedModel,
         num_generations: int,
         max_prompt_len: int,
+        engine_threads: int | None = None,
     ) -> None:
         super().__init__(generator, module, num_generations, max_prompt_len)
         self.view = EngineView(module)  # `ValueError` for sharded parameters
+        self.engine_threads = engine_threads
+        if engine_threads is not None:  # runs on the engine's thread only: the trainer never runs the view
+            self.view.module.register_forward_pre_hook(_ThreadCap(engine_threads))
         self._weights: contextlib.ExitStack | None = None  # generation-dtype copies applied to the view
         self._update: contextlib.ExitStack | None = None  # the pause held across an optimizer step
         self._close_priority = 0  # at exit, stop the running engine before generators are closed
@@ -60,7 +65,8 @@ class OverlapEngineBackend(LocalEngineBackend):
         with guards.deferred_interrupts():
             self._apply_generation_weights()  # the engine (and its KV cache dtype) is built on these weights
             try:
-                self.manager = self.generator.engine_for(self.view.module, self.workload(capacity_groups))
+                with _intra_op_threads(self.engine_threads):
+                    self.manager = self.generator.engine_for(self.view.module, self.workload(capacity_groups))
             except BaseException:
                 self._restore_training_weights()
                 raise
@@ -118,6 +124,36 @@ class OverlapEngineBackend(LocalEngineBackend):
             stack.close()
 
 
+class _ThreadCap:
+    """A forward pre-hook on the view: at most `threads` intra-op threads on the thread running it (the engine's).
+
+    torch's intra-op count is per thread in practice (measured: a thread that set 1 runs its matmuls on 1 thread while
+    the main thread keeps 2), but a new thread takes the count published last at its first parallel op, which may
+    come after the trainer restored its own; and setting a count publishes it for threads started later."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+
+    def __call__(self, *_: object) -> None:
+        if torch.get_num_threads() > self.threads:
+            torch.set_num_threads(self.threads)
+
+
+@contextlib.contextmanager
+def _intra_op_threads(threads: int | None) -> Iterator[None]:
+    """Build the engine reading `threads` as the caller's count (`_upstream.install_step_threads` caps each step at
+    it); the caller (the trainer) gets its own count back."""
+    if threads is None:
+        yield
+        return
+    own = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(own)  # also what threads started from now on take
+
+
 class OverlapRolloutController(AsyncRollouts[OverlapEngineBackend]):
     """The async core on `OverlapEngineBackend`: `AsyncRollouts(OverlapEngineBackend(...), ...)`.
 
@@ -127,6 +163,7 @@ class OverlapRolloutController(AsyncRollouts[OverlapEngineBackend]):
         prompt_stream, num_generations, groups_per_step, prefetch_depth, max_staleness, keep_stale, timeout: as for
             `AsyncRollouts`.
         max_prompt_len: Covers every prompt the stream will yield (as for `AsyncRolloutController`).
+        engine_threads: CPU: the engine's intra-op threads (`None`: the caller's count); the trainer keeps its own.
     """
 
     def __init__(
@@ -136,9 +173,10 @@ class OverlapRolloutController(AsyncRollouts[OverlapEngineBackend]):
         prompt_stream: Iterator[tuple[Any, list[int]]],
         *,
         max_prompt_len: int,
+        engine_threads: int | None = None,
         **options: Unpack[AsyncOptions],
     ) -> None:
-        backend = OverlapEngineBackend(generator, module, options["num_generations"], max_prompt_len)
+        backend = OverlapEngineBackend(generator, module, options["num_generations"], max_prompt_len, engine_threads)
         super().__init__(backend, prompt_stream, **options)
         self.generator = generator
         self.module = module

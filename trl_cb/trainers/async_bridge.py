@@ -211,14 +211,15 @@ class AsyncRolloutsMixin:
             )
             if self._cb_async_longest is None:
                 self._cb_async_longest = self._cb_scan_prompts(lambda ids: generator.validate_prompts(ids, module))
-            controller_cls = OverlapRolloutController if args.async_overlap else AsyncRolloutController
-            controller = controller_cls(
+            overlap = {"engine_threads": args.async_overlap_engine_threads} if args.async_overlap else {}
+            controller = (OverlapRolloutController if args.async_overlap else AsyncRolloutController)(
                 generator,
                 module,
                 self._cb_prompt_stream(self._cb_async_start),
                 max_prompt_len=self._cb_async_longest,
                 num_generations=self.num_generations,
                 groups_per_step=groups_per_step,
+                **overlap,
                 **bounds,
             )
         controller.start()

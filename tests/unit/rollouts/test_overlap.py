@@ -194,6 +194,57 @@ def test_replaced_training_tensor_is_refused_at_the_next_update(tokenizer):
         ctl.stop()
 
 
+def test_bf16_generation_copies_live_on_the_view_and_are_refreshed_in_the_pause(tokenizer):
+    """With a generation dtype the view reads bf16 copies (made once, refreshed in place inside each optimizer-step
+    pause); the training module keeps its fp32 tensors throughout."""
+    model = sharp_model(tokenizer)
+    rows = synthetic_gsm8k(8, seed=4)
+    stream = ((r, tokenizer(r["prompt"])["input_ids"]) for r in itertools.cycle(rows))
+    gen = ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=8), cast_dtype=torch.bfloat16)
+    ctl = OverlapRolloutController(
+        gen, model, stream, max_prompt_len=64, num_generations=2, groups_per_step=2, max_staleness=2
+    )
+    ctl.start()
+    try:
+        view = ctl.backend.view.module
+        copy_address = view.lm_head.weight.data_ptr()
+        with ctl.weight_update():
+            perturb(model, torch.Generator().manual_seed(0))
+        assert view.lm_head.weight.dtype == torch.bfloat16 and view.lm_head.weight.data_ptr() == copy_address
+        assert torch.equal(view.lm_head.weight, model.lm_head.weight.to(torch.bfloat16))
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        groups, _ = ctl.take(2)
+        assert all(
+            c and torch.isfinite(torch.tensor(lp)).all() for g in groups for c, lp in zip(g.completion_ids, g.logprobs)
+        )
+    finally:
+        ctl.stop()
+    assert all(p.dtype == torch.float32 for p in ctl.backend.view.module.parameters()), "copies released at stop"
+
+
+def test_engine_gets_its_own_intra_op_threads(tokenizer):
+    """`engine_threads=1`: every engine forward runs on one intra-op thread while the trainer's thread keeps its
+    count (torch's count is per thread; only the default for new threads is shared)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen: list[int] = []
+    try:
+        model = sharp_model(tokenizer)
+        ctl = overlap_controller(model, tokenizer, max_new_tokens=16, engine_threads=1)
+        hook = ctl.backend.view.module.get_input_embeddings().register_forward_pre_hook(
+            lambda *_: seen.append(torch.get_num_threads())
+        )
+        try:
+            ctl.take(2)
+            assert torch.get_num_threads() == 2
+        finally:
+            hook.remove()
+            ctl.stop()
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}
+
+
 # ------------------------------------------------------------------------------------------------ exactness
 
 
@@ -435,14 +486,20 @@ def test_overlap_config_validation():
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_trainer_overlap_is_exact_without_updates(kind, tokenizer, tmp_path):
     """lr=0: the weights never change, so the behaviour logprobs (sampled while the trainer trained) equal TRL's
-    training logprobs; the engine ran on a view and left the trainer's module and thread count alone."""
+    training logprobs; no forward of the trainer's module ran off the main thread (the engine ran its view, not
+    TRL's patched `forward`, which calls the training module)."""
     from tests.unit.trainers.test_trainers import make_trainer
 
     trainer = make_trainer(
         kind, tokenizer, tmp_path, async_generation=True, async_overlap=True, max_steps=3, learning_rate=0.0,
         max_completion_length=16,
     )  # fmt: skip
+    off_main: list[str] = []
+    trainer.model.model.register_forward_pre_hook(
+        lambda *_: None if threading.current_thread() is threading.main_thread() else off_main.append("x")
+    )
     trainer.train()
+    assert not off_main, f"{len(off_main)} forwards of the training module ran on the engine's thread"
     logs = [e for e in trainer.state.log_history if "loss" in e]
     assert len(logs) == 3
     for entry in logs:
