@@ -13,6 +13,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -462,6 +465,39 @@ def test_ctrl_c_in_take_and_during_training_reach_the_caller_within_2s(tokenizer
         ctl.stop()
         assert time.monotonic() - start < 2.0
     assert not engine_threads()
+
+
+def test_interpreter_exit_with_a_running_overlap_engine_prints_nothing_and_does_not_hang(tmp_path):
+    """The engine is generating (never paused) when the script ends without `stop`: exit hard-stops it."""
+    script = tmp_path / "exit_check.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import itertools
+            from transformers import GenerationConfig
+            from trl_cb import ContinuousBatchingGenerator
+            from trl_cb.rollouts.overlap import OverlapRolloutController
+            from trl_cb.offline.tiny import bias_eos, tiny_model, tiny_tokenizer
+
+            tok = tiny_tokenizer()
+            cfg = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=400, eos_token_id=tok.eos_token_id,
+                                   pad_token_id=tok.pad_token_id)
+            model = tiny_model(tok, init_std=0.2)
+            bias_eos(model, tok.eos_token_id, -30.0)
+            stream = (({"i": i}, [5, 6, 7 + i % 50]) for i in itertools.count())
+            ctl = OverlapRolloutController(ContinuousBatchingGenerator(model, cfg), model, stream, max_prompt_len=8,
+                                           num_generations=2, groups_per_step=2)
+            ctl.start()
+            print("exiting while generating", flush=True)
+            """
+        )
+    )
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "exiting while generating" in proc.stdout
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-2000:]
+    assert time.monotonic() - start < 60
 
 
 # ------------------------------------------------------------------------------------------------- the trainer
