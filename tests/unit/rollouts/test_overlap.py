@@ -519,6 +519,15 @@ def test_overlap_config_validation():
     assert not make().async_overlap
 
 
+def test_trainer_refuses_sharded_parameters_at_construction_naming_rollout_servers(tokenizer, tmp_path, monkeypatch):
+    from tests.unit.trainers.test_trainers import make_trainer
+    from trl_cb.engine import sharding
+
+    monkeypatch.setattr(sharding, "is_sharded", lambda *_: True)  # as under ZeRO-3 / FSDP
+    with pytest.raises(ValueError, match="rollout_server_urls"):
+        make_trainer("grpo", tokenizer, tmp_path, async_generation=True, async_overlap=True)
+
+
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_trainer_overlap_is_exact_without_updates(kind, tokenizer, tmp_path):
     """lr=0: the weights never change, so the behaviour logprobs (sampled while the trainer trained) equal TRL's
