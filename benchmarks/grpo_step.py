@@ -14,6 +14,9 @@ benchmarks/common.py):
                 no logprobs, no IS correction).
 - `trl_cb`:     trl_cb's trainer with the flag on (persistent engine, logprobs, IS correction).
 - `trl_cb_async`: the same with `async_generation=True` (engine fed ahead of the trainer, bounded staleness).
+- `trl_cb_overlap_async`: the same with `async_overlap=True`: the engine also generates during the trainer's forward
+                and backward, on a view of the same weights, and pauses only for optimizer steps (docs/async.md);
+                `--engine-threads` sets its intra-op threads (default: the trainer's `--threads`).
 - `trl_cb_server`: trl_cb's trainer with `rollout_server_urls` pointing at a local `trl-cb serve` replica the worker
                 starts (sync: weights pushed before each step's generation).
 - `trl_cb_server_async`: the same with `async_generation=True`: the server generates while the trainer trains,
@@ -78,7 +81,9 @@ from common import (  # noqa: E402
     write_json,
 )
 
-BACKENDS = ("generate", "trl_native", "trl_cb", "trl_cb_async", "trl_cb_server", "trl_cb_server_async")
+BACKENDS = (
+    "generate", "trl_native", "trl_cb", "trl_cb_async", "trl_cb_overlap_async", "trl_cb_server", "trl_cb_server_async"
+)  # fmt: skip
 #: Backends whose rollouts come from a local `trl-cb serve` replica the worker starts (`--server-threads` threads).
 SERVER_BACKENDS = ("trl_cb_server", "trl_cb_server_async")
 TRAINERS = ("grpo", "rloo")
@@ -90,7 +95,11 @@ WORKLOADS = {
 
 
 def _async_fields(spec: dict[str, Any]) -> dict[str, Any]:
-    return {"async_generation": True, "max_staleness": spec["max_staleness"], "prefetch_depth": spec["prefetch_depth"]}
+    fields = {"async_generation": True, "max_staleness": spec["max_staleness"]}
+    fields["prefetch_depth"] = spec["prefetch_depth"]
+    if spec["backend"] == "trl_cb_overlap_async":
+        fields.update(async_overlap=True, async_overlap_engine_threads=spec.get("engine_threads"))
+    return fields
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -208,6 +217,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reward", default="length", choices=["length", "random"], help="see the module docstring")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, colocated backends")
+    p.add_argument("--engine-threads", type=int, default=None, help="trl_cb_overlap_async: the engine's threads")
     p.add_argument("--server-threads", type=int, default=1, help="the local server's threads (server backends)")
     p.add_argument("--trainer-threads", type=int, default=None, help="server backends (default: the rest, >= 1)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
@@ -265,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "max_completion_length": args.max_completion_length, "steps": args.steps, "warmup": args.warmup,
             "eos_logit_bias": args.eos_logit_bias, "seed": args.seed, "max_staleness": args.max_staleness,
             "prefetch_depth": args.prefetch_depth, "threads": args.threads, "server_threads": args.server_threads,
-            "trainer_threads": args.trainer_threads, "reward": args.reward,
+            "trainer_threads": args.trainer_threads, "reward": args.reward, "engine_threads": args.engine_threads,
             "output_dir": f"/tmp/trl_cb_bench_{kind}_{backend}",
         }  # fmt: skip
         with background_load(load):

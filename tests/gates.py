@@ -124,3 +124,89 @@ def python_sigint() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+class EngineThrottle:
+    """Lets the engine start a forward only with a permit (`step` grants them), so a test decides how far the engine
+    gets between two of its own actions, whatever the two threads' speeds: e.g. "the engine started a forward while
+    the trainer's forward was in progress", or "at most k tokens between two weight updates".
+
+    While any thread asks the engine to pause or stop, permits are not needed (a forward parked for a permit would
+    otherwise keep the loop from ever reaching the pause); `open` lets it run freely for good. Forwards on the main
+    thread are never throttled."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self._permits = 0
+        self._free = 0
+        self._open = False
+        self._changed = threading.Condition()
+
+    def step(self, n: int = 1, timeout: float = 60.0) -> None:
+        """Grant `n` forwards and wait until the engine has started them."""
+        with self._changed:
+            target = self.started + n
+            self._permits += n
+            self._changed.notify_all()
+            assert self._changed.wait_for(lambda: self.started >= target, timeout), "the engine stopped stepping"
+
+    def open(self) -> None:
+        with self._changed:
+            self._open = True
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        with self._changed:
+            self._open, self._permits = False, 0
+
+    def _pre_hook(self, module: torch.nn.Module, args: object) -> None:
+        if threading.current_thread() is threading.main_thread():
+            return
+        with self._changed:
+            free = lambda: self._open or self._free > 0  # noqa: E731
+            assert self._changed.wait_for(lambda: self._permits > 0 or free(), GATE_LIMIT_S), "no permit came"
+            if not free():
+                self._permits -= 1
+            self.started += 1
+            self._changed.notify_all()
+
+    def _freed(self, real: Callable, delta: int) -> Callable:
+        def call(status, *args, **kwargs):
+            if delta > 0:
+                with self._changed:
+                    self._free += delta
+                    self._changed.notify_all()
+            try:
+                return real(status, *args, **kwargs)
+            finally:
+                if delta < 0:
+                    with self._changed:
+                        self._free += delta
+
+        return call
+
+
+@contextmanager
+def engine_throttle(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> Iterator[EngineThrottle]:
+    """An `EngineThrottle` on `model`'s input embeddings (every engine forward goes through them), opened and removed
+    on exit."""
+    throttle = EngineThrottle()
+    monkeypatch.setattr(
+        BackgroundThreadStatus, "acquire_pause", throttle._freed(BackgroundThreadStatus.acquire_pause, 1)
+    )
+    monkeypatch.setattr(
+        BackgroundThreadStatus, "release_pause", throttle._freed(BackgroundThreadStatus.release_pause, -1)
+    )
+    real_stop = BackgroundThreadStatus.request_stop
+
+    def stop(status, *args, **kwargs):
+        throttle.open()
+        return real_stop(status, *args, **kwargs)
+
+    monkeypatch.setattr(BackgroundThreadStatus, "request_stop", stop)
+    handle = model.get_input_embeddings().register_forward_pre_hook(throttle._pre_hook)
+    try:
+        yield throttle
+    finally:
+        throttle.open()
+        handle.remove()

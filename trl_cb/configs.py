@@ -89,6 +89,11 @@ class ContinuousBatchingArguments:
             quiet step. Process-wide. Unset: on for a CPU model with a multi-threaded OpenMP torch, off otherwise.
         async_keep_stale (`bool`, *optional*, defaults to `False`):
             Async: keep and IS-correct groups above `max_staleness` instead of dropping them.
+        async_overlap (`bool`, *optional*, defaults to `False`):
+            Async, in-process: the engine generates during forward and backward on a view of the training weights and
+            pauses only for optimizer steps. ZeRO-3 / FSDP refused (docs/async.md, "Overlap").
+        async_overlap_engine_threads (`int`, *optional*):
+            `async_overlap` on CPU: the engine's intra-op threads (the trainer keeps its own). Unset: the trainer's.
         use_transformers_paged:
             Deprecated; use `use_transformers_continuous_batching`.
     """
@@ -182,6 +187,13 @@ class ContinuousBatchingArguments:
         default=False,
         metadata={"help": "Async: keep (and IS-correct) groups older than max_staleness instead of dropping them."},
     )
+    async_overlap: bool = field(
+        default=False,
+        metadata={"help": "Async, in-process: generate during forward and backward, pause for optimizer steps."},
+    )
+    async_overlap_engine_threads: int | None = field(
+        default=None, metadata={"help": "async_overlap on CPU: the engine's intra-op threads (unset: the trainer's)."}
+    )
     rollout_server_urls: list[str] | None = field(
         default=None,
         metadata={
@@ -268,23 +280,40 @@ class ContinuousBatchingArguments:
                 "cb_keep_generation_weights must be True, False or None (auto), got "
                 f"{self.cb_keep_generation_weights!r}."
             )
-        if self.async_generation:
-            if not self.use_transformers_continuous_batching:
-                raise ValueError("async_generation needs use_transformers_continuous_batching=True.")
-            if not self.cb_importance_sampling_correction:
-                raise ValueError(
-                    "async_generation trains on samples drawn by older weights; it needs "
-                    "cb_importance_sampling_correction=True."
-                )
-            validate_async_bounds(self.max_staleness, self.prefetch_depth)
         if self.rollout_server_urls:
             if isinstance(self.rollout_server_urls, str):
                 self.rollout_server_urls = [url for url in self.rollout_server_urls.split(",") if url]
             if not self.use_transformers_continuous_batching:
                 raise ValueError("rollout_server_urls needs use_transformers_continuous_batching=True.")
+        _validate_async_fields(self)
         if self.use_transformers_continuous_batching and getattr(self, "use_vllm", False):
             raise ValueError(
                 "use_transformers_continuous_batching and use_vllm are mutually exclusive; enable one of them."
+            )
+
+
+def _validate_async_fields(args: ContinuousBatchingArguments) -> None:
+    """`ValueError` for async settings that cannot work together (naming the fix)."""
+    if args.async_generation:
+        if not args.use_transformers_continuous_batching:
+            raise ValueError("async_generation needs use_transformers_continuous_batching=True.")
+        if not args.cb_importance_sampling_correction:
+            raise ValueError(
+                "async_generation trains on samples drawn by older weights; it needs "
+                "cb_importance_sampling_correction=True."
+            )
+        validate_async_bounds(args.max_staleness, args.prefetch_depth)
+    if args.async_overlap_engine_threads is not None and args.async_overlap_engine_threads < 1:
+        raise ValueError(
+            f"async_overlap_engine_threads must be >= 1 or None, got {args.async_overlap_engine_threads}."
+        )
+    if args.async_overlap:
+        if not args.async_generation:
+            raise ValueError("async_overlap needs async_generation=True (it is a mode of in-process async).")
+        if args.rollout_server_urls:
+            raise ValueError(
+                "async_overlap is for the in-process engine; rollout servers already generate while the trainer "
+                "trains: unset async_overlap or rollout_server_urls."
             )
 
 

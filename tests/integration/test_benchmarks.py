@@ -95,7 +95,7 @@ def test_gsm8k_bad_flags_fail_clearly(flags, message):
 
 @pytest.mark.slow
 def test_grpo_step_quick(tmp_path):
-    backends = ["generate", "trl_native", "trl_cb", "trl_cb_async"]
+    backends = ["generate", "trl_native", "trl_cb", "trl_cb_async", "trl_cb_overlap_async"]
     script = str(ROOT / "benchmarks" / "grpo_step.py")
     proc = run(script, "--quick", "--trainers", "grpo", "--backends", *backends, "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -105,9 +105,10 @@ def test_grpo_step_quick(tmp_path):
     for p in points.values():
         assert set(p["step_time_s"]) == {"median", "mean", "std", "min", "max"}
         assert p["samples_per_s"] > 0
-    for name in ("trl_cb", "trl_cb_async"):
+    for name in ("trl_cb", "trl_cb_async", "trl_cb_overlap_async"):
         assert points[name]["trainer_wait_s"]["mean"] >= 0
     assert points["trl_cb_async"]["staleness_max"] is not None and points["trl_cb"]["staleness_max"] is None
+    assert points["trl_cb_overlap_async"]["staleness_max"] is not None
     assert points["trl_native"]["ratio_vs_trl_native"] == pytest.approx(1.0)
     assert len(list(tmp_path.glob("grpo_step-*.json"))) == 1
 

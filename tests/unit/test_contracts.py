@@ -717,3 +717,40 @@ def test_paged_cache_internals_the_fast_reads_use(model, tokenizer):
         assert k_view.dim() == 3 and k_view.shape[1] == model.config.num_key_value_heads
     finally:
         manager.destroy()
+
+
+def test_module_attachments_the_engine_view_strips(model, tokenizer):
+    """engine/_upstream_view.py: where torch keeps hooks, where transformers caches a persistent engine and keeps
+    the gradient checkpointing switch, and that the wrappers accelerate (mixed precision) and TRL (fused logprobs)
+    install are instance `forward`s, which the view drops (a bound method rebound to the copy by `deepcopy` would
+    still call the training module through its closure)."""
+    from types import MethodType
+
+    import trl.trainer.utils
+    from accelerate import Accelerator
+
+    from trl_cb.engine import _upstream_view
+    from trl_cb.engine.model_view import EngineView
+
+    for name in _upstream_view.HOOK_DICTS:
+        assert isinstance(getattr(torch.nn.Linear(2, 2), name), dict), f"torch.nn.Module.{name} moved"
+    model.activation_checkpointing_enable()
+    assert all(layer.gradient_checkpointing for layer in model.model.layers), "checkpointing switch moved"
+    model.generate_batch(
+        [[5, 6, 7]], generation_config=sampling_config(tokenizer, max_new_tokens=2), persistent_manager=True,
+        continuous_batching_config=ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=64, page_size=16),
+        progress_bar=False,
+    )  # fmt: skip
+    try:
+        assert getattr(model, _upstream_view.CACHED_MANAGER_ATTRIBUTE) is not None, "cached manager attribute moved"
+        source = inspect.getsource(Accelerator.prepare_model)
+        assert "model._original_forward = model.forward" in source and "MethodType(new_forward, model)" in source
+        assert "original_forward = model.forward" in inspect.getsource(trl.trainer.utils)  # TRL's fused forward
+        original = model.forward
+        model.forward = MethodType(lambda self, *a, **k: original(*a, **k), model)  # TRL's shape: closes over model
+        view = EngineView(model).module
+        assert "forward" not in vars(view), "an instance forward would run the training module"
+        assert getattr(view, _upstream_view.CACHED_MANAGER_ATTRIBUTE, None) is None
+        assert not any(layer.gradient_checkpointing for layer in view.model.layers)
+    finally:
+        model.destroy_cached_continuous_batching_manager()

@@ -32,9 +32,10 @@ from .rollout_groups import InFlightGroups, RolloutGroup
 logger = logging.getLogger(__name__)
 
 
-class EngineBackend(RolloutBackend):
-    """The trainer's CB engine as a `RolloutBackend`: it shares the training module, so it runs only while held by
-    `running` (the module lock, eval mode, generation weights) and is paused otherwise (`engine_hold.py`)."""
+class LocalEngineBackend(RolloutBackend):
+    """What both in-process backends share: groups submitted to, and collected from, one CB engine of this process
+    (`manager`, built by the subclass's `start`), and the prompt checks. `EngineBackend` runs it on the training
+    module, taking turns with the trainer; `overlap.OverlapEngineBackend` on a view of it, alongside the trainer."""
 
     def __init__(
         self,
@@ -43,34 +44,18 @@ class EngineBackend(RolloutBackend):
         num_generations: int,
         max_prompt_len: int,
     ) -> None:
-        _check_async_safe(module)
         self.generator = generator
         self.module = module
         self.num_generations = num_generations
         self.max_prompt_len = max_prompt_len
         self.manager: _upstream.ContinuousBatchingManager | None = None
-        self.hold = EngineHold(generator, module)
-        self.lock = guards.module_lock(module)
         self._groups = InFlightGroups()
-        self._close_priority = 0  # at exit, release the held engine before generators are closed
-        guards.close_at_exit(self)
 
-    def start(self, capacity_groups: int) -> None:
-        """Build (or reuse) the engine, sized for every group that may be in flight, and hold it."""
-        if self.manager is not None:
-            return
+    def workload(self, capacity_groups: int) -> Workload:
+        """Every group that may be in flight (`capacity_groups` x G requests) with the longest prompt."""
         max_new = int(self.generator.generation_config.max_new_tokens)
         requests = capacity_groups * self.num_generations
-        workload = Workload(requests, self.max_prompt_len, max_new, capacity_groups * self.max_prompt_len)
-        with guards.acquired(self.lock), guards.deferred_interrupts():
-            self.hold.apply_generation_weights()  # the engine (and its KV cache dtype) is built on these weights
-            try:
-                self.manager = self.hold.manager = self.generator.engine_for(self.module, workload)
-            except BaseException:
-                self.hold.restore_training_weights()
-                raise
-            self.hold.mode_before_run = self.module.training
-            self.hold.hold()  # the trainer owns the model; the engine runs only inside `take`
+        return Workload(requests, self.max_prompt_len, max_new, capacity_groups * self.max_prompt_len)
 
     def validate(self, prompt_ids: list[int]) -> None:
         """The synchronous checks, then the length the engine was sized for (a longer prompt cannot be scheduled)."""
@@ -93,6 +78,40 @@ class EngineBackend(RolloutBackend):
         finished = list(self._groups.ready)
         self._groups.ready.clear()
         return finished
+
+
+class EngineBackend(LocalEngineBackend):
+    """The trainer's CB engine as a `RolloutBackend`: it shares the training module, so it runs only while held by
+    `running` (the module lock, eval mode, generation weights) and is paused otherwise (`engine_hold.py`)."""
+
+    def __init__(
+        self,
+        generator: ContinuousBatchingGenerator,
+        module: PreTrainedModel,
+        num_generations: int,
+        max_prompt_len: int,
+    ) -> None:
+        _check_async_safe(module)
+        super().__init__(generator, module, num_generations, max_prompt_len)
+        self.hold = EngineHold(generator, module)
+        self.lock = guards.module_lock(module)
+        self._close_priority = 0  # at exit, release the held engine before generators are closed
+        guards.close_at_exit(self)
+
+    def start(self, capacity_groups: int) -> None:
+        """Build (or reuse) the engine, sized for every group that may be in flight, and hold it."""
+        if self.manager is not None:
+            return
+        workload = self.workload(capacity_groups)
+        with guards.acquired(self.lock), guards.deferred_interrupts():
+            self.hold.apply_generation_weights()  # the engine (and its KV cache dtype) is built on these weights
+            try:
+                self.manager = self.hold.manager = self.generator.engine_for(self.module, workload)
+            except BaseException:
+                self.hold.restore_training_weights()
+                raise
+            self.hold.mode_before_run = self.module.training
+            self.hold.hold()  # the trainer owns the model; the engine runs only inside `take`
 
     @contextlib.contextmanager
     def running(self, timeout: float | None) -> Iterator[None]:

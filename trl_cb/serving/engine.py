@@ -33,6 +33,7 @@ from ..checks.generation_settings import sampling_signature
 from ..engine import _upstream
 from ..engine.sizing import Workload
 from ..rollouts.generator import ContinuousBatchingGenerator
+from ..rollouts.inflight_update import paused_for_weight_update
 from ..rollouts.rollout_groups import InFlightGroups, RolloutGroup
 from .request_settings import engine_settings, only_temperature, warpers_needed
 
@@ -301,20 +302,11 @@ class ServingEngine:
             self._hold_pause()
 
     def _apply_weights(self, copy: Callable[[], None], version: int) -> None:
-        with torch.no_grad(), self._paused_engine():
-            if self._manager is not None and self._groups.pending:
-                self._groups.mark_weight_update(self._manager, version)
-                self.stats.weight_updates_in_flight += 1
+        # The one pause/apply/resume mechanism, shared with in-process overlap (rollouts/inflight_update.py).
+        with paused_for_weight_update(self._manager, self._groups, version) as inflight:
+            self.stats.weight_updates_in_flight += inflight
             copy()
             self.version = version
-
-    @contextlib.contextmanager
-    def _paused_engine(self):
-        if self._manager is None or self._pause_hold is not None:
-            yield
-            return
-        with self._manager.pause():  # returns once the engine loop sits between two steps
-            yield
 
     def _set_paused(self, paused: bool) -> None:
         self.paused = paused

@@ -22,10 +22,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from ..checks import inputs
 from ..engine import sharding
+from ..engine.model_view import SHARDED_REFUSAL
 from ..rollouts.async_controller import AsyncRolloutController
 from ..rollouts.async_core import AsyncBounds, AsyncRolloutSource
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.model_access import plain_module
+from ..rollouts.overlap import OverlapRolloutController
 from ..rollouts.prompt_stream import PromptStream
 from ..rollouts.rollout_groups import RolloutGroup, TokenValues, as_lists
 from . import trl_internals
@@ -93,6 +95,8 @@ class AsyncRolloutsMixin:
         args = self.args
         if not getattr(args, "async_generation", False):
             return
+        if getattr(args, "async_overlap", False) and sharding.is_sharded(self.model, self.accelerator):
+            raise ValueError(SHARDED_REFUSAL)
         if not args.rollout_server_urls and sharding.is_sharded(self.model, self.accelerator):
             raise ValueError(
                 "async_generation runs the engine on local, unsharded parameters: use a single process or DDP "
@@ -207,13 +211,15 @@ class AsyncRolloutsMixin:
             )
             if self._cb_async_longest is None:
                 self._cb_async_longest = self._cb_scan_prompts(lambda ids: generator.validate_prompts(ids, module))
-            controller = AsyncRolloutController(
+            overlap = {"engine_threads": args.async_overlap_engine_threads} if args.async_overlap else {}
+            controller = (OverlapRolloutController if args.async_overlap else AsyncRolloutController)(
                 generator,
                 module,
                 self._cb_prompt_stream(self._cb_async_start),
                 max_prompt_len=self._cb_async_longest,
                 num_generations=self.num_generations,
                 groups_per_step=groups_per_step,
+                **overlap,
                 **bounds,
             )
         controller.start()

@@ -1,0 +1,182 @@
+"""In-process async rollouts with true overlap: the engine keeps generating through the trainer's forward and
+backward on one copy of the weights, and pauses (between two of its steps) only for the optimizer step.
+
+Why it is exact (docs/async.md, "Overlap"): the engine runs on an `EngineView` (engine/model_view.py), its own module
+object over the training parameters' storage, so the trainer's train-mode forward, gradient checkpointing, hooks and
+attention implementation never reach it, and its forwards never touch the trainer's module; forward and backward only
+read the weights. The optimizer step writes them, so `begin_weight_update` / `end_weight_update` bracket it with the
+one pause/apply/resume mechanism the rollout server uses (`inflight_update.py`): each in-flight request records where
+the new version starts, then continues on the new weights over its KV prefix.
+
+Invariants: outside an optimizer step the engine may run at any time and reads the current weights (or, with
+`bf16`/`fp16`, generation-dtype copies refreshed inside the pause, before the new version's first token); every
+token carries the version that sampled it; the trainer's module, its mode and its config are never written by this
+backend; `stop` hard-stops (nothing drains) and leaves no engine thread. Refused: sharded parameters (ZeRO-3, FSDP:
+`model_view.SHARDED_REFUSAL` points to rollout servers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any, Unpack
+
+import torch
+from transformers import PreTrainedModel
+
+from ..engine import _upstream, guards
+from ..engine.model_view import EngineView
+from .async_controller import LocalEngineBackend
+from .async_core import AsyncOptions, AsyncRollouts
+from .generator import ContinuousBatchingGenerator
+from .inflight_update import paused_for_weight_update
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OverlapEngineBackend", "OverlapRolloutController"]
+
+
+class OverlapEngineBackend(LocalEngineBackend):
+    """The trainer's CB engine on a view of the training module, running except during optimizer steps."""
+
+    def __init__(
+        self,
+        generator: ContinuousBatchingGenerator,
+        module: PreTrainedModel,
+        num_generations: int,
+        max_prompt_len: int,
+        engine_threads: int | None = None,
+    ) -> None:
+        super().__init__(generator, module, num_generations, max_prompt_len)
+        self.view = EngineView(module)  # `ValueError` for sharded parameters
+        self.engine_threads = engine_threads
+        if engine_threads is not None:  # runs on the engine's thread only: the trainer never runs the view
+            self.view.module.register_forward_pre_hook(_ThreadCap(engine_threads))
+        self._weights: contextlib.ExitStack | None = None  # generation-dtype copies applied to the view
+        self._update: contextlib.ExitStack | None = None  # the pause held across an optimizer step
+        self._close_priority = 0  # at exit, stop the running engine before generators are closed
+        guards.close_at_exit(self)
+
+    def start(self, capacity_groups: int) -> None:
+        """Build the engine on the view, sized for every group that may be in flight; it runs from here on."""
+        if self.manager is not None:
+            return
+        with guards.deferred_interrupts():
+            self._apply_generation_weights()  # the engine (and its KV cache dtype) is built on these weights
+            try:
+                with _intra_op_threads(self.engine_threads):
+                    self.manager = self.generator.engine_for(self.view.module, self.workload(capacity_groups))
+            except BaseException:
+                self._restore_training_weights()
+                raise
+
+    def begin_weight_update(self, new_version: int) -> None:
+        """Pause the engine between two steps and mark `new_version` on every request in flight (held until
+        `end_weight_update`: the optimizer writes the weights meanwhile)."""
+        if self.manager is None or self._update is not None:
+            return
+        stack = contextlib.ExitStack()
+        stack.enter_context(paused_for_weight_update(self.manager, self._groups, new_version))
+        self._update = stack
+
+    def end_weight_update(self) -> None:
+        """Check the view still reads the training tensors, refresh the generation copies, resume the engine."""
+        stack, self._update = self._update, None
+        if stack is None:
+            return
+        with stack:
+            self.view.check_aliased()
+            self._restore_training_weights()
+            self._apply_generation_weights()  # copy_ into the kept copies: same addresses, new values
+
+    def stop(self) -> None:
+        """Hard-stop the engine (its thread has exited on return); in-flight groups are abandoned. Interrupt-safe."""
+        with guards.deferred_interrupts():
+            manager = self.manager
+            if manager is not None:
+                _upstream.request_hard_stop(manager)  # before the pause is released: at most one more batch runs
+            update, self._update = self._update, None
+            try:
+                if update is not None:
+                    update.close()
+                self.generator.close()
+            finally:
+                self.manager = None
+                self._groups.clear()
+                self._restore_training_weights()
+
+    def _close_at_exit(self) -> None:
+        if self.manager is not None:
+            self.stop()
+
+    def _apply_generation_weights(self) -> None:
+        """Point the view (never the training module) at the generator's generation-dtype copies (a no-op without
+        `cast_dtype` / `cast_lm_head_to_fp32`)."""
+        if self._weights is None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.generator.generation_weights(self.view.module))
+            self._weights = stack
+
+    def _restore_training_weights(self) -> None:
+        if self._weights is not None:
+            stack, self._weights = self._weights, None
+            stack.close()
+
+
+class _ThreadCap:
+    """A forward pre-hook on the view: at most `threads` intra-op threads on the thread running it (the engine's).
+
+    torch's intra-op count is per thread in practice (measured: a thread that set 1 runs its matmuls on 1 thread while
+    the main thread keeps 2), but a new thread takes the count published last at its first parallel op, which may
+    come after the trainer restored its own; and setting a count publishes it for threads started later."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+
+    def __call__(self, *_: object) -> None:
+        if torch.get_num_threads() > self.threads:
+            torch.set_num_threads(self.threads)
+
+
+@contextlib.contextmanager
+def _intra_op_threads(threads: int | None) -> Iterator[None]:
+    """Build the engine reading `threads` as the caller's count (`_upstream.install_step_threads` caps each step at
+    it); the caller (the trainer) gets its own count back."""
+    if threads is None:
+        yield
+        return
+    own = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(own)  # also what threads started from now on take
+
+
+class OverlapRolloutController(AsyncRollouts[OverlapEngineBackend]):
+    """The async core on `OverlapEngineBackend`: `AsyncRollouts(OverlapEngineBackend(...), ...)`.
+
+    Args:
+        generator: The trainer's generator (its engine runs the view; block sharing is turned off).
+        module: The plain transformers model being trained (single process or DDP: parameters are local).
+        prompt_stream, num_generations, groups_per_step, prefetch_depth, max_staleness, keep_stale, timeout: as for
+            `AsyncRollouts`.
+        max_prompt_len: Covers every prompt the stream will yield (as for `AsyncRolloutController`).
+        engine_threads: CPU: the engine's intra-op threads (`None`: the caller's count); the trainer keeps its own.
+    """
+
+    def __init__(
+        self,
+        generator: ContinuousBatchingGenerator,
+        module: PreTrainedModel,
+        prompt_stream: Iterator[tuple[Any, list[int]]],
+        *,
+        max_prompt_len: int,
+        engine_threads: int | None = None,
+        **options: Unpack[AsyncOptions],
+    ) -> None:
+        backend = OverlapEngineBackend(generator, module, options["num_generations"], max_prompt_len, engine_threads)
+        super().__init__(backend, prompt_stream, **options)
+        self.generator = generator
+        self.module = module
