@@ -21,7 +21,9 @@ point by point so that load drift hits them alike:
   `trl_cb/engine/debug.py`), measured in the same run.
 
 Measured per timed round (after one warm-up round that also builds the engine): wall time / max_new_tokens = ms per
-decode step (one token for every row; the short prefill is included and the same for every backend), and a profile:
+decode step (one token for every row; the short prefill is included and the same for every backend), the process's
+CPU time per step likewise (on a loaded machine the steadier measure: time other processes take is not counted; with
+`--threads 1` it is the work done), and a profile:
 wall-clock timers around the engine's phases, summed over the round and divided by the number of steps:
 - trl_cb: `scheduling` (`prepare_next_batch`: the scheduler's per-request Python and the batch tensors),
   `sampling` (`ModelRunner._sample`), `attention` (trl_cb's varlen attention over all layers; `attention_planning`
@@ -29,8 +31,9 @@ wall-clock timers around the engine's phases, summed over the round and divided 
   `bookkeeping` (`update_batch` and the step's host transfers), `other` (the rest of the round: submission,
   collection, thread hand-offs).
 - generate: `forward` (outside attention), `attention` (sdpa), `sampling` (`torch.multinomial`), `other`.
-Per-row cost (µs per row per step) is the slope of ms/step between consecutive row counts. The JSON document is the
-last stdout line and is written under `--out` (default runs/benchmarks/, git-ignored; cited results: `--out
+With `--passes N` the whole interleaved sweep runs N times (each point's rounds pooled, its profile the median over
+passes). Per-row cost (µs per row per step) is the slope of ms/step between consecutive row counts. The JSON document
+is the last stdout line and is written under `--out` (default runs/benchmarks/, git-ignored; cited results: `--out
 benchmarks/results`).
 """
 
@@ -182,13 +185,13 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         timer.wrap(model, "forward", "forward")
         _instrument_generate(timer)
     rng = torch.Generator().manual_seed(spec["seed"])
-    step_ms, profiles, forwards = [], [], []
+    step_ms, cpu_step_ms, profiles, forwards = [], [], [], []
     for r in range(1 + spec["repeats"]):
         prompts = torch.randint(3, len(tokenizer), (prompts_per_round, spec["prompt_len"]), generator=rng).tolist()
         batch = [p for p in prompts for _ in range(group)]
         torch.manual_seed(spec["seed"] + r)
         timer.reset()
-        start = time.perf_counter()
+        cpu_start, start = time.process_time(), time.perf_counter()
         if generator is None:
             ids = torch.tensor(batch)
             with torch.no_grad():
@@ -196,7 +199,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             lengths = [len(row) for row in out[:, ids.shape[1] :].tolist() if tokenizer.eos_token_id not in row]
         else:
             lengths = [len(c) for c in generator.generate(batch, num_generations=1).completion_ids]
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         if len(lengths) != rows or any(n != new for n in lengths):
             raise RuntimeError(
                 f"{backend}: not every completion ran to {new} tokens (EOS sampled): raise --logit-scale"
@@ -206,6 +209,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
                 _instrument_trl_cb(generator, timer)
             continue
         step_ms.append(1000 * wall / new)
+        cpu_step_ms.append(1000 * cpu / new)
         profile = (_generate_profile if generator is None else _trl_cb_profile)(dict(timer.totals), new, wall)
         profiles.append(profile)
         forwards.append(timer.calls.get("compute" if generator else "forward", 0) / new)
@@ -216,6 +220,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         "rows": rows,
         "backend": backend,
         "step_ms": step_ms,
+        "cpu_step_ms": cpu_step_ms,
         "profile_ms": {k: statistics.median(p[k] for p in profiles) for k in profiles[0]},
         "forwards_per_step": statistics.median(forwards),
         "threads": torch.get_num_threads(),
@@ -233,6 +238,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per point (after one warm-up round)")
+    p.add_argument("--passes", type=int, default=1, help="run the whole interleaved sweep this many times")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     p.add_argument(
         "--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
@@ -251,7 +257,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.models, args.rows, args.max_new_tokens, args.repeats = ["null"], [8, 16], 4, 1
         args.samples_per_prompt = 4
     for name, value in (("--samples-per-prompt", args.samples_per_prompt), ("--prompt-len", args.prompt_len),
-                        ("--max-new-tokens", args.max_new_tokens), ("--repeats", args.repeats)):  # fmt: skip
+                        ("--max-new-tokens", args.max_new_tokens), ("--repeats", args.repeats),
+                        ("--passes", args.passes)):  # fmt: skip
         if value <= 0:
             p.error(f"{name} must be > 0, got {value}")
     bad = [r for r in args.rows if r <= 0 or r % args.samples_per_prompt]
@@ -271,13 +278,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _per_row_us(points: list[dict[str, Any]]) -> dict[str, float]:
-    """µs per added row per step between consecutive row counts of one (model, backend)."""
+def _per_row_us(points: list[dict[str, Any]], key: str) -> dict[str, float]:
+    """µs per added row per step (of `key`: wall or CPU ms per step) between consecutive row counts of one (model,
+    backend)."""
     ordered = sorted(points, key=lambda p: p["rows"])
     return {
-        f"{a['rows']}->{b['rows']}": 1000 * (b["ms_per_step"] - a["ms_per_step"]) / (b["rows"] - a["rows"])
+        f"{a['rows']}->{b['rows']}": 1000 * (b[key] - a[key]) / (b["rows"] - a["rows"])
         for a, b in zip(ordered, ordered[1:])
     }
+
+
+def _run_point(args: argparse.Namespace, model: str, rows: int, backend: str) -> dict[str, Any]:
+    """One worker process for (model, rows, backend), with the backend's variant environment."""
+    spec = {
+        "model": model, "rows": rows, "backend": backend, "samples_per_prompt": args.samples_per_prompt,
+        "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+        "logit_scale": args.logit_scale, "threads": args.threads, "seed": args.seed,
+    }  # fmt: skip
+    variant_env = args.variants.get(backend.partition(":")[2], {})
+    saved = {k: os.environ.get(k) for k in variant_env}
+    os.environ.update(variant_env)
+    try:
+        return run_worker(Path(__file__), spec, timeout=3600)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -288,45 +316,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     backends = [*args.backends, *(f"trl_cb:{name}" for name in args.variants)]
     print(f"engine step sweep: models={args.models} rows={args.rows} backends={backends} threads={args.threads}")
     raw: list[dict[str, Any]] = []
-    for model in args.models:
-        for rows in args.rows:
-            for backend in backends:  # interleaved: every backend of a point runs back to back
-                spec = {
-                    "model": model, "rows": rows, "backend": backend, "samples_per_prompt": args.samples_per_prompt,
-                    "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-                    "logit_scale": args.logit_scale, "threads": args.threads, "seed": args.seed,
-                }  # fmt: skip
-                variant_env = args.variants.get(backend.partition(":")[2], {})
-                saved = {k: os.environ.get(k) for k in variant_env}
-                os.environ.update(variant_env)
-                try:
-                    raw.append(run_worker(Path(__file__), spec, timeout=3600))
-                finally:
-                    for k, v in saved.items():
-                        if v is None:
-                            os.environ.pop(k)
-                        else:
-                            os.environ[k] = v
-                ms = statistics.median(raw[-1]["step_ms"])
-                print(f"  {model} rows={rows} {backend}: {ms:.2f} ms/step", flush=True)
+    for _ in range(args.passes):  # each pass runs every point again: a slow spell of a loaded machine hits one pass
+        for model in args.models:
+            for rows in args.rows:
+                for backend in backends:  # interleaved: every backend of a point runs back to back
+                    raw.append(_run_point(args, model, rows, backend))
+                    ms = statistics.median(raw[-1]["step_ms"])
+                    print(f"  {model} rows={rows} {backend}: {ms:.2f} ms/step", flush=True)
+    merged: dict[tuple[str, int, str], dict[str, Any]] = {}
+    for r in raw:  # passes merged: every timed round's ms/step, the median profile over passes
+        key = (r["model"], r["rows"], r["backend"])
+        if key not in merged:
+            merged[key] = {**r, "step_ms": [], "cpu_step_ms": [], "profiles": []}
+        merged[key]["step_ms"] += r["step_ms"]
+        merged[key]["cpu_step_ms"] += r["cpu_step_ms"]
+        merged[key]["profiles"].append(r["profile_ms"])
+    raw = list(merged.values())
+    for r in raw:
+        r["profile_ms"] = {k: statistics.median(p[k] for p in r["profiles"]) for k in r["profiles"][0]}
 
     points = []
     for r in raw:
         base = next(x for x in raw if x["model"] == r["model"] and x["rows"] == r["rows"])  # the first backend
-        ms = statistics.median(r["step_ms"])
+        ms, cpu_ms = statistics.median(r["step_ms"]), statistics.median(r["cpu_step_ms"])
         points.append(
             {
                 **{k: r[k] for k in ("model", "rows", "backend", "profile_ms", "forwards_per_step", "threads")},
                 "ms_per_step": ms,
                 "ms_per_step_rounds": r["step_ms"],
+                "cpu_ms_per_step": cpu_ms,
+                "cpu_ms_per_step_rounds": r["cpu_step_ms"],
                 "speed_vs_first_backend": statistics.median(base["step_ms"]) / ms,
+                "cpu_speed_vs_first_backend": statistics.median(base["cpu_step_ms"]) / cpu_ms,
             }
         )
-    per_row = {
-        f"{m}/{b}": _per_row_us([p for p in points if p["model"] == m and p["backend"] == b])
-        for m in args.models
-        for b in backends
-    }
+    per_row, cpu_per_row = (
+        {
+            f"{m}/{b}": _per_row_us([p for p in points if p["model"] == m and p["backend"] == b], key)
+            for m in args.models
+            for b in backends
+        }
+        for key in ("ms_per_step", "cpu_ms_per_step")
+    )
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"}
     payload = {
         "benchmark": "engine_step",
@@ -334,20 +365,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "env": {**environment("cpu"), "loadavg": os.getloadavg()},
         "points": points,
         "per_row_us": per_row,
+        "cpu_per_row_us": cpu_per_row,
     }
     rows = [
         {
             "model": p["model"], "rows": p["rows"], "backend": p["backend"], "ms": p["ms_per_step"],
-            "speed": p["speed_vs_first_backend"], "fwd": p["forwards_per_step"],
+            "speed": p["speed_vs_first_backend"], "cpu": p["cpu_ms_per_step"],
+            "cpu_speed": p["cpu_speed_vs_first_backend"], "fwd": p["forwards_per_step"],
             **{k: p["profile_ms"].get(k) for k in TRL_CB_PHASES},
         }
         for p in points
     ]  # fmt: skip
     columns = [("model", "model"), ("rows", "rows"), ("backend", "backend"), ("ms", "ms/step"),
-               ("speed", f"speed vs {backends[0]}"), ("fwd", "fwd/step")]  # fmt: skip
+               ("speed", f"speed vs {backends[0]}"), ("cpu", "cpu ms/step"), ("cpu_speed", "cpu speed"),
+               ("fwd", "fwd/step")]  # fmt: skip
     columns += [(k, k.replace("attention_planning", "plan")) for k in TRL_CB_PHASES]
     print(format_table(rows, columns))
-    print("µs per added row per step:", json.dumps(per_row))
+    print("µs per added row per step (wall):", json.dumps(per_row))
+    print("µs per added row per step (CPU):", json.dumps(cpu_per_row))
     path = write_json(payload, args.out, "engine_step")
     print(f"results: {path}")
     print(json.dumps(payload))
