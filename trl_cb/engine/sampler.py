@@ -1,20 +1,17 @@
 """The engine's sampler: one token per row by an exponential race over the processed probabilities, exact in
 distribution, as vLLM samples.
 
-Why: transformers' CB sampler calls `torch.multinomial(probs, 1)`, which on CPU draws one `Exponential(1)` per
-vocabulary entry through a serial per-element kernel (~30-60 ns each on this project's CPUs) after three validation
-passes over the probabilities: at 512 rows x 512 tokens that alone was a quarter of an engine step (docs/benchmarks.md,
-"Engine step sweep"). Here the exponentials come from one vectorised uniform draw and a `log`: the race and the
-argmax are whole-tensor ops, so a step's sampling cost is a few element-wise passes over `(rows, vocab)`.
+Why: transformers' CB sampler calls `torch.multinomial(probs, 1)`, which on CPU validates the probabilities (three
+passes) and then draws one `Exponential(1)` per vocabulary entry through a serial per-element kernel, ~6x slower than
+uniform draws: most of a 512-row step's sampling (docs/benchmarks.md, "Engine step sweep"). Here the exponentials are
+`-log` of one vectorised uniform draw; the race and its argmax are whole-tensor ops.
 
-Exactness: for independent `E_i ~ Exponential(1)`, `argmax_i p_i / E_i` is token `i` with probability `p_i / sum(p)`
-(the race's first arrival: `E_i / p_i ~ Exponential(p_i)`; equivalently Gumbel-max on `log p`). Rows need not be
-normalised; a zero-probability token never wins. `E = -log(U)` with `U ~ Uniform[0, 1)` in float32: `U = 0` gives
-`E = inf` (that token loses the race), the smallest `E` is 2^-24 (so no division by zero); the float32 grid of `U`
-limits exactness for tokens below ~1e-7 of the row's largest probability, as in vLLM's float32 sampler.
-Reproducibility: draws come from `generator`, else torch's default generator (the one `torch.manual_seed` seeds, as
-`torch.multinomial` uses), so a seeded engine replays the same samples.
-tests/unit/engine/test_sampler.py checks the distribution with a chi-square test (and that a biased sampler fails).
+Exactness: for independent `E_i ~ Exponential(1)`, `argmax_i p_i / E_i` is `i` with probability `p_i / sum(p)` (the
+race's first arrival; Gumbel-max on `log p`); rows need not be normalised and a zero-probability token never wins.
+`U ~ Uniform[0, 1)` in float32: `U = 0` gives `E = inf` (that token loses), the smallest `E` is 2^-24 (no division by
+zero); the float32 grid limits exactness below ~1e-7 of a row's largest probability, as in vLLM's float32 sampler.
+Draws come from `generator`, else torch's default generator (seeded by `torch.manual_seed`, as `torch.multinomial`),
+so a seeded engine replays. tests/unit/engine/test_sampler.py: chi-square tests, with a biased sampler as control.
 """
 
 from __future__ import annotations
