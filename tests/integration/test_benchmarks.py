@@ -49,6 +49,39 @@ def test_gsm8k_quick_writes_table_json_png(tmp_path):
     assert proc.returncode == 0 and redraw.stat().st_size > 10_000
 
 
+@pytest.mark.slow
+def test_engine_step_quick_writes_a_well_formed_json(tmp_path):
+    script = str(ROOT / "benchmarks" / "engine_step.py")
+    proc = run(script, "--quick", "--variant", "again:TRL_CB_DIRECT_READS=1", "--passes", "2", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads(proc.stdout.strip().splitlines()[-1])  # the JSON document is the last stdout line
+    assert payload["benchmark"] == "engine_step" and {"device", "git_commit", "loadavg"} <= set(payload["env"])
+    points = payload["points"]
+    backends = ["generate", "trl_cb", "trl_cb:again"]
+    assert [(p["rows"], p["backend"]) for p in points] == [(r, b) for r in (8, 16) for b in backends]  # interleaved
+    assert "again" in payload["config"]["variants"] and payload["config"]["passes"] == 2
+    for p in points:
+        assert p["ms_per_step"] > 0 and len(p["ms_per_step_rounds"]) == 2 and p["forwards_per_step"] >= 1
+        assert p["cpu_ms_per_step"] > 0 and len(p["cpu_ms_per_step_rounds"]) == 2
+        phases = {"sampling", "attention", "forward", "other"}
+        if p["backend"] != "generate":
+            phases |= {"scheduling", "attention_planning", "bookkeeping"}
+        assert set(p["profile_ms"]) == phases, p["profile_ms"]
+        assert p["profile_ms"]["sampling"] > 0 and p["profile_ms"]["attention"] > 0
+    for key in ("per_row_us", "cpu_per_row_us"):
+        assert set(payload[key]) == {f"null/{b}" for b in backends}
+        assert all(set(v) == {"8->16"} for v in payload[key].values())
+    assert len(list(tmp_path.glob("engine_step-*.json"))) == 1
+
+
+def test_engine_step_bad_flags_fail_clearly():
+    script = str(ROOT / "benchmarks" / "engine_step.py")
+    proc = run(script, "--rows", "12", "--samples-per-prompt", "8", timeout=120)
+    assert proc.returncode == 2 and "multiples of --samples-per-prompt" in proc.stderr
+    proc = run(script, "--variant", "nothing", timeout=120)
+    assert proc.returncode == 2 and "NAME:KEY=VALUE" in proc.stderr
+
+
 def git(*args: str, cwd: Path) -> str:
     return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout
 

@@ -169,6 +169,32 @@ def test_sampling_internals_the_policy_logprob_recorder_wraps(model, tokenizer):
         manager.destroy()
 
 
+def test_the_race_sampler_writes_what_the_engines_sampler_writes():
+    """`_upstream_sampling.install_sampler` replaces `ModelRunner._sample(scores, output_ids)`: scores `(1, rows,
+    vocab)`, tokens to `output_ids[0, :rows]`, fp32 logprobs bit-cast to int32 in `output_ids[1, :rows]`. Both
+    samplers on the same scores: identical outputs where each row has one possible token, and on random rows each
+    writes the log-probability of the token it wrote."""
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)  # `_sample` reads only these two attributes
+    runner.do_sample, runner.return_logprobs = True, True
+    one_hot = torch.full((1, 5, 7), float("-inf"))
+    one_hot[0, torch.arange(5), torch.tensor([3, 0, 6, 6, 1])] = 0.0
+    random_rows = torch.randn(1, 5, 7, generator=torch.Generator().manual_seed(0))
+    for scores in (one_hot, random_rows):
+        outs = []
+        for sample in (lambda s, o: ModelRunner._sample(runner, s, o), _upstream_sampling.race_sample(True)):
+            out = torch.full((2, 8), -1, dtype=torch.int32)
+            sample(scores, out)
+            assert (out[:, 5:] == -1).all(), "wrote past the step's rows"
+            logprobs = out[1, :5].view(dtype=torch.float32)
+            expected = torch.log_softmax(scores[0], -1).gather(1, out[0, :5, None].long()).squeeze(1)
+            torch.testing.assert_close(logprobs, expected, rtol=0, atol=1e-6)
+            outs.append(out)
+        if scores is one_hot:
+            assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize(("impl", "expected"), [("eager", "paged|eager"), ("sdpa", "sdpa")])
 def test_cb_keeps_dense_mask_attention_without_flash(tokenizer, impl, expected):
     """`_upstream.switch_to_generation_attention` replaces exactly these choices of `switch_to_cb_friendly_attn`

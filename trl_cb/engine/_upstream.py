@@ -100,6 +100,7 @@ def create_manager(
             if attn_before == attention.ATTENTION_NAME:
                 manager._original_attn_impl = attn_before  # after this engine's rounds, the other engine's again
             manager.warmup()
+            _sampling.install_sampler(manager)  # before the recorder, which wraps whichever sampler runs
             if recorder is not None:
                 _sampling.install_policy_logprob_recorder(manager, recorder)
             install_step_threads(manager, model)

@@ -1,10 +1,12 @@
 """transformers' CB sampling internals, beside `_upstream` (same rule: the only other place they are touched).
 
-What a step samples from: the engine's logits processors are checked against the ones `generate()` builds
-(`check_processors_kept`), trl_cb's per-request processors run first (`install_request_processors`), and, when the
-distribution is reshaped beyond temperature, `engine/policy_logprobs.py`'s recorder before them all; it gathers the
-trainer-comparable logprob after the engine samples and hands it to the host beside the engine's own
-(`install_policy_logprob_recorder`, `output_logprobs`). Pinned by tests/unit/test_contracts.py.
+How a step samples: with `sampler.py`'s exponential race instead of transformers' `torch.multinomial`
+(`install_sampler`; same probabilities, same logprob). What a step samples from: the engine's logits processors are
+checked against the ones `generate()` builds (`check_processors_kept`), trl_cb's per-request processors run first
+(`install_request_processors`), and, when the distribution is reshaped beyond temperature,
+`engine/policy_logprobs.py`'s recorder before them all; it gathers the trainer-comparable logprob after the engine
+samples and hands it to the host beside the engine's own (`install_policy_logprob_recorder`, `output_logprobs`).
+Pinned by tests/unit/test_contracts.py.
 
 Invariant: a step's tokens, processed logprobs and recorded policy logprobs are read for the same rows in the same
 order; what reads per-step state on the host runs only on a synchronous, uncompiled engine.
@@ -12,7 +14,7 @@ order; what reads per-step state on the host runs only on a synchronous, uncompi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +24,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import Con
 from transformers.generation.logits_process import LogitsProcessorList
 
 from ..errors import GenerationError
+from . import debug, sampler
 from .policy_logprobs import PolicyLogprobRecorder
 from .request_processors import (
     POLICY_LOGPROBS_NEED_SYNC,
@@ -199,6 +202,38 @@ def reshapes_distribution(model: PreTrainedModel, generation_config: GenerationC
     from transformers.generation.logits_process import TemperatureLogitsWarper
 
     return any(not isinstance(p, TemperatureLogitsWarper) for p in model._get_logits_processor(generation_config))
+
+
+def install_sampler(manager: ContinuousBatchingManager) -> bool:
+    """After warmup: sample each step with `sampler.sample_with_logprobs` (exact in distribution, a few vectorised
+    passes instead of `torch.multinomial`'s serial per-element draws); returns whether it was installed.
+
+    Only on a sampling engine that runs its steps eagerly: greedy keeps the engine's argmax, and an engine with
+    accelerator graphs or compilation keeps the sampler it traced (`TRL_CB_SAMPLER=upstream` keeps it everywhere).
+    Internal (pinned by tests/unit/test_contracts.py, which runs both samplers on one distribution):
+    `model_runner._sample(scores, output_ids)` with scores `(1, rows, vocab)` writes the tokens to `output_ids[0,
+    :rows]` and, with `return_logprobs`, their fp32 logprobs bit-cast to int32 to `output_ids[1, :rows]`."""
+    runner = manager.batch_processor.model_runner
+    frozen = any(_resolved_engine_settings(manager)[k] for k in ("use_cuda_graph", "varlen_compile_config",
+                                                                 "decode_compile_config"))  # fmt: skip
+    if not runner.do_sample or frozen or not debug.parallel_sampler_enabled():
+        return False
+    runner._sample = race_sample(runner.return_logprobs)
+    return True
+
+
+def race_sample(return_logprobs: bool) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """A `ModelRunner._sample(scores, output_ids)` replacement that samples with `sampler.sample_with_logprobs`
+    and writes what the engine's own does, where it does (`install_sampler`)."""
+
+    def sample(scores: torch.Tensor, output_ids: torch.Tensor) -> None:
+        tokens, logprobs = sampler.sample_with_logprobs(scores[0])  # (rows,), (rows,)
+        rows = tokens.size(0)
+        output_ids[0, :rows].copy_(tokens)
+        if return_logprobs:
+            output_ids[1, :rows].copy_(logprobs.view(dtype=torch.int32))  # the engine's bulk dtype
+
+    return sample
 
 
 def install_policy_logprob_recorder(manager: ContinuousBatchingManager, recorder: PolicyLogprobRecorder) -> None:

@@ -5,6 +5,8 @@ key of the batch) instead of `varlen_attention`, and CPU batches are sized for t
 every engine build, model check and sizing, so a test can set it for one call (`TRL_CB_OPENMP_GUARD`: `openmp.py`).
 `TRL_CB_DIRECT_READS=0`: `varlen_attention` reads keys through `cache.update`'s packed copy (the path before one-gather
 reads from the cache storage, `_upstream_cache.py`); read at every layer call.
+`TRL_CB_SAMPLER=upstream`: engines sample with transformers' `torch.multinomial` instead of `sampler.py`'s exponential
+race; read at every engine build.
 """
 
 from __future__ import annotations
@@ -25,3 +27,11 @@ DIRECT_READS_ENV = "TRL_CB_DIRECT_READS"
 def direct_reads_enabled() -> bool:
     """False when `TRL_CB_DIRECT_READS=0` asks for the packed-copy read path."""
     return os.environ.get(DIRECT_READS_ENV, "1") != "0"
+
+
+SAMPLER_ENV = "TRL_CB_SAMPLER"
+
+
+def parallel_sampler_enabled() -> bool:
+    """False when `TRL_CB_SAMPLER=upstream` asks for transformers' own sampler."""
+    return os.environ.get(SAMPLER_ENV, "race").lower() != "upstream"

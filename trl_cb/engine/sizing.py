@@ -24,7 +24,7 @@ from . import debug
 MAX_BATCH_TOKENS_CAP = 8192
 #: Token budget per forward on CPU when the user sets none, with trl_cb's attention (`varlen_attention.py`: each query
 #: attends to its own request's keys, so a step costs ~ tokens x own length and larger batches amortise the per-step
-#: CPU work; measurements: docs/benchmarks.md, "Attention path").
+#: CPU work; measurements: docs/benchmarks.md, "Attention path"), raised to hold one decode token of every request.
 CPU_MAX_BATCH_TOKENS = 256
 #: The same with transformers' dense-mask attention (`TRL_CB_ATTENTION=upstream`), whose step costs
 #: ~ (requests in batch)^2 x length: smaller forwards are faster there.
@@ -81,8 +81,12 @@ def size_cache(workload: Workload, page_size: int, device: torch.device | None =
     # One forward should hold one decode token per running request and, ideally, the whole prefill (larger prefill is
     # chunked by the engine). A power of two keeps the shape stable while prompt lengths jitter between steps.
     wanted = max(workload.num_requests, workload.prefill_tokens, 64)
-    if device is not None and device.type == "cpu":
-        cap = CPU_MAX_BATCH_TOKENS if debug.varlen_attention_enabled() else CPU_DENSE_MASK_MAX_BATCH_TOKENS
+    if device is not None and device.type == "cpu" and debug.varlen_attention_enabled():
+        # Every running request decodes in one forward (up to `MAX_BATCH_TOKENS_CAP`): splitting a decode step over
+        # several forwards pays each forward's fixed cost again (docs/benchmarks.md, "Engine step sweep").
+        cap = max(CPU_MAX_BATCH_TOKENS, min(MAX_BATCH_TOKENS_CAP, 1 << (workload.num_requests - 1).bit_length()))
+    elif device is not None and device.type == "cpu":
+        cap = CPU_DENSE_MASK_MAX_BATCH_TOKENS
     else:
         cap = MAX_BATCH_TOKENS_CAP
     max_batch_tokens = min(cap, 1 << (wanted - 1).bit_length())

@@ -24,8 +24,11 @@ def test_every_request_fits_at_full_length():
 
 
 def test_cpu_caps_tokens_per_forward(monkeypatch):
-    w = Workload(num_requests=1024, max_prompt_len=40, max_new_tokens=256, prefill_tokens=160)
-    assert size_cache(w, 32, CPU).max_batch_tokens == CPU_MAX_BATCH_TOKENS
+    w = Workload(num_requests=100, max_prompt_len=40, max_new_tokens=256, prefill_tokens=1600)
+    assert size_cache(w, 32, CPU).max_batch_tokens == CPU_MAX_BATCH_TOKENS  # prefill is chunked on CPU
+    assert size_cache(w, 32, GPU).max_batch_tokens == 2048
+    w = Workload(num_requests=1000, max_prompt_len=40, max_new_tokens=256, prefill_tokens=160)
+    assert size_cache(w, 32, CPU).max_batch_tokens == 1024  # but every request decodes in one forward
     assert size_cache(w, 32, GPU).max_batch_tokens == 1024
     monkeypatch.setenv("TRL_CB_ATTENTION", "upstream")  # dense-mask attention: smaller forwards
     assert size_cache(w, 32, CPU).max_batch_tokens == CPU_DENSE_MASK_MAX_BATCH_TOKENS
