@@ -255,9 +255,9 @@ def test_who_writes_the_paged_cache_per_release(model, tokenizer, prompts, monke
     calls = []
     engine_layer = _upstream_cache.engine_layer
 
-    def spy(cache, layer_idx, key, value, kwargs):
-        direct = _upstream_cache._READ_INDEX_KWARG in kwargs  # noqa: SLF001 - the 5.24 storage hand-over
-        layer = engine_layer(cache, layer_idx, key, value, kwargs)
+    def spy(cache, module, key, value, kwargs):
+        direct = hasattr(key, _upstream_cache._READ_INDEX_ATTR)  # noqa: SLF001 - the 5.24 storage hand-over
+        layer = engine_layer(cache, module, key, value, kwargs)
         calls.append((isinstance(cache, PagedAttentionCache), "write_index" in kwargs, direct, layer is not None))
         return layer
 

@@ -51,8 +51,9 @@ __all__ = [
 #: the model's attention layer does before calling it (5.24: `cache.update(key, value, layer_idx, kwargs=kwargs)`).
 #: Read from upstream's own sdpa function, which takes `cache` exactly where the attention function is the writer.
 ATTENTION_UPDATES_CACHE: bool = "cache" in inspect.signature(sdpa_attention_forward).parameters
-#: Attention kwarg (ours) through which the 5.24 `update` wrapper hands the read index to `engine_layer`.
-_READ_INDEX_KWARG = "_trl_cb_read_index"
+#: Attribute (ours) of the key view the 5.24 `update` wrapper returns: its read index, for `engine_layer`. On the
+#: tensor rather than in the kwargs because a KV-shared layer (Gemma-3n) receives that same view from its source layer.
+_READ_INDEX_ATTR = "_trl_cb_read_index"
 
 
 @dataclass
@@ -92,7 +93,7 @@ def paged_layer(
 
 def engine_layer(
     cache: object,
-    layer_idx: int,
+    module: torch.nn.Module,
     key_states: torch.Tensor,  # (1, Hkv, T, D): new keys (5.23), or what the model's `cache.update` returned (5.24)
     value_states: torch.Tensor,
     kwargs: dict,  # the attention kwargs
@@ -102,18 +103,26 @@ def engine_layer(
     5.23 (`cache` is the engine's, passed to the attention function): write here, directly (`paged_layer`) or, for
     sliding-window layers and under `TRL_CB_DIRECT_READS=0`, through `cache.update`'s packed copy. 5.24 (no `cache`;
     the engine's `write_index` kwarg marks its forwards): the model's layer has written them already, and returned
-    either the packed keys or, through `install_model_side_updates`, the storage and its read index."""
+    either the packed keys or, through `install_model_side_updates`, the storage and its read index. A KV-shared layer
+    (Gemma-3n) runs no update: it gets the keys its source layer of the same type got, and its type's key lengths here.
+    """
     if isinstance(cache, PagedAttentionCache):
         direct = debug.direct_reads_enabled()
-        layer = paged_layer(cache, layer_idx, key_states, value_states, kwargs) if direct else None
+        layer = paged_layer(cache, module.layer_idx, key_states, value_states, kwargs) if direct else None
         if layer is not None:
             return layer
         key_states, value_states = cache.update(
-            key_states=key_states, value_states=value_states, layer_idx=layer_idx, kwargs=kwargs
+            key_states=key_states, value_states=value_states, layer_idx=module.layer_idx, kwargs=kwargs
         )
     elif ATTENTION_UPDATES_CACHE or "write_index" not in kwargs:
         return None
-    read_index = kwargs.pop(_READ_INDEX_KWARG, None)
+    elif isinstance(kwargs["cu_seq_lens_k"], dict):  # no `cache.update` selected this layer's group: a KV-shared layer
+        per_type = kwargs["cu_seq_lens_k"]
+        layer_type = getattr(module, "layer_type", None)
+        if layer_type not in per_type:
+            raise ValueError(f"Layer {module.layer_idx} reads shared keys of an unknown attention type: {layer_type}")
+        kwargs["cu_seq_lens_k"], kwargs["max_length_k"] = per_type[layer_type], kwargs["max_length_k"][layer_type]
+    read_index = getattr(key_states, _READ_INDEX_ATTR, None)
     return PagedLayer(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), read_index)
 
 
@@ -124,7 +133,7 @@ def install_model_side_updates(
     reads and keep the cache out of the model's output. Call after warmup (the batch processor exists).
 
     The engine cache's `update` is wrapped: while the model runs `attention_name`, a full-attention layer's new keys
-    are written by `paged_layer` and the storage is returned with its read index in the kwargs (`engine_layer` takes
+    are written by `paged_layer` and the storage is returned with its read index on the key view (`engine_layer` takes
     it back), instead of upstream's packed copy of every key; anything else goes to upstream's `update` unchanged."""
     if ATTENTION_UPDATES_CACHE:
         return
@@ -138,8 +147,9 @@ def install_model_side_updates(
         if kwargs is not None and model.config._attn_implementation == attention_name and debug.direct_reads_enabled():
             layer = paged_layer(cache, layer_idx, key_states, value_states, kwargs)
             if layer is not None:
-                kwargs[_READ_INDEX_KWARG] = layer.read_index
-                return layer.key_storage.transpose(0, 1)[None], layer.value_storage.transpose(0, 1)[None]
+                keys = layer.key_storage.transpose(0, 1)[None]  # (1, Hkv, slots, D): a fresh view every call
+                setattr(keys, _READ_INDEX_ATTR, layer.read_index)
+                return keys, layer.value_storage.transpose(0, 1)[None]
         return update(key_states=key_states, value_states=value_states, layer_idx=layer_idx, kwargs=kwargs)
 
     cache.update = update_with_direct_reads

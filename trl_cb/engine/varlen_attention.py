@@ -271,7 +271,7 @@ def varlen_paged_attention(
     if kwargs.get("block_table") is not None:
         raise ValueError(f"{ATTENTION_NAME} does not read block tables (flash-only decode fast path).")
     # The engine's keys, its new ones written (by the cache's update here or, from transformers 5.24, in the model)
-    layer = _upstream_cache.engine_layer(cache, module.layer_idx, key, value, kwargs)
+    layer = _upstream_cache.engine_layer(cache, module, key, value, kwargs)
     if layer is None:
         # Not an engine forward (e.g. a training forward while an async engine holds the shared config).
         causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
