@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 import trl
 from transformers import GenerationConfig
 from transformers.generation import ContinuousBatchingConfig
@@ -31,14 +32,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_engine_refuses_an_untested_transformers_release(monkeypatch):
-    """An untested minor release can change the CB internals and corrupt logprobs silently (5.24.0 did): the engine
-    refuses it unless the user opts in; pyproject.toml pins the same releases."""
+    """An untested minor release can change the CB internals and corrupt logprobs silently (5.24.0 did, before
+    `_upstream_cache.engine_layer` followed it): the engine refuses it unless the user opts in; pyproject.toml pins
+    the same releases."""
     monkeypatch.delenv(_upstream.ALLOW_UNTESTED_ENV, raising=False)
     _upstream.check_transformers_version()  # the installed release is a tested one
-    with pytest.raises(RuntimeError, match=r"transformers 5\.24\.0 is installed"):
-        _upstream.check_transformers_version("5.24.0")
+    with pytest.raises(RuntimeError, match=r"transformers 5\.25\.0 is installed"):
+        _upstream.check_transformers_version("5.25.0")
     monkeypatch.setenv(_upstream.ALLOW_UNTESTED_ENV, "1")
-    _upstream.check_transformers_version("5.24.0")
+    _upstream.check_transformers_version("5.25.0")
     pin = re.search(r'"transformers>=([\d.]+),<([\d.]+)"', (ROOT / "pyproject.toml").read_text())
     assert pin, "pyproject.toml must pin transformers to a range of minor releases"
     low, high = (tuple(int(x) for x in v.split(".")) for v in pin.groups())
@@ -255,6 +257,42 @@ def test_engine_passes_varlen_inputs_and_builds_no_dense_mask(model, tokenizer):
         assert params(PagedAttentionCache.update) == ["self", "key_states", "value_states", "layer_idx", "kwargs"]
     finally:
         manager.destroy()
+
+
+#: Per tested release: whether the engine's attention function writes the paged cache (it receives `cache`), or the
+#: model's attention layer does (`cache.update(key, value, layer_idx, kwargs=kwargs)`) before calling it.
+ATTENTION_WRITES_CACHE = {"5.23": True, "5.24": False}
+
+
+def test_who_writes_the_paged_cache_per_release(model, tokenizer, prompts, monkeypatch):
+    """transformers 5.24 moved the paged-cache update from the attention functions into the models' attention layers:
+    the attention function no longer gets `cache`, only the packed keys and the engine's varlen kwargs. A release
+    that moves it again must be added here: `_upstream_cache.engine_layer` branches on `ATTENTION_UPDATES_CACHE`.
+    Every engine call of trl_cb's attention took the engine path (none fell through to the non-engine forward, which
+    is what 5.24.0 did before: CB logprobs 8.9 nats off), and on 5.24 the one-gather reads still ran."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    from trl_cb import ContinuousBatchingGenerator
+    from trl_cb.engine import _upstream_cache
+
+    release = ".".join(transformers.__version__.split(".")[:2])
+    assert release in ATTENTION_WRITES_CACHE, f"transformers {release}: who writes the paged cache is unchecked"
+    assert _upstream_cache.ATTENTION_UPDATES_CACHE is ATTENTION_WRITES_CACHE[release]
+    calls = []
+    engine_layer = _upstream_cache.engine_layer
+
+    def spy(cache, module, key, value, kwargs):
+        direct = hasattr(key, _upstream_cache._READ_INDEX_ATTR)  # noqa: SLF001 - the 5.24 storage hand-over
+        layer = engine_layer(cache, module, key, value, kwargs)
+        calls.append((isinstance(cache, PagedAttentionCache), "write_index" in kwargs, direct, layer is not None))
+        return layer
+
+    monkeypatch.setattr(_upstream_cache, "engine_layer", spy)
+    with ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=6), {"page_size": 16}) as gen:
+        gen.generate([p[:20] for p in prompts[:2]], num_generations=2)
+    writer = ATTENTION_WRITES_CACHE[release]
+    assert calls and all(c[0] is writer and c[1] and c[3] for c in calls), set(calls)
+    assert any(c[2] for c in calls) is not writer, "5.24: the model-side update did not hand over the storage"
 
 
 def test_batch_processor_seeds_global_rng_upstream(model, tokenizer):

@@ -36,10 +36,10 @@ from .request_processors import HistoryProcessor
 _fork_lock = threading.Lock()
 
 #: The transformers minor releases whose CB internals this module is checked against (tests/unit/test_contracts.py);
-#: pyproject.toml pins the same range. A new minor release can change them without an error anywhere: 5.24.0 (released
-#: 2026-11-24) runs, but its CB logprobs no longer match teacher forcing (max |diff| 8.9 nats in
-#: test_logprobs_match_teacher_forcing; 154 of 720 suite tests fail), which would train on silently wrong IS weights.
-TESTED_TRANSFORMERS = ("5.23",)
+#: pyproject.toml pins the same range. A new minor release can change them without an error anywhere: 5.24.0 ran
+#: unchanged trl_cb with CB logprobs 8.9 nats off teacher forcing (it moved the paged-cache write from the attention
+#: function into the model; `_upstream_cache.engine_layer` follows both), which would train on wrong IS weights.
+TESTED_TRANSFORMERS = ("5.23", "5.24")
 #: Set to 1 to build an engine on an untested transformers release anyway (at your own risk: run the contract tests).
 ALLOW_UNTESTED_ENV = "TRL_CB_ALLOW_UNTESTED_TRANSFORMERS"
 
@@ -105,6 +105,7 @@ def create_manager(
                 _sampling.install_policy_logprob_recorder(manager, recorder)
             install_step_threads(manager, model)
             _upstream_cache.install_read_index_rows(manager)
+            _upstream_cache.install_model_side_updates(manager, model, attention.ATTENTION_NAME)
     except BaseException:
         if attention_implementation(model) != attn_before:
             model.set_attn_implementation(attn_before)

@@ -12,19 +12,48 @@ Upstream surface (pinned in tests/unit/test_contracts.py): `cache.layer_to_alloc
 `layer_type`, `block_table`, `tokens_per_page`, `block_physical_stride`, `get_read_indices` and
 `_kv_token_views[layer]`; the engine's `read_index` / `write_index` / per-layer-type `cu_seq_lens_k` kwargs; and
 `ContinuousBatchingIOs.prepare_batch_tensors` with its `requests_in_batch`, `read_index_storage`, `true_read_sizes`.
+
+Who writes the cache depends on the release (`ATTENTION_UPDATES_CACHE`, pinned per release by the contract tests):
+up to transformers 5.23 the engine passes `cache` to the attention function, which writes the new keys
+(`cache.update`); from 5.24 the model's attention layer calls `cache.update` itself and the attention function gets
+only the packed keys and the engine's varlen kwargs. `engine_layer` hides the difference from `varlen_attention`; on
+5.24 `install_model_side_updates` keeps the one-gather reads (it wraps the engine cache's `update`) and keeps the
+cache out of the model's output (`drop_paged_cache_from_outputs`).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 from transformers.generation.continuous_batching import ContinuousBatchingManager, PagedAttentionCache
 from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-__all__ = ["PagedLayer", "install_read_index_rows", "paged_layer", "read_index_rows"]
+from . import debug
+
+__all__ = [
+    "ATTENTION_UPDATES_CACHE",
+    "PagedLayer",
+    "drop_paged_cache_from_outputs",
+    "engine_layer",
+    "install_model_side_updates",
+    "install_read_index_rows",
+    "paged_layer",
+    "read_index_rows",
+]
+
+#: Whether the engine's attention function writes the paged cache (transformers <= 5.23: it receives `cache`), or
+#: the model's attention layer does before calling it (5.24: `cache.update(key, value, layer_idx, kwargs=kwargs)`).
+#: Read from upstream's own sdpa function, which takes `cache` exactly where the attention function is the writer.
+ATTENTION_UPDATES_CACHE: bool = "cache" in inspect.signature(sdpa_attention_forward).parameters
+#: Attribute (ours) of the key view the 5.24 `update` wrapper returns: its read index, for `engine_layer`. On the
+#: tensor rather than in the kwargs because a KV-shared layer (Gemma-3n) receives that same view from its source layer.
+_READ_INDEX_ATTR = "_trl_cb_read_index"
 
 
 @dataclass
@@ -60,6 +89,91 @@ def paged_layer(
     if read_index.numel() == 0:  # only fresh prefills: the new keys are every key
         return PagedLayer(new_keys, new_values, None)
     return PagedLayer(k_cache, v_cache, read_index)
+
+
+def engine_layer(
+    cache: object,
+    module: torch.nn.Module,
+    key_states: torch.Tensor,  # (1, Hkv, T, D): new keys (5.23), or what the model's `cache.update` returned (5.24)
+    value_states: torch.Tensor,
+    kwargs: dict,  # the attention kwargs
+) -> PagedLayer | None:
+    """This layer's keys in an engine forward, with the new keys written to the cache; None outside an engine.
+
+    5.23 (`cache` is the engine's, passed to the attention function): write here, directly (`paged_layer`) or, for
+    sliding-window layers and under `TRL_CB_DIRECT_READS=0`, through `cache.update`'s packed copy. 5.24 (no `cache`;
+    the engine's `write_index` kwarg marks its forwards): the model's layer has written them already, and returned
+    either the packed keys or, through `install_model_side_updates`, the storage and its read index. A KV-shared layer
+    (Gemma-3n) runs no update: it gets the keys its source layer of the same type got, and its type's key lengths here.
+    """
+    if isinstance(cache, PagedAttentionCache):
+        direct = debug.direct_reads_enabled()
+        layer = paged_layer(cache, module.layer_idx, key_states, value_states, kwargs) if direct else None
+        if layer is not None:
+            return layer
+        key_states, value_states = cache.update(
+            key_states=key_states, value_states=value_states, layer_idx=module.layer_idx, kwargs=kwargs
+        )
+    elif ATTENTION_UPDATES_CACHE or "write_index" not in kwargs:
+        return None
+    elif isinstance(kwargs["cu_seq_lens_k"], dict):  # no `cache.update` selected this layer's group: a KV-shared layer
+        per_type = kwargs["cu_seq_lens_k"]
+        layer_type = getattr(module, "layer_type", None)
+        if layer_type not in per_type:
+            raise ValueError(f"Layer {module.layer_idx} reads shared keys of an unknown attention type: {layer_type}")
+        kwargs["cu_seq_lens_k"], kwargs["max_length_k"] = per_type[layer_type], kwargs["max_length_k"][layer_type]
+    read_index = getattr(key_states, _READ_INDEX_ATTR, None)
+    return PagedLayer(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), read_index)
+
+
+def install_model_side_updates(
+    manager: ContinuousBatchingManager, model: PreTrainedModel, attention_name: str
+) -> None:
+    """transformers 5.24+ (no-op before): where the model's layers write the cache, keep `attention_name`'s one-gather
+    reads and keep the cache out of the model's output. Call after warmup (the batch processor exists).
+
+    The engine cache's `update` is wrapped: while the model runs `attention_name`, a full-attention layer's new keys
+    are written by `paged_layer` and the storage is returned with its read index on the key view (`engine_layer` takes
+    it back), instead of upstream's packed copy of every key; anything else goes to upstream's `update` unchanged."""
+    if ATTENTION_UPDATES_CACHE:
+        return
+    drop_paged_cache_from_outputs(model)
+    cache = manager.batch_processor.cache
+    update = cache.update
+
+    def update_with_direct_reads(
+        key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if kwargs is not None and model.config._attn_implementation == attention_name and debug.direct_reads_enabled():
+            layer = paged_layer(cache, layer_idx, key_states, value_states, kwargs)
+            if layer is not None:
+                keys = layer.key_storage.transpose(0, 1)[None]  # (1, Hkv, slots, D): a fresh view every call
+                setattr(keys, _READ_INDEX_ATTR, layer.read_index)
+                return keys, layer.value_storage.transpose(0, 1)[None]
+        return update(key_states=key_states, value_states=value_states, layer_idx=layer_idx, kwargs=kwargs)
+
+    cache.update = update_with_direct_reads
+
+
+def drop_paged_cache_from_outputs(model: PreTrainedModel) -> None:
+    """Keep the engine's `PagedAttentionCache` out of `model`'s outputs (transformers 5.24+; idempotent).
+
+    From 5.24 the engine passes its cache as the model's `cache` argument, and many models (Gemma-2, Llama, ...)
+    return it unconditionally (`BaseModelOutputWithPast(cache=cache)`). Under accelerate's mixed precision the
+    trainer's forward wrapper then converts every output with a half-precision `dtype` to fp32 and calls `.float()` on
+    the cache (`AttributeError` in the engine loop). A forward hook on the base model returns its output without a
+    paged cache; every other output (a training forward's `DynamicCache`, or none) passes through untouched."""
+    base = model.base_model
+    if getattr(base, "_trl_cb_drops_paged_cache", False):
+        return
+    base.register_forward_hook(_without_paged_cache)
+    base._trl_cb_drops_paged_cache = True
+
+
+def _without_paged_cache(module: torch.nn.Module, args: tuple, output: Any) -> Any:
+    if isinstance(getattr(output, "cache", None), PagedAttentionCache):
+        return type(output)(**{name: value for name, value in output.items() if name != "cache"})
+    return output
 
 
 def read_index_rows(allocator: FullAttentionCacheAllocator, requests: Sequence[tuple[str, int]]) -> torch.Tensor:

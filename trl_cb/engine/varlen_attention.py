@@ -9,8 +9,9 @@ window) mask. Design and measurements: docs/index.md, "The engine's attention".
 Exact (tests pin it): causal masking with the request's past, sliding windows, `softcap`, `scaling`, GQA, attention
 sinks. Outside an engine (no paged cache) it runs as `sdpa`. `_upstream.switch_to_generation_attention` puts it on the
 model only while an engine is built and generating; `TRL_CB_ATTENTION=upstream` (`debug.py`) keeps transformers'
-choice. Upstream surface (pinned in tests/unit/test_contracts.py): the engine's attention kwargs (`cache`,
-`cu_seq_lens_q`, per-layer-type `cu_seq_lens_k`) and `PagedAttentionCache.update(...)`.
+choice. Upstream surface (pinned in tests/unit/test_contracts.py): the engine's attention kwargs (`cache` up to
+transformers 5.23, `cu_seq_lens_q`, per-layer-type `cu_seq_lens_k`) and `PagedAttentionCache.update(...)`, reached
+through `_upstream_cache.engine_layer` (which release writes the cache where: `ATTENTION_UPDATES_CACHE` there).
 """
 
 from __future__ import annotations
@@ -256,7 +257,7 @@ def _attend(
 def varlen_paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # (1, H, T, D): every query token of the forward, packed
-    key: torch.Tensor,  # (1, Hkv, T, D): their new keys
+    key: torch.Tensor,  # (1, Hkv, T, D): their new keys (from 5.24: what the model's `cache.update` returned)
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
@@ -270,7 +271,11 @@ def varlen_paged_attention(
     """Attention for a CB forward: returns (1, T, H, D) and no weights (see the module docstring)."""
     window = sliding_window if isinstance(sliding_window, int) and sliding_window > 0 else None
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
-    if not isinstance(cache, PagedAttentionCache):
+    if kwargs.get("block_table") is not None:
+        raise ValueError(f"{ATTENTION_NAME} does not read block tables (flash-only decode fast path).")
+    # The engine's keys, its new ones written (by the cache's update here or, from transformers 5.24, in the model)
+    layer = _upstream_cache.engine_layer(cache, module, key, value, kwargs)
+    if layer is None:
         # Not an engine forward (e.g. a training forward while an async engine holds the shared config).
         causal = kwargs.get("is_causal", getattr(module, "is_causal", True))
         if attention_mask is None and causal and dropout == 0.0:
@@ -280,13 +285,6 @@ def varlen_paged_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs
         )
-    if kwargs.get("block_table") is not None:
-        raise ValueError(f"{ATTENTION_NAME} does not read block tables (flash-only decode fast path).")
-    direct = debug.direct_reads_enabled()
-    layer = _upstream_cache.paged_layer(cache, module.layer_idx, key, value, kwargs) if direct else None
-    if layer is None:  # transformers' own update (sliding-window layers): packed keys, gathered once more below
-        key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
-        layer = _upstream_cache.PagedLayer(key[0].transpose(0, 1), value[0].transpose(0, 1), None)
     out = packed_varlen_attention(
         query[0].transpose(0, 1),
         layer.key_storage,

@@ -110,3 +110,33 @@ def test_engine_steps_set_threads_on_the_engine_thread_only(model, tokenizer, pr
     thread.start()
     thread.join()
     assert fresh == [threads]
+
+
+@pytest.mark.parametrize("hook", [True, False], ids=["filtered", "control-unfiltered"])
+def test_engine_cache_stays_out_of_mixed_precision_outputs(tokenizer, prompts, monkeypatch, hook):
+    """accelerate's mixed precision wraps the trainer's model forward to convert half-precision outputs to fp32; from
+    transformers 5.24 Gemma-2 (like many models) returns the engine's bf16 `PagedAttentionCache` in its output, and
+    the wrapper called `.float()` on it (`AttributeError` in the engine loop). With the output filter generation
+    runs; control: without it, 5.24 fails that way (5.23 never returned the engine's cache)."""
+    from types import MethodType
+
+    from accelerate.utils import convert_outputs_to_fp32
+
+    from tests.unit.engine.test_precision import tiny_gemma2
+    from trl_cb.errors import GenerationError
+
+    model = tiny_gemma2(tokenizer, torch.bfloat16)
+    model.forward = MethodType(convert_outputs_to_fp32(model.forward.__func__), model)  # as accelerate.prepare does
+    if not hook:
+        monkeypatch.setattr(_upstream_cache, "_without_paged_cache", lambda module, args, output: output)
+    cfg = sampling_config(tokenizer, max_new_tokens=4)
+
+    def run() -> None:
+        with ContinuousBatchingGenerator(model, cfg, {"page_size": 16}) as gen:
+            gen.generate([prompts[0][:20]], num_generations=1)
+
+    if hook or _upstream_cache.ATTENTION_UPDATES_CACHE:
+        run()
+    else:
+        with pytest.raises(GenerationError, match="has no attribute 'float'"):
+            run()
