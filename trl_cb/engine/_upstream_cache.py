@@ -1,24 +1,18 @@
 """The paged cache's storage, reached directly: write a layer's new keys, hand back the storage and its read index.
 
-Why: `PagedAttentionCache.update` writes the new keys and then gathers every key of every request of the batch into one
-packed tensor, per layer and per step; `varlen_attention` then gathers again into its padded per-request layout. On
-CPU those two copies of all keys are the largest per-layer cost of a decode step. Reading the storage through the
-composed index (`read_index[padded positions]`) does one gather instead of two, with identical values.
-Only full-attention layers take this path (write, then read back past and new keys: reading the storage is exact). A
-sliding-window layer reads before it writes, so `paged_layer` returns None and the caller uses `cache.update`.
-The read index itself (every key position of every request, per step) is built by `read_index_rows` from the block
-tables with a few tensor ops, not as a Python list of ints (`install_read_index_rows`, CPU without padding).
-Upstream surface (pinned in tests/unit/test_contracts.py): `cache.layer_to_allocator`, the allocator's `index`,
-`layer_type`, `block_table`, `tokens_per_page`, `block_physical_stride`, `get_read_indices` and
-`_kv_token_views[layer]`; the engine's `read_index` / `write_index` / per-layer-type `cu_seq_lens_k` kwargs; and
-`ContinuousBatchingIOs.prepare_batch_tensors` with its `requests_in_batch`, `read_index_storage`, `true_read_sizes`.
-
-Who writes the cache depends on the release (`ATTENTION_UPDATES_CACHE`, pinned per release by the contract tests):
-up to transformers 5.23 the engine passes `cache` to the attention function, which writes the new keys
-(`cache.update`); from 5.24 the model's attention layer calls `cache.update` itself and the attention function gets
-only the packed keys and the engine's varlen kwargs. `engine_layer` hides the difference from `varlen_attention`; on
-5.24 `install_model_side_updates` keeps the one-gather reads (it wraps the engine cache's `update`) and keeps the
-cache out of the model's output (`drop_paged_cache_from_outputs`).
+Why: `PagedAttentionCache.update` writes the new keys, then gathers every key of the batch into one packed tensor per
+layer and step; `varlen_attention` gathers again into its per-request layout. On CPU those two copies are the largest
+per-layer cost of a decode step; reading the storage through `read_index[padded positions]` is one gather, same
+values. Full-attention layers only (they write, then read past and new keys); a sliding-window layer reads before it
+writes, so `paged_layer` returns None and the caller uses `cache.update`. `read_index_rows` builds the read index from
+the block tables with tensor ops (`install_read_index_rows`). Who writes the cache depends on the release
+(`ATTENTION_UPDATES_CACHE`): up to 5.23 the attention function (it gets `cache`), from 5.24 the model's attention
+layer; `engine_layer` hides it, and on 5.24 `install_model_side_updates` keeps the one-gather reads and the cache out
+of the model's output (`drop_paged_cache_from_outputs`). Upstream surface (tests/unit/test_contracts.py):
+`cache.layer_to_allocator`, the allocator's `index`, `layer_type`, `block_table`, `tokens_per_page`,
+`block_physical_stride`, `get_read_indices`, `_kv_token_views[layer]`; the engine's `read_index` / `write_index` /
+per-layer-type `cu_seq_lens_k` kwargs; `ContinuousBatchingIOs.prepare_batch_tensors` (`requests_in_batch`,
+`read_index_storage`, `true_read_sizes`).
 """
 
 from __future__ import annotations
