@@ -44,6 +44,36 @@ def cpu_preset(name: str, eos_logit_bias: float | None, dtype: Any = None) -> tu
     return build(tokenizer, eos_logit_bias=eos_logit_bias, dtype=dtype or torch.float32), tokenizer
 
 
+def llama_1b_random(dtype: Any, device: Any, eos_logit_bias: float | None) -> tuple[Any, Any]:
+    """(model, tokenizer): Llama-3.2-1B at full size, random init (no hub), on `device`, eval mode.
+
+    Its 128,256-entry vocabulary makes the LM head and sampling cost what they cost on the real model; the local
+    tokenizer covers the first 4,096 ids (prompts, EOS, pad). The LM head is untied from the embedding so that
+    `eos_logit_bias` (None: plain init) moves the EOS row only.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from trl_cb.offline.tiny import bias_eos, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(vocab_size=4096)
+    config = LlamaConfig(
+        vocab_size=128_256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):  # random init where the model runs: seconds on a GPU, not a minute on a CPU
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    if eos_logit_bias is not None:
+        bias_eos(model, tokenizer.eos_token_id, eos_logit_bias)
+    for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        setattr(model.generation_config, key, getattr(tokenizer, key))
+    return model.eval(), tokenizer
+
+
 @contextmanager
 def background_load(num_processes: int) -> Iterator[list[subprocess.Popen[bytes]]]:
     """Keep `num_processes` busy-looping Python processes running for the duration of the block.

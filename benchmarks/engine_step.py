@@ -4,14 +4,17 @@ step's time goes.
     python benchmarks/engine_step.py                          # null, tiny, small x 32/128/512/1024 rows, 2 cores
     python benchmarks/engine_step.py --quick                  # seconds, for smoke tests (not for numbers)
     python benchmarks/engine_step.py --models null --rows 32 512 --variant upstream_sampler:TRL_CB_SAMPLER=upstream
+    python benchmarks/engine_step.py --models llama-1b --device cuda --rows 32 128 512 1024 --max-new-tokens 128
 
 Workload: `rows / --samples-per-prompt` random prompts of `--prompt-len` tokens, each sampled `--samples-per-prompt`
 times (TRL repeats each prompt G times), no length tail: EOS is never sampled (`_model`, `--logit-scale`) so every
 completion runs to `--max-new-tokens` (checked: a worker raises otherwise). Sampling at temperature 1, top_k 0,
-top_p 1 (no logits processor on either side), fp32, CPU.
+top_p 1 (no logits processor on either side), fp32 on CPU (bf16 with `--device cuda`).
 
 Models (random init, offline): `null` (1 layer x 32 wide: a forward costs next to nothing, so a step is framework
-cost), `tiny` (2 x 64) and `small` (8 x 256) from `benchmarks/common.py`.
+cost), `tiny` (2 x 64) and `small` (8 x 256) from `benchmarks/common.py`; `llama-1b` (Llama-3.2-1B at full size,
+its 128,256-entry vocabulary, `common.llama_1b_random`) for a GPU. On a GPU the phase timers measure host time (the
+kernels run asynchronously; a step's wall time is synchronized), which is what decides a decode step there.
 
 Backends, each (model, rows, backend) point in its own subprocess (`common.run_worker`), the backends interleaved
 point by point so that load drift hits them alike:
@@ -53,7 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import DEFAULT_OUT, OUT_HELP, environment, format_table, run_worker, write_json  # noqa: E402
 
-MODELS = ("null", "tiny", "small")
+MODELS = ("null", "tiny", "small", "llama-1b")
+CPU_MODELS = MODELS[:3]
 BACKENDS = ("generate", "trl_cb")
 TRL_CB_PHASES = ("scheduling", "sampling", "attention", "attention_planning", "forward", "bookkeeping", "other")
 GENERATE_PHASES = ("sampling", "attention", "forward", "other")
@@ -62,22 +66,25 @@ GENERATE_PHASES = ("sampling", "attention", "forward", "other")
 # ------------------------------------------------------------------------------------------------------ worker
 
 
-def _model(name: str, logit_scale: float) -> tuple[Any, Any]:
+def _model(name: str, logit_scale: float, device: str = "cpu", dtype: str = "float32") -> tuple[Any, Any]:
     """A random model (untied LM head) that never samples EOS: the EOS row of the LM head is zero (logit 0) and the
     other rows are scaled so that the logits' spread is `logit_scale` (max logit ~3 x that over 512 tokens): P(EOS)
     ~ exp(-3 x logit_scale) per token. A step's cost does not depend on how peaked the distribution is."""
     import torch
-    from common import cpu_preset
+    from common import cpu_preset, llama_1b_random
 
     from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
 
     if name == "null":
         tokenizer = tiny_tokenizer()
         model = tiny_model(tokenizer, hidden_size=32, num_layers=1)
+    elif name == "llama-1b":
+        model, tokenizer = llama_1b_random(getattr(torch, dtype), device, None)
     else:
         model, tokenizer = cpu_preset(name, None)
+    model.to(device=device, dtype=getattr(torch, dtype))
     with torch.no_grad():
-        probe = torch.randint(3, len(tokenizer), (8, 32), generator=torch.Generator().manual_seed(0))
+        probe = torch.randint(3, len(tokenizer), (8, 32), generator=torch.Generator().manual_seed(0)).to(device)
         spread = float(model(input_ids=probe).logits.std())
         model.lm_head.weight.mul_(logit_scale / spread)
         model.lm_head.weight[tokenizer.eos_token_id] = 0.0
@@ -171,7 +178,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from trl_cb import ContinuousBatchingGenerator
 
     torch.set_num_threads(spec["threads"])
-    model, tokenizer = _model(spec["model"], spec["logit_scale"])
+    device = spec["device"]
+    model, tokenizer = _model(spec["model"], spec["logit_scale"], device, spec["dtype"])
     rows, group, new = spec["rows"], spec["samples_per_prompt"], spec["max_new_tokens"]
     prompts_per_round = rows // group
     gen_cfg = GenerationConfig(
@@ -191,9 +199,11 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         batch = [p for p in prompts for _ in range(group)]
         torch.manual_seed(spec["seed"] + r)
         timer.reset()
+        if device != "cpu":
+            torch.cuda.synchronize()
         cpu_start, start = time.process_time(), time.perf_counter()
         if generator is None:
-            ids = torch.tensor(batch)
+            ids = torch.tensor(batch, device=device)
             with torch.no_grad():
                 out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg)
             lengths = [len(row) for row in out[:, ids.shape[1] :].tolist() if tokenizer.eos_token_id not in row]
@@ -224,6 +234,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         "profile_ms": {k: statistics.median(p[k] for p in profiles) for k in profiles[0]},
         "forwards_per_step": statistics.median(forwards),
         "threads": torch.get_num_threads(),
+        "device": device,
+        "dtype": spec["dtype"],
     }
 
 
@@ -232,7 +244,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--models", nargs="+", default=list(CPU_MODELS), choices=MODELS, help="default: the CPU models")
+    p.add_argument("--device", default="cpu", help="cpu (default) | cuda")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--rows", type=int, nargs="+", default=[32, 128, 512, 1024], help="rows (sequences) per round")
     p.add_argument("--samples-per-prompt", type=int, default=8, help="G: each prompt is sampled this many times")
     p.add_argument("--prompt-len", type=int, default=16)
@@ -271,6 +285,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not name or not pairs or any(not k or not sep for k, sep, _ in pairs):
             p.error(f"--variant must look like NAME:KEY=VALUE[,KEY=VALUE], got {text!r}")
         args.variants[name] = {k: v for k, _, v in pairs}
+    if args.dtype is None:
+        args.dtype = "float32" if args.device == "cpu" else "bfloat16"
     if args.threads is None:
         import torch
 
@@ -293,7 +309,8 @@ def _run_point(args: argparse.Namespace, model: str, rows: int, backend: str) ->
     spec = {
         "model": model, "rows": rows, "backend": backend, "samples_per_prompt": args.samples_per_prompt,
         "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-        "logit_scale": args.logit_scale, "threads": args.threads, "seed": args.seed,
+        "logit_scale": args.logit_scale, "threads": args.threads, "seed": args.seed, "device": args.device,
+        "dtype": args.dtype,
     }  # fmt: skip
     variant_env = args.variants.get(backend.partition(":")[2], {})
     saved = {k: os.environ.get(k) for k in variant_env}

@@ -44,6 +44,7 @@ from common import (  # noqa: E402
     cpu_preset,
     environment,
     format_table,
+    llama_1b_random,
     peak_rss_bytes,
     percentile,
     run_worker,
@@ -68,23 +69,7 @@ def _load_model(spec: dict[str, Any]) -> tuple[Any, Any]:
     if name in CPU_PRESETS:
         model, tokenizer = cpu_preset(name, spec["eos_logit_bias"], dtype)
     elif name == "llama-1b-random":
-        from transformers import LlamaConfig
-
-        from trl_cb.offline.tiny import bias_eos, tiny_tokenizer
-
-        tokenizer = tiny_tokenizer(vocab_size=4096)
-        # Llama-3.2-1B at full size (its 128,256-entry vocabulary: the LM head and sampling cost what they cost on
-        # the real model), random init (no hub); the local tokenizer covers the first 4,096 ids (prompts, EOS, pad).
-        config = LlamaConfig(
-            vocab_size=128_256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
-            tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )  # fmt: skip
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untie to bias EOS only
-        bias_eos(model.to(device), tokenizer.eos_token_id, spec["eos_logit_bias"])
+        model, tokenizer = llama_1b_random(dtype, device, spec["eos_logit_bias"])
     else:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa")

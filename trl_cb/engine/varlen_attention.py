@@ -16,12 +16,14 @@ through `_upstream_cache.engine_layer` (which release writes the cache where: `A
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -38,6 +40,25 @@ DENSE_MASK_IMPLEMENTATIONS = ("sdpa", "paged|eager")
 
 _local = threading.local()  # per engine thread: the last few batch plans (layers of one forward share them)
 _PLAN_CACHE_SIZE = 4
+#: SDPA backends the engine's attention uses on CUDA: all but cuDNN. Recent torch prefers cuDNN attention for
+#: bf16/fp16 on Hopper, and cuDNN builds an execution graph for every new shape; every engine step brings new
+#: (rows, keys) shapes, so each call paid a graph build. Measured on an H100 (torch 2.11, transformers 5.23, a 1-layer
+#: model, 32 rows): 62-91 ms per decode step in bf16 against 5.4 ms in fp32 (where cuDNN attention does not apply),
+#: 89% of the bf16 step inside this module's SDPA call (docs/benchmarks.md, "GPU").
+CUDA_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def engine_sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """The SDPA backend choice for the engine's attention calls on `device`: `CUDA_SDPA_BACKENDS` on CUDA, torch's own
+    choice elsewhere.
+
+    torch keeps this choice in process-wide flags (`torch.nn.attention.sdpa_kernel`), set on entry and restored on
+    exit: an SDPA call that another thread makes meanwhile (the trainer's forward under `async_overlap`) also skips
+    cuDNN, and picks another backend of the same maths.
+    """
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(list(CUDA_SDPA_BACKENDS))
 
 
 def replaces(implementation: str, cuda_graphs: bool = False) -> bool:
@@ -347,12 +368,31 @@ def packed_varlen_attention(
     With `key_index`, `key` and `value` are the cache's storage and every read is one gather from it."""
     plan = _plan(cu_seq_lens_q, cu_seq_lens_k, sliding_window, query.device)
     bucket_keys = _bucket_keys(plan, key_index)
-    num_heads, head_dim = query.shape[1], query.shape[-1]
-    num_kv, value_dim = key.shape[1], value.shape[-1]
+    num_heads, num_kv, value_dim = query.shape[1], key.shape[1], value.shape[-1]
     n_rep = num_heads // num_kv
     sinks = None if sinks is None else sinks.reshape(num_kv, n_rep)
     out = query.new_empty(query.shape[0], num_heads, value_dim)
+    with engine_sdpa_backends(query.device):
+        _attend_buckets(query, key, value, out, plan, bucket_keys, key_index, scaling, softcap, sinks, n_rep)
+    return out
 
+
+def _attend_buckets(
+    query: torch.Tensor,  # (T, H, D)
+    key: torch.Tensor,  # (Tk, Hkv, D)
+    value: torch.Tensor,  # (Tk, Hkv, Dv)
+    out: torch.Tensor,  # (T, H, Dv), written
+    plan: _Plan,
+    bucket_keys: list[torch.Tensor],
+    key_index: torch.Tensor | None,
+    scaling: float | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,  # (Hkv, n_rep) or None
+    n_rep: int,
+) -> None:
+    """`packed_varlen_attention`'s work: the decode buckets, then the multi-token (prefill) requests, into `out`."""
+    num_heads, head_dim = query.shape[1], query.shape[-1]
+    num_kv, value_dim = key.shape[1], value.shape[-1]
     for bucket, flat in zip(plan.buckets, bucket_keys, strict=True):
         rows = bucket.rows.shape[0]
         q = query.index_select(0, bucket.rows).reshape(rows, num_kv, n_rep, head_dim)  # (R, Hkv, n_rep, D)
@@ -372,4 +412,3 @@ def packed_varlen_attention(
         k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, Hkv, Lk, D)
         o = _attend(q, k, v, mask, mask is None, scaling, softcap, sinks, n_rep)  # (1, Hkv, n_rep * Lq, Dv)
         out[q0:q1] = o.reshape(num_kv, n_rep, len_q, value_dim).permute(2, 0, 1, 3).reshape(len_q, num_heads, -1)
-    return out

@@ -152,7 +152,7 @@ def bias_eos(model: PreTrainedModel, eos_id: int, bias: float) -> None:
     about `bias` to the EOS logit on average while the context still moves it, which yields a long-tailed length
     distribution rather than a constant one.
     """
-    probe = torch.randint(3, model.config.vocab_size, (8, 32))
+    probe = torch.randint(3, model.config.vocab_size, (8, 32), device=model.lm_head.weight.device)
     hidden = model.model(input_ids=probe).last_hidden_state.reshape(-1, model.config.hidden_size)  # (8*32, H)
     direction = hidden.mean(0)
     scale = bias / max(float(direction.norm() ** 2), 1e-6)

@@ -275,3 +275,39 @@ def test_other_models_unaffected(tokenizer):
     with ContinuousBatchingGenerator(model, cfg) as gen:
         gen.generate(prompts)
         assert other.config._attn_implementation == impl
+
+
+def _sdpa_flags() -> tuple[bool, bool, bool, bool]:
+    c = torch.backends.cuda
+    return c.cudnn_sdp_enabled(), c.flash_sdp_enabled(), c.mem_efficient_sdp_enabled(), c.math_sdp_enabled()
+
+
+def test_engine_attention_skips_cudnn_sdpa_on_cuda_only():
+    """cuDNN attention builds a graph per new shape and every engine step brings new shapes (89% of an H100 bf16 step,
+    `varlen_attention.CUDA_SDPA_BACKENDS`): on CUDA the engine's calls run without it, and torch's flags come back."""
+    before = _sdpa_flags()
+    assert before[0], "torch's default enables cuDNN attention; without it this test shows nothing"
+    with attention.engine_sdpa_backends(torch.device("cuda")):
+        assert _sdpa_flags() == (False, True, True, True)
+    assert _sdpa_flags() == before
+    with attention.engine_sdpa_backends(torch.device("cpu")):
+        assert _sdpa_flags() == before  # control: CPU calls keep torch's choice
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bf16_round_never_calls_sdpa_with_cudnn_enabled(tokenizer, monkeypatch):
+    """Every SDPA call of a bf16 CB round on CUDA runs with cuDNN attention off, and the round is exact to bf16
+    teacher forcing's level (max gap under 0.1 nat on weights far from uniform)."""
+    model = _far_from_uniform(_config("qwen2", tokenizer)).to("cuda", torch.bfloat16)
+    sdpa, seen = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recording(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    prompts = [tokenizer(r["prompt"])["input_ids"] for r in synthetic_gsm8k(4, seed=1)]
+    completions, logprobs = _round(model, tokenizer, prompts, 1.0)
+    assert seen and not any(seen), f"{sum(seen)} of {len(seen)} SDPA calls ran with cuDNN attention enabled"
+    assert _worst(model, prompts, completions, logprobs, 1.0) < 0.1
