@@ -28,6 +28,7 @@ LABELS = {
     "generate": "generate() (TRL)",
     "trl_cb": "trl_cb",
     "trl_cb_async": "trl_cb async",
+    "trl_cb_overlap_async": "trl_cb overlap",
     "trl_cb_server": "trl_cb server",
     "trl_cb_server_async": "trl_cb server async",
 }

@@ -218,8 +218,10 @@ def test_default_prompts_are_the_vendored_gsm8k_test_split():
 @pytest.mark.slow
 def test_learning_quick_records_curves_png_and_async_counts(tmp_path):
     steps = 3  # --quick: 3 steps, evaluation every 2 (and at 0 and the end); one seed keeps the suite short
-    backends = ("generate", "trl_cb", "trl_cb_async", "trl_cb_server_async")
-    curves = ("generate", "trl_cb", "trl_cb_async depth=1", "trl_cb_server_async depth=1")
+    backends = ("generate", "trl_cb", "trl_cb_async", "trl_cb_overlap_async", "trl_cb_server_async")
+    curves = (
+        "generate", "trl_cb", "trl_cb_async depth=1", "trl_cb_overlap_async depth=1", "trl_cb_server_async depth=1"
+    )  # fmt: skip
     script = str(ROOT / "benchmarks" / "learning.py")
     proc = run(
         script, "--quick", "--trainers", "grpo", "--seeds", "0", "--backends", *backends, "--out", str(tmp_path)
@@ -269,6 +271,8 @@ def test_learning_quick_records_curves_png_and_async_counts(tmp_path):
     assert summary["generate"]["async"] is None
     targets = {t["target"] for t in payload["targets"]}
     assert "trl_cb_server_async depth=1: time to threshold / trl_cb sync" in targets and "x trl_cb" in proc.stdout
+    bounds = {t["target"]: t["bound"] for t in payload["targets"]}
+    assert bounds["trl_cb_overlap_async depth=1: time to threshold / trl_cb sync"] == "<= 0.9"  # issue 26's target
     json_files, png_files = list(tmp_path.glob("learning-*.json")), list(tmp_path.glob("learning-*.png"))
     assert len(json_files) == 1 and len(png_files) == 1 and png_files[0].stat().st_size > 10_000
 

@@ -90,6 +90,19 @@ class OverlapEngineBackend(LocalEngineBackend):
             self._restore_training_weights()
             self._apply_generation_weights()  # copy_ into the kept copies: same addresses, new values
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold the engine between two of its steps for the block, with no weight update (no version marked): work that
+        should not share the cores with generation (an evaluation of the policy, a checkpoint) runs alone, and the
+        engine resumes its requests over their KV cache afterwards. Nests with the optimizer-step pause. No engine or a
+        stopped one: the block runs at once."""
+        manager = self.manager
+        if manager is None or not manager.is_running():
+            yield
+            return
+        with manager.pause():  # returns once the loop sits between two steps (as `inflight_update` relies on)
+            yield
+
     def stop(self) -> None:
         """Hard-stop the engine (its thread has exited on return); in-flight groups are abandoned. Interrupt-safe."""
         with guards.deferred_interrupts():

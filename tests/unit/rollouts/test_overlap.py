@@ -439,6 +439,24 @@ def test_stop_with_rollouts_in_flight_returns_within_2s_and_leaves_no_thread(tok
     ctl.stop()
 
 
+def test_paused_holds_the_engine_without_marking_a_weight_update(tokenizer, monkeypatch):
+    """`paused()` (an evaluation of the policy while overlap runs): no token is generated inside the block, no version
+    is marked, and the engine steps again after it."""
+    ctl = heavy_overlap(tokenizer)
+    manager = ctl.backend.manager
+    with engine_throttle(ctl.backend.view.module, monkeypatch) as throttle:
+        throttle.step(3)  # requests are in flight
+        version = ctl.policy_version
+        with ctl.backend.paused():
+            before = _upstream.inflight_generated_lengths(manager)
+            time.sleep(0.3)  # a negative check: a broken pause could only make it fail, never make it pass wrongly
+            assert _upstream.inflight_generated_lengths(manager) == before and before
+            assert all(not p.boundaries for p in ctl.backend._groups.pending), "a weight update was marked"
+        throttle.step(2)  # runs again
+    assert ctl.policy_version == version
+    ctl.stop()
+
+
 def test_stop_inside_an_optimizer_step_releases_the_pause(tokenizer):
     """An error in the optimizer step (between `begin` and `end`): `stop` releases the held pause and still stops."""
     ctl = heavy_overlap(tokenizer)
