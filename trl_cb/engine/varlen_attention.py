@@ -368,47 +368,31 @@ def packed_varlen_attention(
     With `key_index`, `key` and `value` are the cache's storage and every read is one gather from it."""
     plan = _plan(cu_seq_lens_q, cu_seq_lens_k, sliding_window, query.device)
     bucket_keys = _bucket_keys(plan, key_index)
-    num_heads, num_kv, value_dim = query.shape[1], key.shape[1], value.shape[-1]
+    num_heads, head_dim = query.shape[1], query.shape[-1]
+    num_kv, value_dim = key.shape[1], value.shape[-1]
     n_rep = num_heads // num_kv
     sinks = None if sinks is None else sinks.reshape(num_kv, n_rep)
     out = query.new_empty(query.shape[0], num_heads, value_dim)
-    with engine_sdpa_backends(query.device):
-        _attend_buckets(query, key, value, out, plan, bucket_keys, key_index, scaling, softcap, sinks, n_rep)
+    with engine_sdpa_backends(query.device):  # CUDA: never cuDNN (`CUDA_SDPA_BACKENDS`)
+        for bucket, flat in zip(plan.buckets, bucket_keys, strict=True):
+            rows = bucket.rows.shape[0]
+            q = query.index_select(0, bucket.rows).reshape(rows, num_kv, n_rep, head_dim)  # (R, Hkv, n_rep, D)
+            k = key.index_select(0, flat).reshape(rows, -1, num_kv, head_dim).transpose(1, 2)  # (R, Hkv, L, D)
+            v = value.index_select(0, flat).reshape(rows, -1, num_kv, value_dim).transpose(1, 2)
+            o = _attend(q, k, v, bucket.mask, False, scaling, softcap, sinks, n_rep)  # (R, Hkv, n_rep, Dv)
+            out.index_copy_(0, bucket.rows, o.reshape(rows, num_heads, value_dim))
+
+        for (q0, q1, k0, k1), mask in zip(plan.multi, plan.masks_for(n_rep), strict=True):
+            len_q = q1 - q0
+            # (Lq, H, D) -> (1, Hkv, n_rep * Lq, D): rows ordered (rep, token), one (Lq, Lk) mask serves every rep
+            q = query[q0:q1].reshape(len_q, num_kv, n_rep, head_dim).permute(1, 2, 0, 3)
+            q = q.reshape(1, num_kv, -1, head_dim)
+            if key_index is None:
+                k, v = key[k0:k1], value[k0:k1]
+            else:
+                k, v = key.index_select(0, key_index[k0:k1]), value.index_select(0, key_index[k0:k1])
+            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, Hkv, Lk, D)
+            o = _attend(q, k, v, mask, mask is None, scaling, softcap, sinks, n_rep)  # (1, Hkv, n_rep * Lq, Dv)
+            o = o.reshape(num_kv, n_rep, len_q, value_dim).permute(2, 0, 1, 3)
+            out[q0:q1] = o.reshape(len_q, num_heads, -1)
     return out
-
-
-def _attend_buckets(
-    query: torch.Tensor,  # (T, H, D)
-    key: torch.Tensor,  # (Tk, Hkv, D)
-    value: torch.Tensor,  # (Tk, Hkv, Dv)
-    out: torch.Tensor,  # (T, H, Dv), written
-    plan: _Plan,
-    bucket_keys: list[torch.Tensor],
-    key_index: torch.Tensor | None,
-    scaling: float | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,  # (Hkv, n_rep) or None
-    n_rep: int,
-) -> None:
-    """`packed_varlen_attention`'s work: the decode buckets, then the multi-token (prefill) requests, into `out`."""
-    num_heads, head_dim = query.shape[1], query.shape[-1]
-    num_kv, value_dim = key.shape[1], value.shape[-1]
-    for bucket, flat in zip(plan.buckets, bucket_keys, strict=True):
-        rows = bucket.rows.shape[0]
-        q = query.index_select(0, bucket.rows).reshape(rows, num_kv, n_rep, head_dim)  # (R, Hkv, n_rep, D)
-        k = key.index_select(0, flat).reshape(rows, -1, num_kv, head_dim).transpose(1, 2)  # (R, Hkv, L, D)
-        v = value.index_select(0, flat).reshape(rows, -1, num_kv, value_dim).transpose(1, 2)
-        o = _attend(q, k, v, bucket.mask, False, scaling, softcap, sinks, n_rep)  # (R, Hkv, n_rep, Dv)
-        out.index_copy_(0, bucket.rows, o.reshape(rows, num_heads, value_dim))
-
-    for (q0, q1, k0, k1), mask in zip(plan.multi, plan.masks_for(n_rep), strict=True):
-        len_q = q1 - q0
-        # (Lq, H, D) -> (1, Hkv, n_rep * Lq, D): rows ordered (rep, token), so one (Lq, Lk) mask serves every rep
-        q = query[q0:q1].reshape(len_q, num_kv, n_rep, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv, -1, head_dim)
-        if key_index is None:
-            k, v = key[k0:k1], value[k0:k1]
-        else:
-            k, v = key.index_select(0, key_index[k0:k1]), value.index_select(0, key_index[k0:k1])
-        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, Hkv, Lk, D)
-        o = _attend(q, k, v, mask, mask is None, scaling, softcap, sinks, n_rep)  # (1, Hkv, n_rep * Lq, Dv)
-        out[q0:q1] = o.reshape(num_kv, n_rep, len_q, value_dim).permute(2, 0, 1, 3).reshape(len_q, num_heads, -1)
