@@ -304,10 +304,10 @@ def _print_noise_floor(floor: NoiseFloor, dtype_name: str, tolerance: float) -> 
     rows = (
         ("CB", floor.cb, "the engine"),
         (f"forward ({dtype_name})", floor.forward, "the model's own kernel noise"),
-        (f"control (last {_CONTROL_KEEP} prompt tokens)", floor.control, "a cache that lost the prefix"),
+        ("control (prefix dropped)", floor.control, f"float64 on the last min({_CONTROL_KEEP}, half) prompt tokens"),
     )
     for name, gap, meaning in rows:
-        print(f"  {name + ' vs float64:':<45} max {gap.max_abs:.2e} (mean {gap.mean_abs:.2e})  {meaning}")
+        print(f"  {name + ' vs float64:':<38} max {gap.max_abs:.2e} (mean {gap.mean_abs:.2e})  {meaning}")
     print(f"bound = max(tolerance {tolerance:g}, 2 x {floor.forward.max_abs:.2e}) = {floor.bound:.2e}")
 
 
