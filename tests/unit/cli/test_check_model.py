@@ -8,10 +8,12 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.model_zoo import REFUSED, SUPPORTED, WINDOW, tiny_arch_model, tiny_config
 from trl_cb.cli import check_model
+from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
 
 
 def _save(tmp_path: Path, tokenizer, model=None, config=None) -> str:
@@ -84,3 +86,85 @@ def test_refused_architecture_exits_nonzero_before_loading_weights(tokenizer, tm
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL: refused architecture" in proc.stdout
     assert reason in proc.stdout and "use_transformers_continuous_batching=False" in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------------- --noise-floor
+
+
+@pytest.fixture(scope="module")
+def sharp_checkpoint(tmp_path_factory) -> str:
+    """Weights of std 0.4 (hidden 256, 4 layers, 4,096-token vocabulary): with 128-token prompts the float32 forward's
+    own kernel noise (~3e-4 on CPU) exceeds the plain check's 1e-4, as the H100 checkpoint's did."""
+    tokenizer = tiny_tokenizer(4096)
+    model = tiny_model(tokenizer, hidden_size=256, num_layers=4, num_attention_heads=4, init_std=0.4, seed=1)
+    path = tmp_path_factory.mktemp("sharp") / "ckpt"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+_SHARP_ARGV = ["--num-prompts", "2", "--max-new-tokens", "24", "--prompt-tokens", "128", "--device", "cpu"]
+
+
+@pytest.mark.slow
+def test_noise_floor_passes_an_exact_engine_the_plain_check_fails(sharp_checkpoint, capsys):
+    """The false FAIL the flag exists for: the plain check fails (and suggests the flag), `--noise-floor` passes with
+    all three numbers printed and the control far above the bound."""
+    assert check_model.main([sharp_checkpoint, *_SHARP_ARGV]) == 1
+    plain = capsys.readouterr().out
+    assert "FAIL: logprob gap" in plain and "rerun with --noise-floor" in plain, plain
+
+    assert check_model.main([sharp_checkpoint, *_SHARP_ARGV, "--noise-floor"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "FAIL" not in out, out
+    floor = {line.split(" vs float64:")[0].strip(): float(line.split("max ")[1].split()[0])
+             for line in out.splitlines() if " vs float64:" in line}  # fmt: skip
+    bound = float(out.split("bound = ")[1].split(" = ")[1].split()[0])
+    assert set(floor) == {"CB", "forward (float32)", "control (prefix dropped)"}, out
+    assert floor["forward (float32)"] > 1e-4, "the checkpoint no longer has noise above the plain tolerance"
+    assert floor["CB"] <= bound < floor["control (prefix dropped)"], out
+
+
+_BROKEN_ENGINES = {
+    "off_by_0.05": lambda row: [lp + 0.05 for lp in row],  # far below the plain bf16 tolerance
+    "shifted_by_one_token": lambda row: row[1:] + row[-1:],  # each token reports its successor's logprob
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("breakage", sorted(_BROKEN_ENGINES))
+def test_noise_floor_fails_a_broken_engine(sharp_checkpoint, capsys, monkeypatch, breakage):
+    """Control: an engine whose sampled logprobs are wrong fails with the flag, and the reason names the CB number."""
+    sample, corrupt = check_model._sample, _BROKEN_ENGINES[breakage]
+
+    def broken(*args, **kwargs):
+        completions, logprobs, seconds = sample(*args, **kwargs)
+        return completions, [corrupt(list(row)) for row in logprobs], seconds
+
+    monkeypatch.setattr(check_model, "_sample", broken)
+    argv = [sharp_checkpoint, "--num-prompts", "1", "--max-new-tokens", "8", "--prompt-tokens", "128", "--noise-floor"]
+    assert check_model.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "FAIL: CB vs float64 max" in out and "PASS" not in out, out
+    if breakage == "off_by_0.05":
+        assert "FAIL: CB vs float64 max 5.0" in out, out
+
+
+def test_floor_verdict_rule():
+    """The rule on numbers: the H100 measurements (docs/benchmarks.md "GPU") pass; CB over twice the forward's noise,
+    or a control inside the bound, fail and say which number broke it; the tolerance is a floor for the bound."""
+    assert check_model.floor_verdict(4.8e-4, 5.3e-4, 29.0, 1e-4) is None  # Qwen2 std 0.2, fp32
+    assert check_model.floor_verdict(2.79, 2.79, 31.0, 0.1) is None  # the same in bf16
+    assert check_model.floor_verdict(2.3e-5, 1.8e-5, 8.7, 1e-4) is None  # Llama std 0.05, fp32: under tolerance
+    assert check_model.floor_verdict(1.06e-3, 5.3e-4, 29.0, 1e-4) is None  # exactly on the bound
+    broken = check_model.floor_verdict(1.07e-3, 5.3e-4, 29.0, 1e-4)
+    assert broken is not None and broken.startswith("CB vs float64 max 1.07e-03 > bound 1.06e-03"), broken
+    assert check_model.floor_verdict(2e-4, 1e-6, 29.0, 1e-4).startswith("CB vs float64")  # tolerance 1e-4 is the bound
+    blind = check_model.floor_verdict(0.1, 0.5, 0.9, 0.1)
+    assert blind is not None and blind.startswith("inconclusive: the control"), blind
+
+
+def test_plain_fail_suggests_noise_floor_only_when_noise_could_explain_it():
+    assert check_model._noise_could_explain(4e-4, torch.float32)
+    assert not check_model._noise_could_explain(0.05, torch.float32)  # fp32 noise never came near this
+    assert check_model._noise_could_explain(0.5, torch.bfloat16)  # bf16 noise reached 2.8 nats on sharp weights
