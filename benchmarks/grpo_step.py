@@ -27,7 +27,8 @@ Threads: colocated backends use `--threads` (default: every core); the server ba
 
 Besides step times it reports samples/s (completions per step / median step time), tokens/s, and, for the trl_cb
 backends, the trainer's wait for rollouts per step (sync: the generation call; async: the wait for finished groups)
-and, for the server backends, the time of each weight push (part of the step: the trainer sends while it waits).
+and, for the server backends, the time of each weight push (part of the step: the trainer sends while it waits),
+and the trainer process's peak RSS (a server backend's server is another process, not counted).
 
 Workloads (`--workload`; `--prompts`, `--num-generations`, `--max-completion-length` override either):
 - `gsm8k` (default): 8 prompts x G=8 completions, up to 256 tokens, long-tailed lengths (the preset's EOS bias; tiny:
@@ -74,6 +75,7 @@ from common import (  # noqa: E402
     cpu_preset,
     environment,
     format_table,
+    peak_rss_bytes,
     record_call_times,
     run_worker,
     served_model,
@@ -185,6 +187,7 @@ def _train(spec: dict[str, Any], args: Any, trainer_cls: Any, model: Any, tokeni
         "completions_per_step": spec["prompts"] * spec["num_generations"],
         "staleness_max": max((e["async/staleness_max"] for e in async_logs), default=None),
         "dropped_total": async_logs[-1]["async/dropped_total"] if async_logs else None,
+        "peak_rss_bytes": peak_rss_bytes(),  # the trainer's process (a server backend's server runs in another)
     }
 
 
@@ -308,6 +311,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "weight_push_s": summarize(r["pushes"]) if r["pushes"] else None,
                 "staleness_max": r["staleness_max"],
                 "dropped_groups": r["dropped_total"],
+                "peak_rss_mb": r["peak_rss_bytes"] / 2**20,
             }
         )
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"}
@@ -319,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "min": p["step_time_s"]["min"], "max": p["step_time_s"]["max"], "vs_native": p["ratio_vs_trl_native"],
             "vs_generate": p["ratio_vs_generate"], "len": p["mean_completion_length"], "sps": p["samples_per_s"],
             "tps": p["tokens_per_s"], "push": p["weight_push_s"]["mean"] if p["weight_push_s"] else None,
-            "wait": p["trainer_wait_s"]["mean"] if p["trainer_wait_s"] else None,
+            "wait": p["trainer_wait_s"]["mean"] if p["trainer_wait_s"] else None, "rss": p["peak_rss_mb"],
         }
         for p in points
     ]  # fmt: skip
@@ -341,6 +345,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ("wait", "wait s/step"),
                 ("push", "push s"),
                 ("len", "mean len"),
+                ("rss", "peak RSS MB"),
             ],
         )  # fmt: skip
     )
