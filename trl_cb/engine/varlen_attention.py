@@ -19,11 +19,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -40,25 +40,27 @@ DENSE_MASK_IMPLEMENTATIONS = ("sdpa", "paged|eager")
 
 _local = threading.local()  # per engine thread: the last few batch plans (layers of one forward share them)
 _PLAN_CACHE_SIZE = 4
-#: SDPA backends the engine's attention uses on CUDA: all but cuDNN. Recent torch prefers cuDNN attention for
-#: bf16/fp16 on Hopper, and cuDNN builds an execution graph for every new shape; every engine step brings new
-#: (rows, keys) shapes, so each call paid a graph build. Measured on an H100 (torch 2.11, transformers 5.23, a 1-layer
-#: model, 32 rows): 62-91 ms per decode step in bf16 against 5.4 ms in fp32 (where cuDNN attention does not apply),
-#: 89% of the bf16 step inside this module's SDPA call (docs/benchmarks.md, "GPU").
-CUDA_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
 def engine_sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager[None]:
-    """The SDPA backend choice for the engine's attention calls on `device`: `CUDA_SDPA_BACKENDS` on CUDA, torch's own
-    choice elsewhere.
+    """The engine's SDPA calls on `device`: on CUDA without cuDNN attention (other choices left to torch). Why: torch
+    prefers it for bf16/fp16 on Hopper and it builds a graph per new shape, which every engine step brings; on an H100
+    a 1-layer bf16 step took 62-91 ms against 5.4 ms in fp32, 89% in this module's SDPA call (docs/benchmarks.md,
+    "GPU"). The flag is process-wide, off from entry to exit (~2 µs): an SDPA call of another thread meanwhile (the
+    trainer's under `async_overlap`) also skips cuDNN, running another backend of the same maths."""
+    return _without_cudnn_sdpa() if device.type == "cuda" else contextlib.nullcontext()
 
-    torch keeps this choice in process-wide flags (`torch.nn.attention.sdpa_kernel`), set on entry and restored on
-    exit: an SDPA call that another thread makes meanwhile (the trainer's forward under `async_overlap`) also skips
-    cuDNN, and picks another backend of the same maths.
-    """
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    return sdpa_kernel(list(CUDA_SDPA_BACKENDS))
+
+@contextlib.contextmanager
+def _without_cudnn_sdpa() -> Iterator[None]:
+    if not torch.backends.cuda.cudnn_sdp_enabled():  # already off (the user's choice, or an enclosing call)
+        yield
+        return
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
 
 
 def replaces(implementation: str, cuda_graphs: bool = False) -> bool:
@@ -373,7 +375,7 @@ def packed_varlen_attention(
     n_rep = num_heads // num_kv
     sinks = None if sinks is None else sinks.reshape(num_kv, n_rep)
     out = query.new_empty(query.shape[0], num_heads, value_dim)
-    with engine_sdpa_backends(query.device):  # CUDA: never cuDNN (`CUDA_SDPA_BACKENDS`)
+    with engine_sdpa_backends(query.device):  # CUDA: never cuDNN attention
         for bucket, flat in zip(plan.buckets, bucket_keys, strict=True):
             rows = bucket.rows.shape[0]
             q = query.index_select(0, bucket.rows).reshape(rows, num_kv, n_rep, head_dim)  # (R, Hkv, n_rep, D)

@@ -284,7 +284,7 @@ def _sdpa_flags() -> tuple[bool, bool, bool, bool]:
 
 def test_engine_attention_skips_cudnn_sdpa_on_cuda_only():
     """cuDNN attention builds a graph per new shape and every engine step brings new shapes (89% of an H100 bf16 step,
-    `varlen_attention.CUDA_SDPA_BACKENDS`): on CUDA the engine's calls run without it, and torch's flags come back."""
+    `varlen_attention.engine_sdpa_backends`): on CUDA the engine runs without it, and torch's flags come back."""
     before = _sdpa_flags()
     assert before[0], "torch's default enables cuDNN attention; without it this test shows nothing"
     with attention.engine_sdpa_backends(torch.device("cuda")):
@@ -292,6 +292,16 @@ def test_engine_attention_skips_cudnn_sdpa_on_cuda_only():
     assert _sdpa_flags() == before
     with attention.engine_sdpa_backends(torch.device("cpu")):
         assert _sdpa_flags() == before  # control: CPU calls keep torch's choice
+    torch.backends.cuda.enable_math_sdp(False)  # a user's own choices stay, and a flag already off stays off
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        with attention.engine_sdpa_backends(torch.device("cuda")):
+            assert _sdpa_flags() == (False, True, True, False)
+        assert _sdpa_flags() == (False, True, True, False)
+    finally:
+        torch.backends.cuda.enable_math_sdp(before[3])
+        torch.backends.cuda.enable_cudnn_sdp(before[0])
+    assert _sdpa_flags() == before
 
 
 @pytest.mark.gpu
