@@ -54,8 +54,9 @@ def render(json_path: Path, png_path: Path) -> Path:
             for ax, x in ((ax_time, ev["wall_clock_s"]["mean"]), (ax_samples, ev["samples"])):
                 ax.plot(x, ev["reward"]["mean"], color=color, marker=".", label=label)
                 ax.fill_between(x, ev["reward"]["min"], ev["reward"]["max"], color=color, alpha=0.15, lw=0)
-            if s["time_to_threshold_s"] is not None:
-                ax_time.axvline(s["time_to_threshold_s"], color=color, lw=0.8, ls=":")
+            crossed = s.get("time_to_threshold_s_interp", s["time_to_threshold_s"])  # interpolated since issue 31
+            if crossed is not None:
+                ax_time.axvline(crossed, color=color, lw=0.8, ls=":")
             x = s["batch_policy_version"]
             ax_version.plot(x, s["reward"]["mean"], color=color, label=label)
             ax_version.fill_between(x, s["reward"]["min"], s["reward"]["max"], color=color, alpha=0.15, lw=0)

@@ -280,6 +280,13 @@ def test_learning_quick_records_curves_png_and_async_counts(tmp_path):
     proc = run(str(ROOT / "benchmarks" / "plot_learning.py"), str(json_files[0]), "--out", str(redraw))
     assert proc.returncode == 0 and redraw.stat().st_size > 10_000
 
+    # --summarize: the summary and targets rebuilt from the recorded runs alone (no training), written beside them
+    proc = run(script, "--summarize", str(json_files[0]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = json.loads(json_files[0].with_name(f"{json_files[0].stem}-resummarized.json").read_text())
+    assert again["runs"] == payload["runs"] and again["targets"] == payload["targets"]
+    assert [s["curve"] for s in again["summary"]] == [s["curve"] for s in payload["summary"]]
+
 
 @pytest.mark.slow
 def test_learning_quick_variants_and_longtail_task(tmp_path):
@@ -393,9 +400,15 @@ def test_learning_bad_flags_fail_clearly(flags, message):
 
 def test_learning_threshold_crossing_and_band_logic():
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from learning import _in_band, first_crossing
+    from learning import _in_band, first_crossing, interpolated_crossing
 
     assert first_crossing([0.1, 0.5, 0.1, 0.5, 0.5], 0.4, window=1) == 1
+    # between the last point below (0.2 at x=64) and the first at or above (0.6 at x=128): halfway
+    assert interpolated_crossing([0, 64, 128], [0.1, 0.2, 0.6], 0.4) == pytest.approx(96.0)
+    assert interpolated_crossing([0, 64, 128], [0.1, 0.2, 0.4], 0.4) == pytest.approx(128.0)  # exactly at a point
+    assert interpolated_crossing([0, 64, 128], [0.1, 0.5, 0.1], 0.4) == pytest.approx(48.0)  # the first crossing
+    assert interpolated_crossing([0, 64], [0.5, 0.6], 0.4) == 0  # already there before training
+    assert interpolated_crossing([0, 64], [0.1, 0.2], 0.4) is None
     assert first_crossing([0.1, 0.5, 0.1, 0.5, 0.5], 0.4, window=2) == 4  # trailing mean smooths a lucky step
     assert first_crossing([0.1, 0.2], 0.4, window=1) is None
     band = {"min": [0.0, 0.1, 0.2], "max": [0.1, 0.3, 0.4]}
