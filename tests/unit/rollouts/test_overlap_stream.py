@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests.conftest import sampling_config
 from tests.gates import engine_throttle
 from tests.unit.rollouts.test_overlap import (
     CONTROL_GAP,
@@ -26,8 +27,11 @@ from tests.unit.rollouts.test_overlap import (
     sharp_model,
     versioned_reference,
 )
+from trl_cb import ContinuousBatchingGenerator
 from trl_cb.engine import engine_stream
 from trl_cb.engine.engine_stream import EngineStream
+from trl_cb.offline.data import synthetic_gsm8k
+from trl_cb.rollouts.overlap import OverlapRolloutController
 
 
 class FakeStream:
@@ -137,12 +141,24 @@ def test_engine_steps_run_on_their_own_stream_ordered_around_weight_writes(token
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_engine_runs_on_its_stream_and_matches_each_version(tokenizer, monkeypatch):
-    """On CUDA: the engine's forwards run on the backend's stream (the batch processor's compute stream is that
-    stream), never the trainer's; three updates land while requests generate and every token still matches teacher
-    forcing under its recorded version (fp32 on the device against fp32 on CPU). Control: the old weights miss."""
+    """On CUDA, synchronous engine: the engine's forwards run on the backend's stream (the batch processor's compute
+    stream is that stream), never the trainer's; three updates land while requests generate and every token still
+    matches teacher forcing under its recorded version (fp32 on the device against fp32 on CPU). Control: the old
+    weights miss."""
     model = sharp_model(tokenizer).to("cuda")
     models = {0: copy.deepcopy(model).cpu()}
-    ctl = overlap_controller(model, tokenizer, max_new_tokens=64)
+    rows = synthetic_gsm8k(40, seed=4)
+    stream_of_prompts = ((r, tokenizer(r["prompt"])["input_ids"]) for r in itertools.cycle(rows))
+    # Synchronous engine: every step runs the view's Python forward (the throttle's hook; graph replays skip hooks).
+    sync_engine = {"use_cuda_graph": False, "use_async_batching": False}
+    generator = ContinuousBatchingGenerator(
+        model, sampling_config(tokenizer, max_new_tokens=64), continuous_batching_config=sync_engine
+    )
+    ctl = OverlapRolloutController(
+        generator, model, stream_of_prompts, max_prompt_len=64, num_generations=2, groups_per_step=2,
+        prefetch_depth=2, max_staleness=1, keep_stale=True,
+    )  # fmt: skip
+    ctl.start()
     stream = ctl.backend.stream
     seen: list[bool] = []
     view = ctl.backend.view.module
