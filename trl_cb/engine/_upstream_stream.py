@@ -51,6 +51,7 @@ def adopt_compute_stream(manager: ContinuousBatchingManager, stream: Any) -> lis
     if processor.use_async_batching:
         return [s for s in (ios.compute_stream, ios.h2d_stream, ios.d2h_stream) if s is not None]
     if ios.compute_stream is not None:
+        ios.compute_stream.synchronize()  # the warm-up ran on it: done before `stream` takes over
         ios.compute_stream = stream
         processor.offloading_manager._compute_stream = stream  # its copies are ordered on the compute stream
     return []
