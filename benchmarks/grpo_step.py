@@ -16,7 +16,8 @@ benchmarks/common.py):
 - `trl_cb_async`: the same with `async_generation=True` (engine fed ahead of the trainer, bounded staleness).
 - `trl_cb_overlap_async`: the same with `async_overlap=True`: the engine also generates during the trainer's forward
                 and backward, on a view of the same weights, and pauses only for optimizer steps (docs/async.md);
-                `--engine-threads` sets its intra-op threads (default: the trainer's `--threads`).
+                `--engine-threads` sets its intra-op threads (default: the trainer's `--threads`); several values
+                (`1 2 trainer`, `trainer`: unset) run this backend once per value.
 - `trl_cb_server`: trl_cb's trainer with `rollout_server_urls` pointing at a local `trl-cb serve` replica the worker
                 starts (sync: weights pushed before each step's generation).
 - `trl_cb_server_async`: the same with `async_generation=True`: the server generates while the trainer trains,
@@ -45,6 +46,9 @@ are, so samples/s compare like with like.
 `--background-load 0 2` runs every (trainer, backend) once per value, with that many busy-looping processes running
 alongside (started before the run, stopped after it; benchmarks/common.py `background_load`), and reports each
 loaded median against the same backend's median at the smallest load ("x quiet").
+
+`--rounds 2` runs the whole list of runs twice, the second time in reverse order (A B C C B A): on a shared machine a
+drift in load then falls on every variant alike, and ratios are taken within one invocation.
 
 Each run trains `--warmup + --steps` steps; step times come from a `TrainerCallback` (step begin to step end, which
 includes generation, scoring and the optimizer step). Table on stdout, JSON under `--out` (default runs/benchmarks/,
@@ -180,6 +184,7 @@ def _train(spec: dict[str, Any], args: Any, trainer_cls: Any, model: Any, tokeni
         "trainer": kind,
         "backend": backend,
         "background_load": spec["background_load"],
+        "engine_threads": spec.get("engine_threads"),
         "step_times": timer.times[spec["warmup"] :],
         "mean_lengths": lengths,
         "waits": waits[spec["warmup"] :],
@@ -220,7 +225,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reward", default="length", choices=["length", "random"], help="see the module docstring")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, colocated backends")
-    p.add_argument("--engine-threads", type=int, default=None, help="trl_cb_overlap_async: the engine's threads")
+    p.add_argument(
+        "--engine-threads",
+        type=engine_threads_value,
+        nargs="+",
+        default=[None],
+        help="trl_cb_overlap_async: the engine's threads (`trainer`: unset); several values run it once per value",
+    )
+    p.add_argument("--rounds", type=int, default=1, help="run the list this many times, every other one reversed")
     p.add_argument("--server-threads", type=int, default=1, help="the local server's threads (server backends)")
     p.add_argument("--trainer-threads", type=int, default=None, help="server backends (default: the rest, >= 1)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
@@ -247,6 +259,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("prompts", "num_generations", "max_completion_length", "steps"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     if any(n < 0 for n in args.background_load):
         p.error(f"--background-load values must be >= 0, got {args.background_load}")
     return args
@@ -254,6 +268,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def mean_length(result: dict[str, Any]) -> float | None:
     return statistics.fmean(result["mean_lengths"]) if result["mean_lengths"] else None
+
+
+def engine_threads_value(text: str) -> int | None:
+    """`--engine-threads` values: a count >= 1, or `trainer` (unset: the engine takes the trainer's count)."""
+    if text == "trainer":
+        return None
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"engine threads must be >= 1 or 'trainer', got {text}")
+    return value
+
+
+def run_list(args: argparse.Namespace) -> list[tuple[int, str, str, int, int | None]]:
+    """(round, trainer, backend, load, engine threads) per run; odd rounds in reverse order (A B B A)."""
+    once = [
+        (t, b, n, e)
+        for t in args.trainers
+        for b in args.backends
+        for n in args.background_load
+        for e in (args.engine_threads if b == "trl_cb_overlap_async" else [None])
+    ]
+    return [(r, *run) for r in range(args.rounds) for run in (once if r % 2 == 0 else once[::-1])]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -270,19 +306,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flush=True,
     )
     results = []
-    runs = [(t, b, n) for t in args.trainers for b in args.backends for n in args.background_load]
-    for kind, backend, load in tqdm(runs, desc="training runs", unit="run"):
+    for rnd, kind, backend, load, engine_threads in tqdm(run_list(args), desc="training runs", unit="run"):
         spec = {
             "trainer": kind, "backend": backend, "model": args.model, "background_load": load,
             "prompts": args.prompts, "num_generations": args.num_generations,
             "max_completion_length": args.max_completion_length, "steps": args.steps, "warmup": args.warmup,
             "eos_logit_bias": args.eos_logit_bias, "seed": args.seed, "max_staleness": args.max_staleness,
             "prefetch_depth": args.prefetch_depth, "threads": args.threads, "server_threads": args.server_threads,
-            "trainer_threads": args.trainer_threads, "reward": args.reward, "engine_threads": args.engine_threads,
+            "trainer_threads": args.trainer_threads, "reward": args.reward, "engine_threads": engine_threads,
             "output_dir": f"/tmp/trl_cb_bench_{kind}_{backend}",
         }  # fmt: skip
         with background_load(load):
-            results.append(run_worker(Path(__file__), spec, timeout=3600))
+            results.append({**run_worker(Path(__file__), spec, timeout=3600), "round": rnd})
 
     points = []
     quiet = min(args.background_load)
@@ -291,15 +326,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ref = {
             x["backend"]: statistics.median(x["step_times"])
             for x in results
-            if x["trainer"] == r["trainer"] and x["background_load"] == r["background_load"]
+            if (x["trainer"], x["background_load"], x["round"]) == (r["trainer"], r["background_load"], r["round"])
         }
-        key = (r["trainer"], r["backend"], quiet)
-        base = next(x for x in results if (x["trainer"], x["backend"], x["background_load"]) == key)
+        key = (r["trainer"], r["backend"], quiet, r["engine_threads"], r["round"])
+        base = next(
+            x
+            for x in results
+            if (x["trainer"], x["backend"], x["background_load"], x["engine_threads"], x["round"]) == key
+        )
         points.append(
             {
                 "trainer": r["trainer"],
                 "backend": r["backend"],
                 "background_load": r["background_load"],
+                "engine_threads": r["engine_threads"],
+                "round": r["round"],
                 "step_time_s": {"median": median, **summarize(r["step_times"])},
                 "ratio_vs_quiet": median / statistics.median(base["step_times"]),
                 "ratio_vs_trl_native": median / ref["trl_native"] if "trl_native" in ref else None,
@@ -318,7 +359,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = {"benchmark": "grpo_step", "config": config, "env": environment("cpu"), "points": points}
     rows = [
         {
-            "trainer": p["trainer"], "backend": p["backend"], "load": p["background_load"],
+            "trainer": p["trainer"], "backend": p["backend"], "load": p["background_load"], "round": p["round"],
+            "engine": "-" if p["backend"] != "trl_cb_overlap_async" else (p["engine_threads"] or "trainer's"),
             "vs_quiet": p["ratio_vs_quiet"], "median": p["step_time_s"]["median"],
             "min": p["step_time_s"]["min"], "max": p["step_time_s"]["max"], "vs_native": p["ratio_vs_trl_native"],
             "vs_generate": p["ratio_vs_generate"], "len": p["mean_completion_length"], "sps": p["samples_per_s"],
@@ -334,6 +376,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ("trainer", "trainer"),
                 ("backend", "backend"),
                 ("load", "bg load"),
+                ("round", "round"),
+                ("engine", "engine threads"),
                 ("median", "median s/step"),
                 ("vs_quiet", f"x load {quiet}"),
                 ("min", "min"),

@@ -158,6 +158,32 @@ def test_fsdp2_adapter_two_processes(bf16, tmp_path):
                 assert step["max_diff"] <= 1e-4
 
 
+def test_ddp_overlap_two_processes(tmp_path):
+    """`async_overlap=True` under DDP (torchrun, gloo): the engine generates on each rank's view while DDP trains; both
+    ranks end with bitwise equal weights after 4 optimizer steps, and every take's per-token versions are consistent
+    (one per token, never decreasing along a completion, never ahead of the policy nor older than the staleness bound,
+    the same policy version on both ranks at every take): the last take's tokens were all sampled after an update."""
+    launcher = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+    cmd = [launcher, "--nproc_per_node", "2", *distinct_port("--master_port"), str(HERE / "overlap_check.py"),
+           "--report", str(tmp_path), "--steps", "4"]  # fmt: skip
+    reports = _launch(cmd, tmp_path)
+    for r in reports:
+        assert r["world_size"] == 2 and r["wrapper"] == "DistributedDataParallel", r["wrapper"]
+        assert r["controllers"] == ["OverlapRolloutController"] and r["controller_stopped"]
+        assert len(r["logs"]) == 4 and r["logs"][-1]["async/policy_version"] == 3
+        assert all(math.isfinite(e["loss"]) for e in r["logs"])
+        assert r["num_changed"] > 0 and r["max_rank_weight_diff"] == 0.0 and r["engine_threads_left"] == 0
+        for take in r["takes"]:
+            for versions, length in zip(take["versions"], take["lengths"], strict=True):
+                assert len(versions) == length and versions == sorted(versions)
+                assert all(
+                    take["policy_version"] - r["max_staleness"] <= v <= take["policy_version"] for v in versions
+                )
+        assert r["takes"][-1]["policy_version"] == 3 and min(min(v) for v in r["takes"][-1]["versions"]) >= 1
+    assert reports[0]["weights_digest"] == reports[1]["weights_digest"]
+    assert [t["policy_version"] for t in reports[0]["takes"]] == [t["policy_version"] for t in reports[1]["takes"]]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 2,

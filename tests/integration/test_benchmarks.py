@@ -189,6 +189,23 @@ def test_background_load_starts_and_stops_its_processes():
         assert procs == []
 
 
+def test_grpo_step_runs_engine_thread_variants_interleaved_in_rounds():
+    """`--engine-threads 1 trainer --rounds 2`: the overlap backend once per value, the second round reversed."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from grpo_step import parse_args, run_list
+
+    args = parse_args(["--trainers", "grpo", "--backends", "trl_cb", "trl_cb_overlap_async", "--engine-threads", "1",
+                       "trainer", "--rounds", "2"])  # fmt: skip
+    once = [
+        ("grpo", "trl_cb", 0, None),
+        ("grpo", "trl_cb_overlap_async", 0, 1),
+        ("grpo", "trl_cb_overlap_async", 0, None),
+    ]
+    assert run_list(args) == [(0, *r) for r in once] + [(1, *r) for r in once[::-1]]
+    proc = run(str(ROOT / "benchmarks" / "grpo_step.py"), "--engine-threads", "0", timeout=120)
+    assert proc.returncode == 2 and "engine threads must be >= 1" in proc.stderr
+
+
 def test_grpo_step_rejects_negative_load():
     proc = run(str(ROOT / "benchmarks" / "grpo_step.py"), "--background-load", "-1", timeout=120)
     assert proc.returncode == 2 and "--background-load" in proc.stderr

@@ -818,3 +818,53 @@ def test_module_attachments_the_engine_view_strips(model, tokenizer):
         assert not any(layer.gradient_checkpointing for layer in view.model.layers)
     finally:
         model.destroy_cached_continuous_batching_manager()
+
+
+def test_manager_internals_the_engine_stream_uses(model, tokenizer):
+    """engine/_upstream_stream.py: `start` builds the loop thread from the instance's `_run_generation_loop` (so a
+    wrapper installed before `start` runs on the engine's thread, for the whole loop); the batch processor exists
+    before `start` (warm-up builds it) and reads its compute stream from its IOs at every step; the offloading manager
+    keeps its own reference; async batching keeps three streams."""
+    from transformers.generation.continuous_batching import continuous_api, input_outputs, model_runner
+
+    from trl_cb.engine import _upstream_stream
+
+    assert f"threading.Thread(target=self.{_upstream_stream.LOOP_ATTRIBUTE})" in inspect.getsource(
+        ContinuousBatchingManager.start
+    )
+    assert "compute_stream = self.inputs_and_outputs.compute_stream" in inspect.getsource(
+        model_runner.ModelRunner.compute_batch
+    ), "the forward no longer reads the IOs' compute stream at each step"
+    assert "compute_stream=self.inputs_and_outputs.compute_stream" in inspect.getsource(continuous_api)
+    assert {"self.h2d_stream", "self.d2h_stream", "self.compute_stream"} <= set(
+        re.findall(r"self\.\w+_stream", inspect.getsource(input_outputs.ContinuousBatchingAsyncIOs))
+    )
+    manager = _upstream.create_manager(
+        model,
+        sampling_config(tokenizer, max_new_tokens=4),
+        ContinuousBatchingConfig(return_logprobs=True, num_blocks=8, max_batch_tokens=64, page_size=16),
+        WorkloadHints(max_prompt_length=40, max_generated_length=4, num_requests=1),
+    )
+    entered: list[str] = []
+
+    class Recording:
+        def __enter__(self) -> None:
+            entered.append(threading.current_thread().name)
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    try:
+        processor = manager.batch_processor
+        assert processor.use_async_batching is False and processor.inputs_and_outputs.compute_stream is None  # CPU
+        assert processor.offloading_manager._compute_stream is None
+        assert _upstream_stream.adopt_compute_stream(manager, object()) == []
+        assert processor.inputs_and_outputs.compute_stream is None, "a CPU engine has no stream to replace"
+        _upstream_stream.run_loop_in(manager, Recording)
+        _upstream_stream.run_loop_in(manager, Recording)  # idempotent
+        _upstream.resume(manager, model)
+        manager.add_request([5, 6, 7], request_id="r", max_new_tokens=4)
+        assert manager.get_result(request_id="r", timeout=60) is not None
+        assert len(entered) == 1 and entered[0] != threading.current_thread().name
+    finally:
+        manager.destroy()

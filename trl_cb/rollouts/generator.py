@@ -19,7 +19,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -193,10 +193,13 @@ class ContinuousBatchingGenerator:
         max_new_tokens = int(self.generation_config.max_new_tokens)
         inputs.validate_prompts(prompts, module, max_new_tokens, self._pool.cb_kwargs, indices=indices)
 
-    def engine_for(self, module: PreTrainedModel, workload: Workload) -> _upstream.ContinuousBatchingManager:
+    def engine_for(
+        self, module: PreTrainedModel, workload: Workload, before_start: Callable[[Any], None] | None = None
+    ) -> _upstream.ContinuousBatchingManager:
         """The running engine for `module`, sized for `workload`, for callers that keep requests in flight across
         weight updates (async rollouts). Prefix block sharing is turned off: its cache cannot be cleared while
         requests are in flight, and a shared block computed with old weights must never serve a new prompt.
+        `before_start` runs on the built engine before its thread starts (overlap: the engine's CUDA stream).
 
         The caller holds `guards.module_lock(module)` whenever the engine may run, and stops it with `close`."""
         with guards.acquired(self._lock, what="this generator"):
@@ -206,6 +209,8 @@ class ContinuousBatchingGenerator:
                 engine = self._pool.ensure(module, workload, self.generation_config)
                 with guards.deferred_interrupts():
                     engine.busy = True  # requests stay in flight across calls: never reused by a `generate` round
+                    if before_start is not None:
+                        before_start(engine.manager)
                     _upstream.resume(engine.manager, module)  # the caller drives pauses from here on
                 return engine.manager
             finally:

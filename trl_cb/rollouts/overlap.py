@@ -2,17 +2,17 @@
 backward on one copy of the weights, and pauses (between two of its steps) only for the optimizer step.
 
 Why it is exact (docs/async.md, "Overlap"): the engine runs on an `EngineView` (engine/model_view.py), its own module
-object over the training parameters' storage, so the trainer's train-mode forward, gradient checkpointing, hooks and
-attention implementation never reach it, and its forwards never touch the trainer's module; forward and backward only
-read the weights. The optimizer step writes them, so `begin_weight_update` / `end_weight_update` bracket it with the
-one pause/apply/resume mechanism the rollout server uses (`inflight_update.py`): each in-flight request records where
-the new version starts, then continues on the new weights over its KV prefix.
+object over the training parameters' storage, which the trainer's train mode, checkpointing, hooks and attention
+implementation never reach; forward and backward only read the weights. The optimizer step writes them, so
+`begin_weight_update` / `end_weight_update` bracket it with the pause/apply/resume the rollout server uses
+(`inflight_update.py`): each in-flight request records where the new version starts, then continues over its KV.
 
 Invariants: outside an optimizer step the engine may run at any time and reads the current weights (or, with
-`bf16`/`fp16`, generation-dtype copies refreshed inside the pause, before the new version's first token); every
-token carries the version that sampled it; the trainer's module, its mode and its config are never written by this
-backend; `stop` hard-stops (nothing drains) and leaves no engine thread. Refused: sharded parameters (ZeRO-3, FSDP:
-`model_view.SHARDED_REFUSAL` points to rollout servers).
+`bf16`/`fp16`, generation-dtype copies refreshed inside the pause); every token carries the version that sampled it;
+the trainer's module, mode and config are never written here; `stop` hard-stops and leaves no engine thread. On CUDA
+the engine runs on its own stream, ordered against the trainer's (`engine/engine_stream.py`). Refused: sharded
+parameters (ZeRO-3, FSDP: `model_view.SHARDED_REFUSAL` points to rollout servers). DDP and LoRA work (DDP's hooks sit
+on its wrapper and autograd, not on the view; a LoRA view aliases adapters and base weights).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..engine import _upstream, guards
+from ..engine.engine_stream import EngineStream
 from ..engine.model_view import EngineView
 from .async_controller import LocalEngineBackend
 from .async_core import AsyncOptions, AsyncRollouts
@@ -50,6 +51,7 @@ class OverlapEngineBackend(LocalEngineBackend):
     ) -> None:
         super().__init__(generator, module, num_generations, max_prompt_len)
         self.view = EngineView(module)  # `ValueError` for sharded parameters
+        self.stream = EngineStream.for_device(self.view.module.device)  # CUDA: the engine's own stream; CPU: None
         self.engine_threads = engine_threads
         if engine_threads is not None:  # runs on the engine's thread only: the trainer never runs the view
             self.view.module.register_forward_pre_hook(_ThreadCap(engine_threads))
@@ -65,8 +67,9 @@ class OverlapEngineBackend(LocalEngineBackend):
         with guards.deferred_interrupts():
             self._apply_generation_weights()  # the engine (and its KV cache dtype) is built on these weights
             try:
+                adopt = self.stream.adopt if self.stream is not None else None
                 with _intra_op_threads(self.engine_threads):
-                    self.manager = self.generator.engine_for(self.view.module, self.workload(capacity_groups))
+                    self.manager = self.generator.engine_for(self.view.module, self.workload(capacity_groups), adopt)
             except BaseException:
                 self._restore_training_weights()
                 raise
@@ -78,6 +81,8 @@ class OverlapEngineBackend(LocalEngineBackend):
             return
         stack = contextlib.ExitStack()
         stack.enter_context(paused_for_weight_update(self.manager, self._groups, new_version))
+        if self.stream is not None:
+            self.stream.before_weight_write()  # the engine's queued kernels finish before the optimizer writes
         self._update = stack
 
     def end_weight_update(self) -> None:
@@ -89,6 +94,8 @@ class OverlapEngineBackend(LocalEngineBackend):
             self.view.check_aliased()
             self._restore_training_weights()
             self._apply_generation_weights()  # copy_ into the kept copies: same addresses, new values
+            if self.stream is not None:
+                self.stream.after_weight_write()  # before the resume: the engine reads the new weights
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -113,6 +120,9 @@ class OverlapEngineBackend(LocalEngineBackend):
             try:
                 if update is not None:
                     update.close()
+                if manager is not None and self.stream is not None:
+                    _upstream.wait_for_thread_exit(manager, timeout=60.0)
+                    self.stream.synchronize()  # before the cache and copies return to the allocator
                 self.generator.close()
             finally:
                 self.manager = None
