@@ -102,7 +102,8 @@ WORKLOADS = {
 
 def _async_fields(spec: dict[str, Any]) -> dict[str, Any]:
     fields = {"async_generation": True, "max_staleness": spec["max_staleness"]}
-    fields["prefetch_depth"] = spec["prefetch_depth"]
+    if spec["prefetch_depth"] is not None:  # unset: the config's default for the backend (0 with overlap, else 1)
+        fields["prefetch_depth"] = spec["prefetch_depth"]
     if spec["backend"] == "trl_cb_overlap_async":
         fields.update(async_overlap=True, async_overlap_engine_threads=spec.get("engine_threads"))
     return fields
@@ -221,7 +222,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="no EOS bias: nearly every completion runs to --max-completion-length (no length tail to exploit)",
     )
     p.add_argument("--max-staleness", type=int, default=2, help="trl_cb_async: max_staleness")
-    p.add_argument("--prefetch-depth", type=int, default=1, help="trl_cb_async: prefetch_depth")
+    p.add_argument("--prefetch-depth", type=int, default=None,
+                   help="async backends: prefetch_depth (default: the config's: 0 with overlap, else 1)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reward", default="length", choices=["length", "random"], help="see the module docstring")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, colocated backends")

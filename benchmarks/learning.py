@@ -51,7 +51,8 @@ Backends, each (trainer, backend, seed[, variant]) in its own subprocess with th
 - `trl_cb_server_async`: the same with `async_generation=True`: the server generates while the trainer trains.
 The async backends run once per variant (`learning_variants.py`: `--prefetch-depth`, `--max-staleness`,
 `--keep-stale`, `--is-mode`, `--is-clip-min`, `--is-clip-max` as a grid, `--staleness-sweep`, or `--variants`); each
-is a curve labelled with its settings. The sync backends run once.
+is a curve labelled with its settings. The sync backends run once. Without a depth flag every async backend runs at
+its config's default depth: 1, and 0 for `trl_cb_overlap_async`.
 
 On a shared machine, run with `OMP_NUM_THREADS=1`: two torch threads per process spin against other load and
 stretch wall-clock unevenly. The JSON also records process CPU seconds per step, which a loaded machine disturbs less.
@@ -746,9 +747,10 @@ def _todo(args: argparse.Namespace) -> list[tuple[str, int, str, dict[str, Any] 
                 if backend not in ASYNC_BACKENDS:
                     out.append((kind, seed, backend, None))
                     continue
+                default_grid = args.prefetch_depth is None and args.variants is None and not args.staleness_sweep
                 for v in args.variant_settings:
                     if f"{kind} {variants.label(v)}" not in rejected:
-                        out.append((kind, seed, backend, v))
+                        out.append((kind, seed, backend, variants.backend_default(backend, v) if default_grid else v))
     return out
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from trl_cb.configs import DEFAULT_OVERLAP_PREFETCH_DEPTH, DEFAULT_PREFETCH_DEPTH
+
 #: Spec key -> (trl_cb config field, parser). The order is the label's order.
 FIELDS: dict[str, tuple[str, Any]] = {
     "depth": ("prefetch_depth", int),
@@ -32,7 +34,15 @@ FIELDS: dict[str, tuple[str, Any]] = {
     "is_normalize": ("cb_importance_sampling_normalize", lambda v: _parse_bool(v)),
 }
 #: The depth every variant states (the config's default), so every async label names it.
-DEFAULT_DEPTH = 1
+DEFAULT_DEPTH = DEFAULT_PREFETCH_DEPTH
+
+
+def backend_default(backend: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings` of the default grid (no depth asked for) at `backend`'s own default depth: overlap's config default
+    is 0 (`trl_cb.configs.DEFAULT_OVERLAP_PREFETCH_DEPTH`), every other backend's `DEFAULT_DEPTH`."""
+    if backend == "trl_cb_overlap_async":
+        return {**settings, "depth": DEFAULT_OVERLAP_PREFETCH_DEPTH}
+    return settings
 
 
 def _parse_bool(value: str) -> bool:

@@ -12,6 +12,7 @@ Invariants after `__post_init__`:
 - The IS settings are a valid combination for the trainer (GRPO's VESPO loss needs `token_*`; every mode suits
   RLOO: token-level weights scale its logprobs' gradient, `trainers/is_correction.py`). An unset
   `cb_importance_sampling_mode` becomes the mode the loss needs; only an explicit, conflicting choice raises.
+- `prefetch_depth` is an int: unset becomes 0 with `async_overlap`, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ from .deprecation import warn_deprecated
 from .importance_sampling import DEFAULT_M2_THRESHOLD, IS_MODES, TOKEN_LEVEL_MODES, is_token_level, validate_mode
 from .rollouts.async_core import validate_async_bounds
 from .trainers.upstream_warnings import trl_config_post_init
+
+#: `prefetch_depth` when unset. Overlap's engine keeps generating through the training step, so its staleness is one
+#: step above the held engine's at the same depth: measured at 6 seeds (docs/benchmarks.md, "Overlap: prefetch
+#: depth"), depth 0 gives it staleness 0.98 and sync's learning curve, depth 1 staleness 1.93 and 1.08-1.20x samples.
+DEFAULT_PREFETCH_DEPTH = 1
+DEFAULT_OVERLAP_PREFETCH_DEPTH = 0
 
 #: The IS modes for `async_generation=True` when none is set, self-normalised (`cb_importance_sampling_normalize`):
 #: RLOO (a sequence-level loss) one weight per sequence, the geometric mean of its token ratios, clamped; GRPO one
@@ -81,8 +88,8 @@ class ContinuousBatchingArguments:
             Async: largest accepted staleness of a group, in optimizer steps. Unset: `(prefetch_depth + 1) * k`, with
             k = `steps_per_generation * num_iterations / gradient_accumulation_steps` optimizer steps between rollout
             takes, which drops no group by construction.
-        prefetch_depth (`int`, *optional*, defaults to `1`):
-            Async: steps of prompts submitted ahead of the current step.
+        prefetch_depth (`int`, *optional*):
+            Async: steps of prompts submitted ahead of the current step. Unset: 0 with `async_overlap`, else 1.
         cb_openmp_guard (`bool`, *optional*):
             While the CB generator lives, make parked OpenMP workers sleep instead of spin (`trl_cb/engine/openmp.py`):
             CPU training stays fast on a loaded machine (5-9x faster steps under two busy processes), at 5-10% of a
@@ -179,9 +186,8 @@ class ContinuousBatchingArguments:
             "optimizer steps between rollout takes; a group waits at most that long, so nothing is dropped."
         },
     )
-    prefetch_depth: int = field(
-        default=1,
-        metadata={"help": "Async: steps of prompts kept submitted to the engine ahead of the current step."},
+    prefetch_depth: int | None = field(
+        default=None, metadata={"help": "Async: steps of prompts sent ahead (unset: 0 with async_overlap, else 1)."}
     )
     async_keep_stale: bool = field(
         default=False,
@@ -263,6 +269,7 @@ class ContinuousBatchingArguments:
             )
         self.transformers_continuous_batching_config = cb_kwargs(cb_config)
 
+        self.prefetch_depth = _resolved_prefetch_depth(self.prefetch_depth, self.async_overlap)
         if self.cb_importance_sampling_mode is None:
             self.cb_importance_sampling_mode = self._default_importance_sampling_mode()
         if self.cb_importance_sampling_normalize is None:
@@ -290,6 +297,13 @@ class ContinuousBatchingArguments:
             raise ValueError(
                 "use_transformers_continuous_batching and use_vllm are mutually exclusive; enable one of them."
             )
+
+
+def _resolved_prefetch_depth(prefetch_depth: int | None, async_overlap: bool) -> int:
+    """`prefetch_depth`, or its default where unset (`DEFAULT_OVERLAP_PREFETCH_DEPTH` with overlap: why there)."""
+    if prefetch_depth is not None:
+        return prefetch_depth
+    return DEFAULT_OVERLAP_PREFETCH_DEPTH if async_overlap else DEFAULT_PREFETCH_DEPTH
 
 
 def _validate_async_fields(args: ContinuousBatchingArguments) -> None:

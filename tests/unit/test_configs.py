@@ -184,3 +184,18 @@ def test_async_generation_defaults_to_the_off_policy_mode_sync_keeps_trls():
         assert explicit.cb_importance_sampling_mode == "sequence_mask"
     vespo = make(GRPOConfig, loss_type="vespo", **async_cb)
     assert vespo.cb_importance_sampling_mode == "token_mask"
+
+
+@pytest.mark.parametrize("cls", CONFIGS)
+def test_prefetch_depth_defaults_to_0_with_overlap_1_otherwise_explicit_wins(cls):
+    """Overlap's engine generates through the training step, so its measured default window is one step shorter."""
+    from trl_cb.configs import DEFAULT_OVERLAP_PREFETCH_DEPTH, DEFAULT_PREFETCH_DEPTH
+
+    assert (DEFAULT_OVERLAP_PREFETCH_DEPTH, DEFAULT_PREFETCH_DEPTH) == (0, 1)
+    async_cb = dict(use_transformers_continuous_batching=True, async_generation=True)
+    assert make(cls).prefetch_depth == 1
+    assert make(cls, **async_cb).prefetch_depth == 1
+    assert make(cls, async_overlap=True, **async_cb).prefetch_depth == 0
+    assert make(cls, async_overlap=True, prefetch_depth=1, **async_cb).prefetch_depth == 1
+    with pytest.raises(ValueError, match="prefetch_depth must be >= 0"):
+        make(cls, prefetch_depth=-1, **async_cb)
