@@ -818,6 +818,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     payload = {"benchmark": "learning", "config": config, "env": environment(args.device), **_summaries(runs, config)}
     json_path = write_json(payload, args.out, "learning")
+    partial.unlink(missing_ok=True)  # every run is in the JSON now; the resume file would only litter --out
     png_path = render(json_path, json_path.with_suffix(".png"))
     print(f"results: {json_path}\nplot: {png_path}")
     print(json.dumps(payload))

@@ -294,6 +294,7 @@ def test_learning_quick_records_curves_png_and_async_counts(tmp_path):
     assert bounds["trl_cb_overlap_async depth=0: time to threshold / trl_cb sync"] == "<= 0.9"  # issue 26's target
     json_files, png_files = list(tmp_path.glob("learning-*.json")), list(tmp_path.glob("learning-*.png"))
     assert len(json_files) == 1 and len(png_files) == 1 and png_files[0].stat().st_size > 10_000
+    assert not list(tmp_path.glob("learning-partial-*")), "the resume file goes once the JSON holds every run"
 
     redraw = tmp_path / "again.png"
     proc = run(str(ROOT / "benchmarks" / "plot_learning.py"), str(json_files[0]), "--out", str(redraw))
