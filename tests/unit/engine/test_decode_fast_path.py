@@ -3,26 +3,38 @@
 Same seed, same prompts: the engine with the fast path gives the same tokens and logprobs (bit for bit: the forward
 sees the same inputs) as with `TRL_CB_DECODE_FAST_PATH=0`, on a long decode that crosses many pages (page size 8),
 with requests finishing at different lengths by EOS, requests joining while others decode (a 48-token budget
-prefills the six prompts over several steps) and forked samples sharing their prompt's blocks. The fast path must
-have prepared most steps (its counter), and a control shows a wrong position or write row would be caught.
+prefills the six prompts over several steps) and forked samples sharing their prompt's blocks; and, with identical
+forks (top_k=1), completed pages swapped for a sibling's by prefix de-duplication (without the fast path's re-read
+of a page-start row's block table, both `shared_pages` tests fail: checked by hand). The fast path must have
+prepared most steps (its counter), and a control shows a wrong position or write row would be caught.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
 
 from tests.conftest import sampling_config
 from trl_cb import ContinuousBatchingGenerator
 from trl_cb.engine import _upstream_decode, debug
+from trl_cb.offline.tiny import tiny_model
 
 NEW_TOKENS = 64
 
 
-def _run(model, tokenizer, prompts, monkeypatch, enabled: bool):
+def _case(request, tokenizer, case: str):
+    """`eos`: a peaked model ending samples at many lengths. `shared_pages`: no EOS bias, top_k=1, every sample to
+    the cap, forks of one prompt identical, so their completed pages are de-duplicated."""
+    if case == "eos":
+        return request.getfixturevalue("sharp_model"), {}
+    return tiny_model(tokenizer), {"top_k": 1}
+
+
+def _run(model, tokenizer, prompts, monkeypatch, enabled: bool, **sampling: object):
     """Completions, logprobs and the fast path's counters (None when off) of one seeded round."""
     monkeypatch.setenv(debug.DECODE_FAST_PATH_ENV, "1" if enabled else "0")
-    cfg = sampling_config(tokenizer, max_new_tokens=NEW_TOKENS)
+    cfg = sampling_config(tokenizer, max_new_tokens=NEW_TOKENS, **sampling)
     with ContinuousBatchingGenerator(model, cfg, {"max_batch_tokens": 48, "page_size": 8}) as gen:
         torch.manual_seed(0)
         out = gen.generate([p[: 12 + 5 * i] for i, p in enumerate(prompts[:6])], num_generations=4)
@@ -30,12 +42,15 @@ def _run(model, tokenizer, prompts, monkeypatch, enabled: bool):
     return out.completion_ids, out.logprobs, stats
 
 
-def test_fast_path_gives_the_slow_paths_tokens_and_logprobs(sharp_model, tokenizer, prompts, monkeypatch):
-    ids, logprobs, stats = _run(sharp_model, tokenizer, prompts, monkeypatch, enabled=True)
-    slow_ids, slow_logprobs, slow_stats = _run(sharp_model, tokenizer, prompts, monkeypatch, enabled=False)
+@pytest.mark.parametrize("case", ["eos", "shared_pages"])
+def test_fast_path_gives_the_slow_paths_tokens_and_logprobs(request, tokenizer, prompts, monkeypatch, case):
+    model, sampling = _case(request, tokenizer, case)
+    ids, logprobs, stats = _run(model, tokenizer, prompts, monkeypatch, enabled=True, **sampling)
+    slow_ids, slow_logprobs, slow_stats = _run(model, tokenizer, prompts, monkeypatch, enabled=False, **sampling)
     lengths = sorted(len(c) for c in ids)
     assert slow_stats is None, "TRL_CB_DECODE_FAST_PATH=0 must keep upstream's path"
-    assert len(set(lengths)) >= 4 and lengths[0] < NEW_TOKENS, f"want EOS at several lengths: {lengths}"
+    if case == "eos":
+        assert len(set(lengths)) >= 4 and lengths[0] < NEW_TOKENS, f"want EOS at several lengths: {lengths}"
     assert lengths[-1] > 3 * 8, "the decode must cross several pages"
     assert ids == slow_ids
     assert logprobs == slow_logprobs
@@ -64,10 +79,23 @@ def test_control_a_wrong_position_or_write_row_changes_the_samples(
     assert (ids, logprobs) != (bad_ids, bad_logprobs)
 
 
-def test_every_fast_step_holds_the_allocators_rows_and_positions(sharp_model, tokenizer, prompts, monkeypatch):
+@pytest.mark.parametrize("case", ["eos", "shared_pages"])
+def test_every_fast_step_holds_the_allocators_rows_and_positions(request, tokenizer, prompts, monkeypatch, case):
     """Each batch the fast path prepares, against transformers' per-request answers for the same requests: positions,
-    write rows (`get_write_indices`), read rows (`get_read_indices`), key lengths and the rows' input tokens."""
-    advance, checked = _upstream_decode._advance, []
+    write rows (`get_write_indices`), read rows (`get_read_indices`), key lengths and the rows' input tokens. Case
+    `eos`: requests finish at many lengths. Case `shared_pages`: with top_k=1 the forked samples repeat each other, so
+    completed pages are de-duplicated (a request's block table swaps a page for its sibling's, `mark_complete_blocks`),
+    which the fast path must read back."""
+    model, sampling = _case(request, tokenizer, case)
+    advance, checked, swapped = _upstream_decode._advance, [], []
+    mark = CacheAllocator.mark_complete_blocks
+
+    def mark_and_watch(allocator, request_id, token_ids, new_blocks):
+        before = list(allocator.block_table[request_id])
+        mark(allocator, request_id, token_ids, new_blocks)
+        swapped.append(before != allocator.block_table[request_id])
+
+    monkeypatch.setattr(CacheAllocator, "mark_complete_blocks", mark_and_watch)
 
     def compare(ios, allocator, *args, **kwargs):
         result = advance(ios, allocator, *args, **kwargs)
@@ -88,5 +116,9 @@ def test_every_fast_step_holds_the_allocators_rows_and_positions(sharp_model, to
         return result
 
     monkeypatch.setattr(_upstream_decode, "_advance", compare)
-    _run(sharp_model, tokenizer, prompts, monkeypatch, enabled=True)
-    assert len(checked) > 30 and len(set(checked)) > 5, checked  # many steps, shrinking as requests finish
+    _run(model, tokenizer, prompts, monkeypatch, enabled=True, **sampling)
+    assert len(checked) > 30, checked
+    if case == "eos":
+        assert len(set(checked)) > 5, checked  # batches shrinking as requests finish
+    else:
+        assert sum(swapped) > 20, "completed pages were not de-duplicated: the case is not exercised"
