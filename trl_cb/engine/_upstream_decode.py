@@ -95,11 +95,14 @@ def install_decode_fast_path(manager: ContinuousBatchingManager) -> bool:
 
 def _fast_scheduler(scheduler: Any, cache: Any, allocator: FullAttentionCacheAllocator, slow: Callable) -> Callable:
     name = next(key for key, value in cache.cache_allocators.items() if value is allocator)  # `complete_blocks` key
+    last: list[list[FutureRequestState]] = [[]]
 
     def schedule_batch(token_budget: int, cache_budget: int) -> tuple[list | None, bool, int, int]:
-        batch = _steady_batch(scheduler, cache, allocator, name, token_budget, cache_budget)
+        batch = _steady_batch(scheduler, cache, allocator, name, token_budget, cache_budget, last[0])
         if batch is None:
+            last[0] = []
             return slow(token_budget, cache_budget)
+        last[0] = batch
         scheduler.starved_requests = []
         return batch, False, len(batch), sum(f.state.position_offset for f in batch)
 
@@ -107,9 +110,19 @@ def _fast_scheduler(scheduler: Any, cache: Any, allocator: FullAttentionCacheAll
 
 
 def _steady_batch(
-    scheduler: Any, cache: Any, allocator: FullAttentionCacheAllocator, name: str, token_budget: int, cache_budget: int
+    scheduler: Any,
+    cache: Any,
+    allocator: FullAttentionCacheAllocator,
+    name: str,
+    token_budget: int,
+    cache_budget: int,
+    last: list[FutureRequestState],
 ) -> list[FutureRequestState] | None:
-    """Every active request, one decode token each, or None where `_process_candidates` could decide otherwise."""
+    """Every active request, one decode token each, or None where `_process_candidates` could decide otherwise.
+
+    A request's entry of the last fast batch (`last`, same order) is reused when it holds the same values: a step
+    allocates no object per request, since hundreds of new objects per step would set off the cyclic garbage
+    collector's full passes over the engine process (tens to hundreds of ms each, docs/benchmarks.md)."""
     active = scheduler.active_requests
     n = len(active)
     if (scheduler.waiting_requests and not scheduler.block_new_requests) or scheduler._requests_to_fork:
@@ -118,7 +131,7 @@ def _steady_batch(
         return None
     page, tables, sharing = allocator.tokens_per_page, allocator.block_table, cache.use_prefix_sharing
     decoding = RequestStatus.DECODING
-    batch = []
+    batch, j = [], 0
     for i, state in enumerate(active.values()):
         past = state.position_offset
         if state.status != decoding or state.num_children or len(state.tokens_to_process) != 1 or cache_budget < past:
@@ -128,8 +141,13 @@ def _steady_batch(
             return None
         if len(tables.get(state.request_id, ())) * page <= past and not cache.can_store_request_tokens(state, 1):
             return None  # allocation failed: the slow path starves or offloads
-        complete = {name: 1} if sharing and (past + 1) % page == 0 else {}  # `count_new_complete_blocks`
-        batch.append(FutureRequestState(state, True, complete, 1))
+        completes = sharing and (past + 1) % page == 0  # `count_new_complete_blocks`
+        while j < len(last) and last[j].state is not state:
+            j += 1
+        if j < len(last) and not completes and not last[j].complete_blocks:
+            batch.append(last[j])
+        else:
+            batch.append(FutureRequestState(state, True, {name: 1} if completes else {}, 1))
     return batch
 
 
