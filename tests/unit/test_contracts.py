@@ -868,3 +868,43 @@ def test_manager_internals_the_engine_stream_uses(model, tokenizer):
         assert len(entered) == 1 and entered[0] != threading.current_thread().name
     finally:
         manager.destroy()
+
+
+def test_scheduler_and_batch_internals_the_decode_fast_path_uses(model, tokenizer):
+    """`engine/_upstream_decode.py` reads and writes these names; its behaviour (the slow path's tokens and logprobs
+    on long decodes, a control) is tested in tests/unit/engine/test_decode_fast_path.py."""
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+    from transformers.generation.continuous_batching.requests import TMP_TOKEN_ID, FutureRequestState, RequestState
+    from transformers.generation.continuous_batching.scheduler import FIFOScheduler, Scheduler
+
+    from trl_cb.engine import _upstream_decode
+
+    assert params(Scheduler.schedule_batch) == ["self", "token_budget", "cache_budget"]
+    assert params(FutureRequestState) == ["state", "has_new_token", "complete_blocks", "query_length"]
+    assert params(ContinuousBatchingIOs.prepare_batch_update) == ["self"]
+    assert TMP_TOKEN_ID == -1
+    fields = {f.name for f in dataclasses.fields(RequestState)}
+    for name in ("position_offset", "tokens_to_process", "num_children", "generated_tokens", "logprobs", "streaming",
+                 "record_timestamps", "_eos_token_ids", "_new_tokens_limit", "request_id"):  # fmt: skip
+        assert name in fields, name
+    assert isinstance(RequestState.status, property)
+    manager = _manager(model, tokenizer, 4, 8, 64, 1)
+    try:
+        processor = manager.batch_processor
+        ios, cache, scheduler = processor.inputs_and_outputs, processor.cache, processor.scheduler
+        assert type(scheduler) is FIFOScheduler and type(ios) is ContinuousBatchingIOs
+        for name in ("active_requests", "waiting_requests", "block_new_requests", "_requests_to_fork",
+                     "starved_requests", "max_requests_per_batch"):  # fmt: skip
+            assert hasattr(scheduler, name), name
+        for name in ("use_prefix_sharing", "read_cache_limit", "cache_allocators", "can_store_request_tokens"):
+            assert hasattr(cache, name), name
+        for name in ("input_ids", "position_ids", "cumulative_seqlens_q", "cumulative_seqlens_k", "logits_indices",
+                     "output_ids", "write_index_storage", "read_index_storage", "true_write_sizes", "true_read_sizes",
+                     "max_length_q", "max_length_k", "total_seqlen_q", "total_seqlen_k", "num_q_tokens", "max_kv_read",
+                     "num_request_in_batch", "use_block_table", "requests_in_batch", "req_id_to_new_token_position",
+                     "_bulk_input_tensor", "static_inputs", "attention_mask", "block_table"):  # fmt: skip
+            assert hasattr(ios, name), name
+        assert processor.model_runner.pad_inputs is False
+        assert _upstream_decode.decode_fast_path_stats(manager) is not None, "not installed on a CPU engine"
+    finally:
+        manager.destroy()

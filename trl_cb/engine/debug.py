@@ -7,6 +7,8 @@ every engine build, model check and sizing, so a test can set it for one call (`
 reads from the cache storage, `_upstream_cache.py`); read at every layer call.
 `TRL_CB_SAMPLER=upstream`: engines sample with transformers' `torch.multinomial` instead of `sampler.py`'s exponential
 race; read at every engine build.
+`TRL_CB_DECODE_FAST_PATH=0`: engines schedule and prepare every decode step with transformers' per-request Python
+instead of advancing the previous batch in place (`_upstream_decode.py`); read at every engine build.
 """
 
 from __future__ import annotations
@@ -35,3 +37,11 @@ SAMPLER_ENV = "TRL_CB_SAMPLER"
 def parallel_sampler_enabled() -> bool:
     """False when `TRL_CB_SAMPLER=upstream` asks for transformers' own sampler."""
     return os.environ.get(SAMPLER_ENV, "race").lower() != "upstream"
+
+
+DECODE_FAST_PATH_ENV = "TRL_CB_DECODE_FAST_PATH"
+
+
+def decode_fast_path_enabled() -> bool:
+    """False when `TRL_CB_DECODE_FAST_PATH=0` asks for upstream's per-request scheduling and batch preparation."""
+    return os.environ.get(DECODE_FAST_PATH_ENV, "1") != "0"

@@ -28,7 +28,9 @@ def _generate(model, tokenizer, prompts, **config: object):
 
 def test_read_rows_equal_the_allocators_lists_on_every_step(sharp_model, tokenizer, prompts, monkeypatch):
     """Every batch the engine prepares: `read_index_rows` == the concatenated `get_read_indices` lists. Page size 16
-    and 30-token prompts cross page boundaries, mid-page ends and chunked prefills (48 tokens per step)."""
+    and 30-token prompts cross page boundaries, mid-page ends and chunked prefills (48 tokens per step). The decode
+    fast path is off: it advances the previous rows instead (test_decode_fast_path.py checks those)."""
+    monkeypatch.setenv(debug.DECODE_FAST_PATH_ENV, "0")
     checked = []
     rows_fn = _upstream_cache.read_index_rows
 

@@ -1,0 +1,124 @@
+"""The steady-state decode fast path (`engine/_upstream_decode.py`) against transformers' per-request path.
+
+Same seed, same prompts: the engine with the fast path gives the same tokens and logprobs (bit for bit: the forward
+sees the same inputs) as with `TRL_CB_DECODE_FAST_PATH=0`, on a long decode that crosses many pages (page size 8),
+with requests finishing at different lengths by EOS, requests joining while others decode (a 48-token budget
+prefills the six prompts over several steps) and forked samples sharing their prompt's blocks; and, with identical
+forks (top_k=1), completed pages swapped for a sibling's by prefix de-duplication (without the fast path's re-read
+of a page-start row's block table, both `shared_pages` tests fail: checked by hand). The fast path must have
+prepared most steps (its counter), and a control shows a wrong position or write row would be caught.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
+
+from tests.conftest import sampling_config
+from trl_cb import ContinuousBatchingGenerator
+from trl_cb.engine import _upstream_decode, debug
+from trl_cb.offline.tiny import tiny_model
+
+NEW_TOKENS = 64
+
+
+def _case(request, tokenizer, case: str):
+    """`eos`: a peaked model ending samples at many lengths. `shared_pages`: no EOS bias, top_k=1, every sample to
+    the cap, forks of one prompt identical, so their completed pages are de-duplicated."""
+    if case == "eos":
+        return request.getfixturevalue("sharp_model"), {}
+    return tiny_model(tokenizer), {"top_k": 1}
+
+
+def _run(model, tokenizer, prompts, monkeypatch, enabled: bool, **sampling: object):
+    """Completions, logprobs and the fast path's counters (None when off) of one seeded round."""
+    monkeypatch.setenv(debug.DECODE_FAST_PATH_ENV, "1" if enabled else "0")
+    cfg = sampling_config(tokenizer, max_new_tokens=NEW_TOKENS, **sampling)
+    with ContinuousBatchingGenerator(model, cfg, {"max_batch_tokens": 48, "page_size": 8}) as gen:
+        torch.manual_seed(0)
+        out = gen.generate([p[: 12 + 5 * i] for i, p in enumerate(prompts[:6])], num_generations=4)
+        stats = _upstream_decode.decode_fast_path_stats(gen._pool.engine.manager)  # noqa: SLF001
+    return out.completion_ids, out.logprobs, stats
+
+
+@pytest.mark.parametrize("case", ["eos", "shared_pages"])
+def test_fast_path_gives_the_slow_paths_tokens_and_logprobs(request, tokenizer, prompts, monkeypatch, case):
+    model, sampling = _case(request, tokenizer, case)
+    ids, logprobs, stats = _run(model, tokenizer, prompts, monkeypatch, enabled=True, **sampling)
+    slow_ids, slow_logprobs, slow_stats = _run(model, tokenizer, prompts, monkeypatch, enabled=False, **sampling)
+    lengths = sorted(len(c) for c in ids)
+    assert slow_stats is None, "TRL_CB_DECODE_FAST_PATH=0 must keep upstream's path"
+    if case == "eos":
+        assert len(set(lengths)) >= 4 and lengths[0] < NEW_TOKENS, f"want EOS at several lengths: {lengths}"
+    assert lengths[-1] > 3 * 8, "the decode must cross several pages"
+    assert ids == slow_ids
+    assert logprobs == slow_logprobs
+    assert stats.fast > 2 * stats.slow, f"the fast path prepared too few steps: {stats}"
+
+
+@pytest.mark.parametrize("corrupt", ["position", "write_row"])
+def test_control_a_wrong_position_or_write_row_changes_the_samples(
+    sharp_model, tokenizer, prompts, monkeypatch, corrupt
+):
+    """Control: the comparison above fails when a fast step's positions or write rows are off by one."""
+    advance = _upstream_decode._advance
+
+    def wrong(ios, *args, **kwargs):
+        result = advance(ios, *args, **kwargs)
+        if result is not None:
+            n = len(result.states)
+            target = ios.position_ids if corrupt == "position" else ios.write_index_storage[0]
+            target[:n] += 1
+        return result
+
+    ids, logprobs, _ = _run(sharp_model, tokenizer, prompts, monkeypatch, enabled=False)
+    monkeypatch.setattr(_upstream_decode, "_advance", wrong)
+    bad_ids, bad_logprobs, stats = _run(sharp_model, tokenizer, prompts, monkeypatch, enabled=True)
+    assert stats.fast > 0
+    assert (ids, logprobs) != (bad_ids, bad_logprobs)
+
+
+@pytest.mark.parametrize("case", ["eos", "shared_pages"])
+def test_every_fast_step_holds_the_allocators_rows_and_positions(request, tokenizer, prompts, monkeypatch, case):
+    """Each batch the fast path prepares, against transformers' per-request answers for the same requests: positions,
+    write rows (`get_write_indices`), read rows (`get_read_indices`), key lengths and the rows' input tokens. Case
+    `eos`: requests finish at many lengths. Case `shared_pages`: with top_k=1 the forked samples repeat each other, so
+    completed pages are de-duplicated (a request's block table swaps a page for its sibling's, `mark_complete_blocks`),
+    which the fast path must read back."""
+    model, sampling = _case(request, tokenizer, case)
+    advance, checked, swapped = _upstream_decode._advance, [], []
+    mark = CacheAllocator.mark_complete_blocks
+
+    def mark_and_watch(allocator, request_id, token_ids, new_blocks):
+        before = list(allocator.block_table[request_id])
+        mark(allocator, request_id, token_ids, new_blocks)
+        swapped.append(before != allocator.block_table[request_id])
+
+    monkeypatch.setattr(CacheAllocator, "mark_complete_blocks", mark_and_watch)
+
+    def compare(ios, allocator, *args, **kwargs):
+        result = advance(ios, allocator, *args, **kwargs)
+        if result is None:
+            return None
+        states, n = result.states, len(result.states)
+        past = [s.position_offset - 1 for s in states]
+        writes = [i for s, p in zip(states, past) for i in allocator.get_write_indices(s.request_id, p, 1)]
+        reads = [i for s, p in zip(states, past) for i in allocator.get_read_indices(s.request_id, p, 1)]
+        assert ios.position_ids[:n].tolist() == past
+        assert ios.write_index_storage[0, :n].tolist() == writes
+        assert ios.true_read_sizes == [len(reads)]
+        assert ios.read_index_storage[0, : len(reads)].tolist() == reads
+        cu_k = ios.cumulative_seqlens_k["full_attention"][: n + 1].tolist()
+        assert [b - a for a, b in zip(cu_k, cu_k[1:])] == [p + 1 for p in past]
+        assert ios.input_ids[:n].tolist() == [s.generated_tokens[-1] for s in states]
+        checked.append(n)
+        return result
+
+    monkeypatch.setattr(_upstream_decode, "_advance", compare)
+    _run(model, tokenizer, prompts, monkeypatch, enabled=True, **sampling)
+    assert len(checked) > 30, checked
+    if case == "eos":
+        assert len(set(checked)) > 5, checked  # batches shrinking as requests finish
+    else:
+        assert sum(swapped) > 20, "completed pages were not de-duplicated: the case is not exercised"

@@ -1,0 +1,317 @@
+"""Steady-state decode fast path: the previous step's batch advanced in place instead of rebuilt per request.
+
+Why: at hundreds of rows transformers' per-request Python in every step (the scheduler's `_process_candidates`,
+`prepare_batch_tensors`, `update_batch`) is the largest part of a CPU decode step (docs/benchmarks.md, issue 28).
+When every active request decodes one token and none joins, step t+1's batch is step t's minus the finished
+requests, each one position further (vLLM's persistent batch): `_steady_batch` schedules it, `_advance` moves the
+previous tensors (positions + 1, write row + 1 inside a page, each row's new key appended to its read rows; a row
+at a page start is read from its block table), `_fast_update` appends the tokens of rows that go on. Anything else
+(joins, forks, prefill chunks, a failed page allocation) takes upstream's path for that step.
+Invariant: a fast step leaves the tensors the forward reads and the request states as upstream's path would
+(tests/unit/engine/test_decode_fast_path.py: same tokens and logprobs, the rows checked per step, controls).
+Installed only where it fits (`install_decode_fast_path`): sync CPU engines, full-attention layers only, no block
+table, mask or padding. `TRL_CB_DECODE_FAST_PATH=0` keeps upstream's path (`debug.py`). Upstream surface: pinned in
+tests/unit/test_contracts.py, listed in docs/architecture.md ("Upstream surface").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.generation.continuous_batching import ContinuousBatchingManager
+from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
+from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+from transformers.generation.continuous_batching.requests import (
+    TMP_TOKEN_ID,
+    FutureRequestState,
+    RequestState,
+    RequestStatus,
+)
+from transformers.generation.continuous_batching.scheduler import FIFOScheduler, PrefillFirstScheduler
+
+from . import debug
+from ._upstream_cache import read_index_rows
+
+__all__ = ["DecodeFastPathStats", "decode_fast_path_stats", "install_decode_fast_path"]
+
+_STATS_ATTR = "_trl_cb_decode_fast_path_stats"
+
+
+@dataclass
+class DecodeFastPathStats:
+    """Batches prepared per path since the engine was built: `fast` advanced in place, `slow` by upstream."""
+
+    fast: int = 0
+    slow: int = 0
+
+
+@dataclass
+class _Previous:
+    """The last batch prepared with only single-token decode rows, as the IOs hold it."""
+
+    marker: list  # the IOs' `requests_in_batch` object right after; any other object there means something else ran
+    states: list[RequestState]
+    positions: torch.Tensor  # (n,) int64: each row's position (its past length)
+    writes: torch.Tensor  # (n,) int64: the storage row its new key was written to
+    key_lengths: torch.Tensor  # (n,) int64: keys read per row (positions + 1)
+
+
+def decode_fast_path_stats(manager: ContinuousBatchingManager) -> DecodeFastPathStats | None:
+    """The counters of `manager`'s fast path; None where it is not installed."""
+    return getattr(manager.batch_processor, _STATS_ATTR, None)
+
+
+def install_decode_fast_path(manager: ContinuousBatchingManager) -> bool:
+    """Wrap the scheduler's `schedule_batch`, the IOs' `prepare_batch_tensors` (after `install_read_index_rows`, which
+    the slow path keeps using) and the processor's `update_batch` (after the policy-logprob recorder, whose
+    `prepare_batch_update` it calls once per step). Returns whether it was installed (where: the module docstring)."""
+    processor = manager.batch_processor
+    ios, cache, scheduler = processor.inputs_and_outputs, processor.cache, processor.scheduler
+    allocators = list(cache.cache_allocators.values())
+    fits = (
+        debug.decode_fast_path_enabled()
+        and type(ios) is ContinuousBatchingIOs
+        and type(scheduler) in (FIFOScheduler, PrefillFirstScheduler)
+        and len(allocators) == 1
+        and type(allocators[0]) is FullAttentionCacheAllocator
+        and ios.block_table.numel() == 0
+        and ios.attention_mask is None
+        and ios.read_index_storage.device.type == "cpu"
+        and cache.read_cache_limit is None
+        and not processor.model_runner.pad_inputs
+    )
+    if not fits:
+        return False
+    stats = DecodeFastPathStats()
+    setattr(processor, _STATS_ATTR, stats)
+    scheduler.schedule_batch = _fast_scheduler(scheduler, cache, allocators[0], scheduler.schedule_batch)
+    ios.prepare_batch_tensors = _fast_prepare(ios, allocators[0], stats, ios.prepare_batch_tensors)
+    processor.update_batch = _fast_update(ios, processor.update_batch)
+    return True
+
+
+def _fast_scheduler(scheduler: Any, cache: Any, allocator: FullAttentionCacheAllocator, slow: Callable) -> Callable:
+    name = next(key for key, value in cache.cache_allocators.items() if value is allocator)  # `complete_blocks` key
+    last: list[list[FutureRequestState]] = [[]]
+
+    def schedule_batch(token_budget: int, cache_budget: int) -> tuple[list | None, bool, int, int]:
+        batch = _steady_batch(scheduler, cache, allocator, name, token_budget, cache_budget, last[0])
+        if batch is None:
+            last[0] = []
+            return slow(token_budget, cache_budget)
+        last[0] = batch
+        scheduler.starved_requests = []
+        return batch, False, len(batch), sum(f.state.position_offset for f in batch)
+
+    return schedule_batch
+
+
+def _steady_batch(
+    scheduler: Any,
+    cache: Any,
+    allocator: FullAttentionCacheAllocator,
+    name: str,
+    token_budget: int,
+    cache_budget: int,
+    last: list[FutureRequestState],
+) -> list[FutureRequestState] | None:
+    """Every active request, one decode token each, or None where `_process_candidates` could decide otherwise.
+
+    A request's entry of the last fast batch (`last`, same order) is reused when it holds the same values: a step
+    allocates no object per request, since hundreds of new objects per step would set off the cyclic garbage
+    collector's full passes over the engine process (tens to hundreds of ms each, docs/benchmarks.md)."""
+    active = scheduler.active_requests
+    n = len(active)
+    if (scheduler.waiting_requests and not scheduler.block_new_requests) or scheduler._requests_to_fork:
+        return None
+    if n == 0 or n > token_budget or n > scheduler.max_requests_per_batch:
+        return None
+    page, tables, sharing = allocator.tokens_per_page, allocator.block_table, cache.use_prefix_sharing
+    decoding = RequestStatus.DECODING
+    batch, j = [], 0
+    for i, state in enumerate(active.values()):
+        past = state.position_offset
+        if state.status != decoding or state.num_children or len(state.tokens_to_process) != 1 or cache_budget < past:
+            return None
+        cache_budget -= past
+        if cache_budget <= 0 and i < n - 1:  # upstream stops adding requests here
+            return None
+        if len(tables.get(state.request_id, ())) * page <= past and not cache.can_store_request_tokens(state, 1):
+            return None  # allocation failed: the slow path starves or offloads
+        completes = sharing and (past + 1) % page == 0  # `count_new_complete_blocks`
+        while j < len(last) and last[j].state is not state:
+            j += 1
+        if j < len(last) and not completes and not last[j].complete_blocks:
+            batch.append(last[j])
+        else:
+            batch.append(FutureRequestState(state, True, {name: 1} if completes else {}, 1))
+    return batch
+
+
+def _fast_prepare(
+    ios: ContinuousBatchingIOs,
+    allocator: FullAttentionCacheAllocator,
+    stats: DecodeFastPathStats,
+    slow: Callable,
+) -> Callable:
+    previous: list[_Previous | None] = [None]
+
+    def prepare_batch_tensors(requests_in_batch: list, logits_processors: Any, use_decode_fast_path: bool,
+                              num_q_tokens: int, max_kv_read: int, use_padding: bool) -> None:  # fmt: skip
+        last = previous[0]
+        steady = not use_padding and all(f.query_length == 1 and f.has_new_token for f in requests_in_batch)
+        if steady and last is not None and ios.requests_in_batch is last.marker:
+            advanced = _advance(ios, allocator, last, requests_in_batch, logits_processors, max_kv_read)
+            if advanced is not None:
+                stats.fast += 1
+                previous[0] = advanced
+                return
+        stats.slow += 1
+        previous[0] = None
+        slow(requests_in_batch, logits_processors, use_decode_fast_path, num_q_tokens, max_kv_read, use_padding)
+        if steady and ios.true_read_sizes[0] > 0:
+            n = len(requests_in_batch)
+            positions = ios.position_ids[:n].to(torch.int64, copy=True)
+            previous[0] = _Previous(
+                ios.requests_in_batch,
+                [f.state for f in requests_in_batch],
+                positions,
+                ios.write_index_storage[0, :n].clone(),
+                positions + 1,
+            )
+
+    return prepare_batch_tensors
+
+
+def _advance(
+    ios: ContinuousBatchingIOs,
+    allocator: FullAttentionCacheAllocator,
+    last: _Previous,
+    batch: list[FutureRequestState],
+    logits_processors: Any,
+    max_kv_read: int,
+) -> _Previous | None:
+    """Prepare `batch` from `last` in place; None (nothing changed) unless its rows are a subsequence of `last`'s,
+    each one position further."""
+    # 1) map each row to its row in the previous batch (same order, finished requests dropped)
+    states = [f.state for f in batch]
+    previous_states, keep, j = last.states, [], 0
+    for state in states:
+        while j < len(previous_states) and previous_states[j] is not state:
+            j += 1
+        if j == len(previous_states):
+            return None
+        keep.append(j)
+        j += 1
+    n = len(states)
+    kept = None if n == len(previous_states) else torch.tensor(keep)
+    positions = torch.tensor([s.position_offset for s in states], dtype=torch.int64)  # (n,)
+    input_ids = [s.tokens_to_process[0] for s in states]  # the token sampled last step
+    expected = last.positions + 1 if kept is None else last.positions[kept] + 1
+    if not torch.equal(positions, expected):
+        return None
+    # 2) write rows: the next slot inside a page, the block table's slot at a page start
+    page, stride = allocator.tokens_per_page, allocator.block_physical_stride
+    writes = last.writes + 1 if kept is None else last.writes[kept] + 1
+    page_starts = (positions % page == 0).nonzero().flatten().tolist()
+    for i in page_starts:
+        p = int(positions[i])
+        writes[i] = allocator.block_table[states[i].request_id][p // page] * stride
+    # 3) read rows: each row's previous keys, then its new key
+    key_lengths = positions + 1  # (n,)
+    old_rows = ios.read_index_storage[0, : int(last.key_lengths.sum())]
+    if kept is not None:
+        row_mask = torch.zeros(len(previous_states), dtype=torch.bool)
+        row_mask[kept] = True
+        old_rows = old_rows[torch.repeat_interleave(row_mask, last.key_lengths)]
+    cu_k = torch.zeros(n + 1, dtype=torch.int64)
+    torch.cumsum(key_lengths, 0, out=cu_k[1:])
+    total = int(cu_k[-1])
+    is_new = torch.zeros(total, dtype=torch.bool)
+    is_new[cu_k[1:] - 1] = True
+    rows = torch.empty(total, dtype=torch.int64)
+    rows[~is_new] = old_rows
+    rows[is_new] = writes
+    if page_starts:  # completing the previous page may have swapped it for a shared one: read the block tables
+        at_start = torch.zeros(n, dtype=torch.bool)
+        at_start[page_starts] = True
+        requests = [(states[i].request_id, int(key_lengths[i])) for i in page_starts]
+        rows[torch.repeat_interleave(at_start, key_lengths)] = read_index_rows(allocator, requests)
+    # 4) the request states, as upstream's loop leaves them
+    for state in states:
+        state.position_offset += 1
+        state.tokens_to_process = [TMP_TOKEN_ID]
+    # 5) the static tensors and counters the forward and `update_batch` read
+    ios.num_q_tokens, ios.max_kv_read, ios.num_request_in_batch = n, max_kv_read, n
+    ios.use_block_table = False
+    ios.true_write_sizes, ios.true_read_sizes = [n], [total]
+    ios.input_ids[:n] = torch.tensor(input_ids, dtype=torch.int32)
+    ios.position_ids[:n] = positions
+    ios.cumulative_seqlens_q[: n + 1] = torch.arange(n + 1, dtype=torch.int32)
+    ios.logits_indices[:n] = torch.arange(n, dtype=torch.int32)
+    ios.output_ids[:, :n].zero_()
+    ios.max_length_q, ios.total_seqlen_q = 1, n
+    for layer_type, cumulative in ios.cumulative_seqlens_k.items():
+        cumulative[: n + 1] = cu_k
+        ios.max_length_k[layer_type] = int(key_lengths.max())
+        ios.total_seqlen_k[layer_type] = total
+    ios.write_index_storage[0, :n] = writes
+    ios.read_index_storage[0, :total] = rows
+    # per-request processor arguments (and trl_cb's request processors, which read the histories here)
+    logits_processors.prepare_tensor_args(batch, arg_storage=ios._bulk_input_tensor[ios.static_inputs :])
+    ios.requests_in_batch = batch
+    ios.req_id_to_new_token_position = {s.request_id: i for i, s in enumerate(states)}
+    return _Previous(batch, states, positions, writes, key_lengths)
+
+
+def _fast_update(ios: ContinuousBatchingIOs, slow: Callable) -> Callable:
+    """`update_batch` with the common row inline: a decoding request that gets one more token and goes on (not EOS,
+    below its limit, not its first token, no streaming, timestamps or completed page). Every other row (finishing,
+    first token, completed page, ...) goes through upstream's `update_batch`, run on those rows only."""
+    decoding = RequestStatus.DECODING
+
+    def update_batch() -> None:
+        requests, tokens, logprobs = ios.prepare_batch_update()
+        if not all(f.has_new_token for f in requests):  # token k belongs to the k-th row with a new token
+            return _run_on(ios, slow, (requests, tokens, logprobs))
+        rest = []
+        for i, future_state in enumerate(requests):
+            state, token = future_state.state, tokens[i]
+            generated = state.generated_tokens
+            if (
+                token in state._eos_token_ids
+                or not 0 < len(generated) < state._new_tokens_limit - 1
+                or state.status != decoding
+                or state.streaming
+                or state.record_timestamps
+                or future_state.complete_blocks
+            ):
+                rest.append(i)
+                continue
+            generated.append(token)
+            state.tokens_to_process = [token]
+            if logprobs is not None:
+                state.logprobs.append(logprobs[i])
+        kept = ([requests[i] for i in rest], [tokens[i] for i in rest], None)
+        if logprobs is not None:
+            kept = (kept[0], kept[1], [logprobs[i] for i in rest])
+        return _run_on(ios, slow, kept)
+
+    return update_batch
+
+
+def _run_on(ios: ContinuousBatchingIOs, update: Callable, rows: tuple) -> None:
+    """Run upstream's `update_batch` on `rows` (requests, tokens, logprobs) instead of the step's whole batch; it still
+    delivers finished requests and forks what waits to be forked."""
+    own = ios.__dict__.get("prepare_batch_update")  # a wrapper installed on the instance (policy logprobs), or None
+    ios.prepare_batch_update = lambda: rows
+    try:
+        update()
+    finally:
+        if own is None:
+            del ios.prepare_batch_update
+        else:
+            ios.prepare_batch_update = own
