@@ -829,9 +829,11 @@ def test_manager_internals_the_engine_stream_uses(model, tokenizer):
 
     from trl_cb.engine import _upstream_stream
 
-    assert f"threading.Thread(target=self.{_upstream_stream.LOOP_ATTRIBUTE})" in inspect.getsource(
-        ContinuousBatchingManager.start
-    )
+    # 5.23: `Thread(target=self._run_generation_loop)`; 5.24 adds `kwargs={"use_inference_mode": ...}`
+    assert re.search(
+        rf"threading\.Thread\(\s*target=self\.{_upstream_stream.LOOP_ATTRIBUTE}\b",
+        inspect.getsource(ContinuousBatchingManager.start),
+    ), "start() no longer runs the loop thread from the instance's loop attribute"
     assert "compute_stream = self.inputs_and_outputs.compute_stream" in inspect.getsource(
         model_runner.ModelRunner.compute_batch
     ), "the forward no longer reads the IOs' compute stream at each step"

@@ -8,6 +8,7 @@ leaving the engine's kernels on the device's default stream, queued behind the t
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,8 @@ from transformers.generation.continuous_batching import ContinuousBatchingManage
 
 __all__ = ["LOOP_ATTRIBUTE", "adopt_compute_stream", "run_loop_in"]
 
-#: The manager method `start()` hands to `threading.Thread(target=...)`, looked up on the instance at `start()`.
+#: The manager method `start()` hands to `threading.Thread(target=...)` (with the caller's arguments since 5.24),
+#: looked up on the instance at `start()`.
 LOOP_ATTRIBUTE = "_run_generation_loop"
 #: Manager attribute (ours): the loop already runs inside a context (`run_loop_in` is idempotent).
 _WRAPPED = "_trl_cb_loop_context"
@@ -30,9 +32,10 @@ def run_loop_in(
         return
     loop = getattr(manager, LOOP_ATTRIBUTE)
 
-    def loop_in_context() -> None:
+    @functools.wraps(loop)  # the thread keeps upstream's name (leak checks look for it)
+    def loop_in_context(*args: Any, **kwargs: Any) -> None:  # 5.24 passes `use_inference_mode`, 5.23 nothing
         with context():
-            loop()
+            loop(*args, **kwargs)
 
     setattr(manager, LOOP_ATTRIBUTE, loop_in_context)
     setattr(manager, _WRAPPED, True)
