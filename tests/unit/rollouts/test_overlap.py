@@ -145,6 +145,23 @@ def versioned_reference(
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
+def version_gaps(models: dict[int, PreTrainedModel], groups: list) -> tuple[list[float], list[float], set[int]]:
+    """Per completion of `groups`: the max |recorded - `versioned_reference`| logprob gap, the same against the old
+    weights only (the control, for completions whose versions changed), and the versions that started mid-request.
+    Checks each completion has one version per token, never decreasing."""
+    gaps, controls, straddled = [], [], set()
+    for g in groups:
+        for tokens, recorded, versions in zip(g.completion_ids, g.logprobs, g.versions, strict=True):
+            assert len(tokens) == len(versions) and versions == sorted(versions)
+            straddled |= {b for a, b in itertools.pairwise(versions) if a != b}
+            got = torch.tensor(recorded)
+            gaps.append((versioned_reference(models, g.prompt_ids, tokens, versions) - got).abs().max().item())
+            if versions[0] != versions[-1]:
+                old_only = versioned_reference(models, g.prompt_ids, tokens, [versions[0]] * len(tokens))
+                controls.append((old_only - got).abs().max().item())
+    return gaps, controls, straddled
+
+
 def perturb(model: PreTrainedModel, generator: torch.Generator, scale: float = 0.05) -> None:
     with torch.no_grad():
         for p in model.parameters():
@@ -272,16 +289,7 @@ def test_every_token_matches_its_version_over_its_kv_prefix_across_5_updates(tok
             groups = [g for _ in range(3) for g in ctl.take(2)[0]]
     finally:
         ctl.stop()
-    gaps, controls, straddled = [], [], set()
-    for g in groups:
-        for tokens, recorded, versions in zip(g.completion_ids, g.logprobs, g.versions, strict=True):
-            assert len(tokens) == len(versions) and versions == sorted(versions)
-            straddled |= {b for a, b in itertools.pairwise(versions) if a != b}
-            got = torch.tensor(recorded)
-            gaps.append((versioned_reference(models, g.prompt_ids, tokens, versions) - got).abs().max().item())
-            if versions[0] != versions[-1]:
-                old_only = versioned_reference(models, g.prompt_ids, tokens, [versions[0]] * len(tokens))
-                controls.append((old_only - got).abs().max().item())
+    gaps, controls, straddled = version_gaps(models, groups)
     print(f"\nupdates landing mid-request: {sorted(straddled)}; max|d|={max(gaps):.2e}; old-weights control "
           f"{min(controls):.3f}")  # fmt: skip
     assert len(straddled) >= 5, f"only updates {sorted(straddled)} landed while a request was generating"

@@ -23,7 +23,7 @@ from tests.unit.rollouts.test_overlap import (
     engine_runs_during_forward_and_backward,
     engine_threads,
     sharp_model,
-    versioned_reference,
+    version_gaps,
     wait_in_backward,
 )
 from trl_cb import ContinuousBatchingGenerator
@@ -96,15 +96,7 @@ def test_lora_overlap_matches_each_version_and_leaves_the_base_untouched(tokeniz
     assert waits == [2] * STEPS, "the engine must have stepped during every LoRA forward and backward"
     assert not engine_threads()
     assert all(torch.equal(frozen[n], p) for n, p in module.named_parameters() if not p.requires_grad)
-    gaps, controls, straddled = [], [], set()
-    for g in groups:
-        for tokens, recorded, versions in zip(g.completion_ids, g.logprobs, g.versions, strict=True):
-            straddled |= {b for a, b in itertools.pairwise(versions) if a != b}
-            got = torch.tensor(recorded)
-            gaps.append((versioned_reference(models, g.prompt_ids, tokens, versions) - got).abs().max().item())
-            if versions[0] != versions[-1]:
-                old_only = versioned_reference(models, g.prompt_ids, tokens, [versions[0]] * len(tokens))
-                controls.append((old_only - got).abs().max().item())
+    gaps, controls, straddled = version_gaps(models, groups)
     print(f"\nLoRA: updates mid-request {sorted(straddled)}; max|d|={max(gaps):.2e}; control {min(controls):.3f}")
     assert len(straddled) >= 3, f"only updates {sorted(straddled)} landed while a request was generating"
     assert max(gaps) <= FP32_TOL

@@ -25,7 +25,7 @@ from tests.unit.rollouts.test_overlap import (
     overlap_controller,
     perturb,
     sharp_model,
-    versioned_reference,
+    version_gaps,
 )
 from trl_cb import ContinuousBatchingGenerator
 from trl_cb.engine import engine_stream
@@ -184,13 +184,5 @@ def test_cuda_engine_runs_on_its_stream_and_matches_each_version(tokenizer, monk
     finally:
         ctl.stop()
     assert seen and all(seen) and torch.cuda.current_stream() != stream.stream
-    gaps, controls, straddled = [], [], set()
-    for g in groups:
-        for tokens, recorded, versions in zip(g.completion_ids, g.logprobs, g.versions, strict=True):
-            straddled |= {b for a, b in itertools.pairwise(versions) if a != b}
-            got = torch.tensor(recorded)
-            gaps.append((versioned_reference(models, g.prompt_ids, tokens, versions) - got).abs().max().item())
-            if versions[0] != versions[-1]:
-                old = versioned_reference(models, g.prompt_ids, tokens, [versions[0]] * len(tokens))
-                controls.append((old - got).abs().max().item())
+    gaps, controls, straddled = version_gaps(models, groups)
     assert len(straddled) >= 2 and max(gaps) <= 1e-3 and min(controls) > CONTROL_GAP, (straddled, max(gaps))
