@@ -1,7 +1,8 @@
 """The two-process gloo group a weight sync runs on (`weight_sync.py`), kept apart from accelerate's default group.
 
-The trainer (rank 0) is the master of a `TCPStore` on a free port of its host; the server (rank 1) connects to the
-address the trainer gives it (`address_towards`: the trainer's address on its route to the server). Tensors are
+The trainer (rank 0) is the master of a `TCPStore` on a port of its host the OS picks (`listen_store`), listening
+before the server is told to join; the server (rank 1) connects to the address the trainer gives it
+(`address_towards`: the trainer's address on its route to the server). Tensors are
 broadcast from rank 0; dtypes travel by name. `store_alive` tells a live owner (its store answers, even mid-step)
 from a dead one (connection closed, or a timeout for a host that vanished).
 """
@@ -40,10 +41,27 @@ def address_towards(url: str) -> str:
         raise RolloutServerError(f"no route to {url} to tell the server where to join the weight sync: {exc}") from exc
 
 
+def listen_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """The trainer's side: the group's master store, listening on a port the OS picks (`store.port`) before the
+    server hears of it.
+
+    Why: a store client that connects before its master listens retries with a back-off, which cost every training
+    run 0.43-0.6 s at its first weight push when the trainer announced a port and only then opened it; picking the
+    port while binding also leaves no window in which another process can take it (`free_port`'s race)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.TCPStore(host, 0, world_size=2, is_master=True, timeout=timeout, wait_for_workers=False)
+
+
+def join_group(store: dist.TCPStore, rank: int, timeout_s: float) -> dist.ProcessGroup:
+    """The gloo group of the two ranks that share `store` (each blocks until the other joins, up to the timeout)."""
+    return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
+
+
 def open_group(host: str, port: int, rank: int, timeout_s: float) -> tuple[dist.TCPStore, dist.ProcessGroup]:
+    """The server's side (rank 1): connect to the trainer's store at `host:port` and join its group."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timeout)
-    return store, dist.ProcessGroupGloo(store, rank, 2, timeout)
+    return store, join_group(store, rank, timeout_s)
 
 
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:

@@ -2,7 +2,7 @@
 
 The group is built from its own `TCPStore` (the trainer is the store's master) and never touches
 `torch.distributed`'s default group, so it lives beside the trainer's accelerate group. Protocol (docs/server.md):
-the trainer POSTs `/weights/init` (the server joins in a thread), opens its side; per update it POSTs
+the trainer opens its store, POSTs `/weights/init` (the server joins in a thread) and joins; per update it POSTs
 `/weights/update` with the parameter list, broadcasts each parameter in that order, and POSTs `/weights/wait`, which
 answers with that update's outcome. The server receives every tensor first, refuses the update if any is non-finite
 (the served weights stay as they were), else copies them into its model between two engine steps
@@ -29,7 +29,16 @@ from pydantic import BaseModel
 from ..engine.weight_export import WeightSpec
 from ..errors import RolloutServerError
 from .client import retrying_session
-from .gloo_group import address_towards, broadcast, dtype_named, free_port, open_group, store_alive
+from .gloo_group import (
+    address_towards,
+    broadcast,
+    dtype_named,
+    free_port,
+    join_group,
+    listen_store,
+    open_group,
+    store_alive,
+)
 from .protocol import WeightsClose, WeightsInit, WeightsUpdate, WeightsWait
 
 __all__ = [
@@ -275,9 +284,12 @@ class WeightSender:
         return self._request("POST", path, body)[1]
 
     def init(self) -> None:
-        port = free_port(self.host)
-        self._post("/weights/init", WeightsInit(host=self.host, port=port, token=self._token, timeout_s=self.timeout))
-        self._group = open_group(self.host, port, 0, self.timeout)
+        """Open the group: the store listens first, then the server is told where to join (`listen_store`: why)."""
+        store = listen_store(self.host, self.timeout)
+        self._post(
+            "/weights/init", WeightsInit(host=self.host, port=store.port, token=self._token, timeout_s=self.timeout)
+        )
+        self._group = store, join_group(store, 0, self.timeout)
 
     def server_dtype(self) -> torch.dtype | None:
         """The dtype the server holds its weights in (`/v1/models` card), None from a server that does not say."""
