@@ -29,9 +29,12 @@ def validate_prompts(
     for i, prompt in zip(range(len(prompts)) if indices is None else indices, prompts, strict=True):
         if len(prompt) == 0:
             raise ValueError(f"Prompt {i} is empty; continuous batching needs at least one prompt token.")
-        for token in prompt:
-            if not isinstance(token, numbers.Integral) or isinstance(token, bool):
-                raise ValueError(f"Prompt {i} holds {token!r} ({type(token).__name__}); token ids must be integers.")
+        if not all(type(token) is int for token in prompt):  # the common case first: an ABC check per token is slow
+            for token in prompt:
+                if not isinstance(token, numbers.Integral) or isinstance(token, bool):
+                    raise ValueError(
+                        f"Prompt {i} holds {token!r} ({type(token).__name__}); token ids must be integers."
+                    )
         low, high = min(prompt), max(prompt)
         if low < 0 or high >= vocab_size:
             bad = low if low < 0 else high

@@ -26,6 +26,19 @@ def test_token_id_outside_vocab(model, tokenizer, prompts, bad):
             gen.generate([prompts[0], prompts[1] + [bad]])
 
 
+def test_numpy_integer_token_ids_accepted(model, prompts):
+    """Token ids are checked with a fast path for plain ints; other integer types (numpy's) still pass, and a bool
+    or float among plain ints is still refused (the generator-level refusals: test_generation_settings.py)."""
+    import numpy as np
+
+    from trl_cb.checks.inputs import validate_prompts
+
+    validate_prompts([[np.int64(t) for t in prompts[0]], prompts[1]], model, 8, {})
+    for bad in (True, 2.0):
+        with pytest.raises(ValueError, match="Prompt 1 holds .* token ids must be integers"):
+            validate_prompts([prompts[0], [*prompts[1], bad]], model, 8, {})
+
+
 def test_prompt_beyond_model_positions(model, tokenizer):
     too_long = [5] * (model.config.max_position_embeddings - 10)
     with ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=24)) as gen:
