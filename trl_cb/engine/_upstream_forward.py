@@ -6,7 +6,8 @@ since `varlen_attention` registers a mask function (for forwards outside the eng
 preprocessing: a packed-sequence scan of `position_ids` (`find_packed_sequence_indices`: diff, cumsum, a host read)
 and the mask function's call, ~0.1 ms of a 1.5 ms decode step at 32 rows (docs/benchmarks.md, issue 28). A 4D
 `attention_mask` is returned as-is by every builder (`_preprocess_mask_arguments`' first early exit), so the engine's
-forward gets an empty 4D placeholder instead of None.
+forward gets an empty 4D placeholder instead of None. (transformers 5.24 returns at once for the engine's
+`PagedAttentionCache` itself: there the placeholder changes nothing.)
 Invariant: only engine forwards (the batch processor's `compute_batch`) get it, and only while the model runs
 `varlen_attention` (which ignores it there); training forwards and other attention implementations are untouched.
 Upstream surface (tests/unit/test_contracts.py): `model_runner.compute_batch(model, batch_data)` with
