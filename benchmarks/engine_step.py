@@ -5,6 +5,7 @@ step's time goes.
     python benchmarks/engine_step.py --quick                  # seconds, for smoke tests (not for numbers)
     python benchmarks/engine_step.py --models null --rows 32 512 --variant upstream_sampler:TRL_CB_SAMPLER=upstream
     python benchmarks/engine_step.py --models llama-1b --device cuda --rows 32 128 512 1024 --max-new-tokens 128
+    python benchmarks/engine_step.py --models null tiny --rows 32 128 512 --profile-steps   # + CPU per step kind
 
 Workload: `rows / --samples-per-prompt` random prompts of `--prompt-len` tokens, each sampled `--samples-per-prompt`
 times (TRL repeats each prompt G times), no length tail: EOS is never sampled (`_model`, `--logit-scale`) so every
@@ -35,9 +36,10 @@ wall-clock timers around the engine's phases, summed over the round and divided 
   collection, thread hand-offs).
 - generate: `forward` (outside attention), `attention` (sdpa), `sampling` (`torch.multinomial`), `other`.
 With `--passes N` the whole interleaved sweep runs N times (each point's rounds pooled, its profile the median over
-passes). Per-row cost (µs per row per step) is the slope of ms/step between consecutive row counts. The JSON document
-is the last stdout line and is written under `--out` (default runs/benchmarks/, git-ignored; cited results: `--out
-benchmarks/results`).
+passes). With `--profile-steps`, trl_cb points also record the engine thread's CPU time per step kind (fast / upstream
+decode / prefill) and phase (`step_profile.py`). Per-row cost (µs per row per step) is the slope of ms/step between
+consecutive row counts. The JSON document is the last stdout line and is written under `--out` (default
+runs/benchmarks/, git-ignored; cited results: `--out benchmarks/results`).
 """
 
 from __future__ import annotations
