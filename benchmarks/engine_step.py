@@ -5,6 +5,7 @@ step's time goes.
     python benchmarks/engine_step.py --quick                  # seconds, for smoke tests (not for numbers)
     python benchmarks/engine_step.py --models null --rows 32 512 --variant upstream_sampler:TRL_CB_SAMPLER=upstream
     python benchmarks/engine_step.py --models llama-1b --device cuda --rows 32 128 512 1024 --max-new-tokens 128
+    python benchmarks/engine_step.py --models null tiny --rows 32 128 512 --profile-steps   # + CPU per step kind
 
 Workload: `rows / --samples-per-prompt` random prompts of `--prompt-len` tokens, each sampled `--samples-per-prompt`
 times (TRL repeats each prompt G times), no length tail: EOS is never sampled (`_model`, `--logit-scale`) so every
@@ -35,9 +36,10 @@ wall-clock timers around the engine's phases, summed over the round and divided 
   collection, thread hand-offs).
 - generate: `forward` (outside attention), `attention` (sdpa), `sampling` (`torch.multinomial`), `other`.
 With `--passes N` the whole interleaved sweep runs N times (each point's rounds pooled, its profile the median over
-passes). Per-row cost (µs per row per step) is the slope of ms/step between consecutive row counts. The JSON document
-is the last stdout line and is written under `--out` (default runs/benchmarks/, git-ignored; cited results: `--out
-benchmarks/results`).
+passes). With `--profile-steps`, trl_cb points also record the engine thread's CPU time per step kind (fast / upstream
+decode / prefill) and phase (`step_profile.py`). Per-row cost (µs per row per step) is the slope of ms/step between
+consecutive row counts. The JSON document is the last stdout line and is written under `--out` (default
+runs/benchmarks/, git-ignored; cited results: `--out benchmarks/results`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import step_profile  # noqa: E402
 from common import DEFAULT_OUT, OUT_HELP, environment, format_table, run_worker, write_json  # noqa: E402
 
 MODELS = ("null", "tiny", "small", "llama-1b")
@@ -189,6 +192,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     backend = spec["backend"]
     timer = PhaseTimer()
     generator = ContinuousBatchingGenerator(model, gen_cfg) if backend.startswith("trl_cb") else None
+    steps = None  # step_profile.StepProfiler with --profile-steps (trl_cb only)
     if generator is None:
         timer.wrap(model, "forward", "forward")
         _instrument_generate(timer)
@@ -217,6 +221,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         if r == 0:
             if generator is not None:
                 _instrument_trl_cb(generator, timer)
+                steps = step_profile.StepProfiler(generator) if spec["profile_steps"] else None
             continue
         step_ms.append(1000 * wall / new)
         cpu_step_ms.append(1000 * cpu / new)
@@ -226,6 +231,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     if generator is not None:
         generator.close()
     return {
+        **({"step_profile": steps.summary(spec["repeats"])} if steps is not None else {}),
         "model": spec["model"],
         "rows": rows,
         "backend": backend,
@@ -261,6 +267,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--logit-scale", type=float, default=10.0, help="logit spread; EOS logit 0 (no length tail)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile-steps", action="store_true",
+        help="record trl_cb's CPU time per step kind and phase (benchmarks/step_profile.py) as `step_profile`",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
     p.add_argument("--quick", action="store_true", help="seconds-long smoke run (not for numbers)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -310,7 +320,7 @@ def _run_point(args: argparse.Namespace, model: str, rows: int, backend: str) ->
         "model": model, "rows": rows, "backend": backend, "samples_per_prompt": args.samples_per_prompt,
         "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
         "logit_scale": args.logit_scale, "threads": args.threads, "seed": args.seed, "device": args.device,
-        "dtype": args.dtype,
+        "dtype": args.dtype, "profile_steps": args.profile_steps,
     }  # fmt: skip
     variant_env = args.variants.get(backend.partition(":")[2], {})
     saved = {k: os.environ.get(k) for k in variant_env}
@@ -344,13 +354,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in raw:  # passes merged: every timed round's ms/step, the median profile over passes
         key = (r["model"], r["rows"], r["backend"])
         if key not in merged:
-            merged[key] = {**r, "step_ms": [], "cpu_step_ms": [], "profiles": []}
+            merged[key] = {**r, "step_ms": [], "cpu_step_ms": [], "profiles": [], "step_profiles": []}
         merged[key]["step_ms"] += r["step_ms"]
         merged[key]["cpu_step_ms"] += r["cpu_step_ms"]
         merged[key]["profiles"].append(r["profile_ms"])
+        if "step_profile" in r:
+            merged[key]["step_profiles"].append(r["step_profile"])
     raw = list(merged.values())
     for r in raw:
         r["profile_ms"] = {k: statistics.median(p[k] for p in r["profiles"]) for k in r["profiles"][0]}
+        if r["step_profiles"]:
+            r["step_profile"] = step_profile.merge(r["step_profiles"])
 
     points = []
     for r in raw:
@@ -359,6 +373,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         points.append(
             {
                 **{k: r[k] for k in ("model", "rows", "backend", "profile_ms", "forwards_per_step", "threads")},
+                **({"step_profile": r["step_profile"]} if "step_profile" in r else {}),
                 "ms_per_step": ms,
                 "ms_per_step_rounds": r["step_ms"],
                 "cpu_ms_per_step": cpu_ms,
@@ -398,6 +413,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                ("fwd", "fwd/step")]  # fmt: skip
     columns += [(k, k.replace("attention_planning", "plan")) for k in TRL_CB_PHASES]
     print(format_table(rows, columns))
+    if args.profile_steps:
+        print(step_profile.format_profile(points))
     print("µs per added row per step (wall):", json.dumps(per_row))
     print("µs per added row per step (CPU):", json.dumps(cpu_per_row))
     path = write_json(payload, args.out, "engine_step")

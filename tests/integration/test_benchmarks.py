@@ -52,7 +52,10 @@ def test_gsm8k_quick_writes_table_json_png(tmp_path):
 @pytest.mark.slow
 def test_engine_step_quick_writes_a_well_formed_json(tmp_path):
     script = str(ROOT / "benchmarks" / "engine_step.py")
-    proc = run(script, "--quick", "--variant", "again:TRL_CB_DIRECT_READS=1", "--passes", "2", "--out", str(tmp_path))
+    proc = run(
+        script, "--quick", "--variant", "again:TRL_CB_DIRECT_READS=1", "--passes", "2", "--profile-steps",
+        "--out", str(tmp_path),
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads(proc.stdout.strip().splitlines()[-1])  # the JSON document is the last stdout line
     assert payload["benchmark"] == "engine_step" and {"device", "git_commit", "loadavg"} <= set(payload["env"])
@@ -68,6 +71,11 @@ def test_engine_step_quick_writes_a_well_formed_json(tmp_path):
             phases |= {"scheduling", "attention_planning", "bookkeeping"}
         assert set(p["profile_ms"]) == phases, p["profile_ms"]
         assert p["profile_ms"]["sampling"] > 0 and p["profile_ms"]["attention"] > 0
+        if p["backend"] != "generate":  # --profile-steps: every step of a round counted once, under one kind
+            kinds = p["step_profile"]
+            assert set(kinds) == {"fast", "decode", "prefill"}
+            assert sum(k["steps_per_round"] for k in kinds.values()) >= 4 and kinds["prefill"]["steps_per_round"] >= 1
+            assert kinds["fast"]["steps_per_round"] >= 1 and kinds["fast"]["median_ms"]["forward_sample"] > 0
     for key in ("per_row_us", "cpu_per_row_us"):
         assert set(payload[key]) == {f"null/{b}" for b in backends}
         assert all(set(v) == {"8->16"} for v in payload[key].values())

@@ -910,3 +910,29 @@ def test_scheduler_and_batch_internals_the_decode_fast_path_uses(model, tokenize
         assert _upstream_decode.decode_fast_path_stats(manager) is not None, "not installed on a CPU engine"
     finally:
         manager.destroy()
+
+
+def test_fork_deepcopies_the_state_and_mask_builders_return_a_4d_mask(tokenizer):
+    """`engine/_upstream_fork.py`: `RequestState.fork` copies through `copy.deepcopy(self)` (which consults an
+    instance's `__deepcopy__`), on a plain dataclass. `engine/_upstream_forward.py`: a 4D `attention_mask` is
+    returned untouched by the mask builders (tests/unit/engine/test_upstream_forward.py checks the engine side)."""
+    from transformers import masking_utils
+    from transformers.generation.continuous_batching.requests import RequestState
+
+    from trl_cb.engine import _upstream_forward
+    from trl_cb.offline.tiny import tiny_model
+
+    assert "__deepcopy__" not in vars(RequestState) and not hasattr(RequestState, "__slots__")
+    state = RequestState(request_id="r", initial_tokens=[1, 2, 3], max_new_tokens=8)
+    seen = []
+    state.__dict__["__deepcopy__"] = lambda memo: seen.append(memo) or RequestState("copy", [1, 2, 3])
+    child = state.fork("r__child#0")
+    assert len(seen) == 1 and child.request_id == "r__child#0", "fork no longer copies through deepcopy(self)"
+    model = tiny_model(tokenizer)
+    placeholder = _upstream_forward.placeholder_mask(torch.device("cpu"))
+    for build in (masking_utils.create_causal_mask, masking_utils.create_sliding_window_causal_mask):
+        mask = build(
+            config=model.config, inputs_embeds=torch.zeros(1, 3, 64), attention_mask=placeholder,
+            past_key_values=None, position_ids=torch.arange(3)[None],
+        )  # fmt: skip
+        assert mask is placeholder, f"{build.__name__} no longer returns a 4D mask as-is"

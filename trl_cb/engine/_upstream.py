@@ -27,7 +27,7 @@ from transformers.generation.continuous_batching import ContinuousBatchingManage
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from ..errors import EngineDiedError, GenerationError
-from . import _upstream_cache, _upstream_decode, openmp
+from . import _upstream_cache, _upstream_decode, _upstream_fork, _upstream_forward, openmp
 from . import _upstream_sampling as _sampling
 from . import varlen_attention as attention
 from .guards import deferred_interrupts
@@ -106,7 +106,9 @@ def create_manager(
             install_step_threads(manager, model)
             _upstream_cache.install_read_index_rows(manager)
             _upstream_cache.install_model_side_updates(manager, model, attention.ATTENTION_NAME)
+            _upstream_fork.install_fast_fork(manager)  # before the fast path, whose slow rows go through it
             _upstream_decode.install_decode_fast_path(manager)  # after the read rows: its slow path keeps them
+            _upstream_forward.install_no_mask_forward(manager, model, attention.ATTENTION_NAME)
     except BaseException:
         if attention_implementation(model) != attn_before:
             model.set_attn_implementation(attn_before)

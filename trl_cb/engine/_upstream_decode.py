@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+import numpy as np
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
 from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
@@ -50,13 +50,15 @@ class DecodeFastPathStats:
 
 @dataclass
 class _Previous:
-    """The last batch prepared with only single-token decode rows, as the IOs hold it."""
+    """The last batch prepared with only single-token decode rows, as the IOs hold it (numpy: a small numpy op costs
+    ~1 us on the host against ~5 us for a torch op, and a fast step is a few dozen of them)."""
 
     marker: list  # the IOs' `requests_in_batch` object right after; any other object there means something else ran
     states: list[RequestState]
-    positions: torch.Tensor  # (n,) int64: each row's position (its past length)
-    writes: torch.Tensor  # (n,) int64: the storage row its new key was written to
-    key_lengths: torch.Tensor  # (n,) int64: keys read per row (positions + 1)
+    positions: np.ndarray  # (n,) int64: each row's position (its past length)
+    writes: np.ndarray  # (n,) int64: the storage row its new key was written to
+    key_lengths: np.ndarray  # (n,) int64: keys read per row (positions + 1)
+    total: int  # key_lengths.sum(): the read rows the IOs hold
 
 
 def decode_fast_path_stats(manager: ContinuousBatchingManager) -> DecodeFastPathStats | None:
@@ -174,13 +176,15 @@ def _fast_prepare(
         slow(requests_in_batch, logits_processors, use_decode_fast_path, num_q_tokens, max_kv_read, use_padding)
         if steady and ios.true_read_sizes[0] > 0:
             n = len(requests_in_batch)
-            positions = ios.position_ids[:n].to(torch.int64, copy=True)
+            positions = ios.position_ids[:n].numpy().astype(np.int64)
+            key_lengths = positions + 1
             previous[0] = _Previous(
                 ios.requests_in_batch,
                 [f.state for f in requests_in_batch],
                 positions,
-                ios.write_index_storage[0, :n].clone(),
-                positions + 1,
+                ios.write_index_storage[0, :n].numpy().copy(),
+                key_lengths,
+                int(key_lengths.sum()),
             )
 
     return prepare_batch_tensors
@@ -195,51 +199,49 @@ def _advance(
     max_kv_read: int,
 ) -> _Previous | None:
     """Prepare `batch` from `last` in place; None (nothing changed) unless its rows are a subsequence of `last`'s,
-    each one position further."""
+    each one position further. Host arrays through numpy views of the IOs' CPU tensors (same memory)."""
     # 1) map each row to its row in the previous batch (same order, finished requests dropped)
     states = [f.state for f in batch]
-    previous_states, keep, j = last.states, [], 0
-    for state in states:
-        while j < len(previous_states) and previous_states[j] is not state:
+    previous_states, n = last.states, len(states)
+    kept = None  # (n,) rows of `last` kept, None when all are
+    if n != len(previous_states) or any(a is not b for a, b in zip(states, previous_states)):
+        keep, j = [], 0
+        for state in states:
+            while j < len(previous_states) and previous_states[j] is not state:
+                j += 1
+            if j == len(previous_states):
+                return None
+            keep.append(j)
             j += 1
-        if j == len(previous_states):
-            return None
-        keep.append(j)
-        j += 1
-    n = len(states)
-    kept = None if n == len(previous_states) else torch.tensor(keep)
-    positions = torch.tensor([s.position_offset for s in states], dtype=torch.int64)  # (n,)
-    input_ids = [s.tokens_to_process[0] for s in states]  # the token sampled last step
-    expected = last.positions + 1 if kept is None else last.positions[kept] + 1
-    if not torch.equal(positions, expected):
+        kept = np.array(keep, dtype=np.int64)
+    positions = np.fromiter((s.position_offset for s in states), np.int64, n)  # (n,)
+    input_ids = np.fromiter((s.tokens_to_process[0] for s in states), np.int32, n)  # the token sampled last step
+    expected = last.positions if kept is None else last.positions[kept]
+    if not np.array_equal(positions, expected + 1):
         return None
     # 2) write rows: the next slot inside a page, the block table's slot at a page start
     page, stride = allocator.tokens_per_page, allocator.block_physical_stride
-    writes = last.writes + 1 if kept is None else last.writes[kept] + 1
-    page_starts = (positions % page == 0).nonzero().flatten().tolist()
+    writes = (last.writes if kept is None else last.writes[kept]) + 1  # (n,)
+    page_starts = np.flatnonzero(positions % page == 0).tolist()
     for i in page_starts:
-        p = int(positions[i])
-        writes[i] = allocator.block_table[states[i].request_id][p // page] * stride
+        writes[i] = allocator.block_table[states[i].request_id][int(positions[i]) // page] * stride
     # 3) read rows: each row's previous keys, then its new key
-    key_lengths = positions + 1  # (n,)
-    old_rows = ios.read_index_storage[0, : int(last.key_lengths.sum())]
+    read_storage = ios.read_index_storage[0].numpy()
+    old_rows, old_lengths = read_storage[: last.total], last.key_lengths
     if kept is not None:
-        row_mask = torch.zeros(len(previous_states), dtype=torch.bool)
+        row_mask = np.zeros(len(previous_states), dtype=bool)
         row_mask[kept] = True
-        old_rows = old_rows[torch.repeat_interleave(row_mask, last.key_lengths)]
-    cu_k = torch.zeros(n + 1, dtype=torch.int64)
-    torch.cumsum(key_lengths, 0, out=cu_k[1:])
+        old_rows, old_lengths = old_rows[np.repeat(row_mask, old_lengths)], old_lengths[kept]
+    rows = np.insert(old_rows, np.cumsum(old_lengths), writes)  # write i after row i's old keys (stable order)
+    key_lengths = positions + 1  # (n,)
+    cu_k = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(key_lengths, out=cu_k[1:])
     total = int(cu_k[-1])
-    is_new = torch.zeros(total, dtype=torch.bool)
-    is_new[cu_k[1:] - 1] = True
-    rows = torch.empty(total, dtype=torch.int64)
-    rows[~is_new] = old_rows
-    rows[is_new] = writes
     if page_starts:  # completing the previous page may have swapped it for a shared one: read the block tables
-        at_start = torch.zeros(n, dtype=torch.bool)
+        at_start = np.zeros(n, dtype=bool)
         at_start[page_starts] = True
         requests = [(states[i].request_id, int(key_lengths[i])) for i in page_starts]
-        rows[torch.repeat_interleave(at_start, key_lengths)] = read_index_rows(allocator, requests)
+        rows[np.repeat(at_start, key_lengths)] = read_index_rows(allocator, requests).numpy()
     # 4) the request states, as upstream's loop leaves them
     for state in states:
         state.position_offset += 1
@@ -248,23 +250,25 @@ def _advance(
     ios.num_q_tokens, ios.max_kv_read, ios.num_request_in_batch = n, max_kv_read, n
     ios.use_block_table = False
     ios.true_write_sizes, ios.true_read_sizes = [n], [total]
-    ios.input_ids[:n] = torch.tensor(input_ids, dtype=torch.int32)
-    ios.position_ids[:n] = positions
-    ios.cumulative_seqlens_q[: n + 1] = torch.arange(n + 1, dtype=torch.int32)
-    ios.logits_indices[:n] = torch.arange(n, dtype=torch.int32)
-    ios.output_ids[:, :n].zero_()
+    ios.input_ids[:n].numpy()[:] = input_ids
+    ios.position_ids[:n].numpy()[:] = positions
+    steps = np.arange(n + 1, dtype=np.int32)
+    ios.cumulative_seqlens_q[: n + 1].numpy()[:] = steps
+    ios.logits_indices[:n].numpy()[:] = steps[:n]
+    ios.output_ids[:, :n].numpy()[:] = 0
     ios.max_length_q, ios.total_seqlen_q = 1, n
+    longest = int(key_lengths.max())
     for layer_type, cumulative in ios.cumulative_seqlens_k.items():
-        cumulative[: n + 1] = cu_k
-        ios.max_length_k[layer_type] = int(key_lengths.max())
+        cumulative[: n + 1].numpy()[:] = cu_k
+        ios.max_length_k[layer_type] = longest
         ios.total_seqlen_k[layer_type] = total
-    ios.write_index_storage[0, :n] = writes
-    ios.read_index_storage[0, :total] = rows
+    ios.write_index_storage[0, :n].numpy()[:] = writes
+    read_storage[:total] = rows
     # per-request processor arguments (and trl_cb's request processors, which read the histories here)
     logits_processors.prepare_tensor_args(batch, arg_storage=ios._bulk_input_tensor[ios.static_inputs :])
     ios.requests_in_batch = batch
     ios.req_id_to_new_token_position = {s.request_id: i for i, s in enumerate(states)}
-    return _Previous(batch, states, positions, writes, key_lengths)
+    return _Previous(batch, states, positions, writes, key_lengths, total)
 
 
 def _fast_update(ios: ContinuousBatchingIOs, slow: Callable) -> Callable:

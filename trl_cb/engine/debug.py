@@ -9,6 +9,10 @@ reads from the cache storage, `_upstream_cache.py`); read at every layer call.
 race; read at every engine build.
 `TRL_CB_DECODE_FAST_PATH=0`: engines schedule and prepare every decode step with transformers' per-request Python
 instead of advancing the previous batch in place (`_upstream_decode.py`); read at every engine build.
+`TRL_CB_MASK_SKIP=0`: engine forwards build transformers' attention mask (unread by `varlen_attention`) instead of
+passing a placeholder (`_upstream_forward.py`); read at every engine build.
+`TRL_CB_FAST_FORK=0`: forked samples' request states are copied by transformers' `deepcopy` instead of field by field
+(`_upstream_fork.py`); read at every engine build.
 """
 
 from __future__ import annotations
@@ -45,3 +49,19 @@ DECODE_FAST_PATH_ENV = "TRL_CB_DECODE_FAST_PATH"
 def decode_fast_path_enabled() -> bool:
     """False when `TRL_CB_DECODE_FAST_PATH=0` asks for upstream's per-request scheduling and batch preparation."""
     return os.environ.get(DECODE_FAST_PATH_ENV, "1") != "0"
+
+
+MASK_SKIP_ENV = "TRL_CB_MASK_SKIP"
+
+
+def mask_skip_enabled() -> bool:
+    """False when `TRL_CB_MASK_SKIP=0` asks for transformers' mask construction in engine forwards."""
+    return os.environ.get(MASK_SKIP_ENV, "1") != "0"
+
+
+FAST_FORK_ENV = "TRL_CB_FAST_FORK"
+
+
+def fast_fork_enabled() -> bool:
+    """False when `TRL_CB_FAST_FORK=0` asks for transformers' `deepcopy` of forked request states."""
+    return os.environ.get(FAST_FORK_ENV, "1") != "0"

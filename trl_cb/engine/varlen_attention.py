@@ -141,6 +141,8 @@ def _split(lengths: np.ndarray) -> list[np.ndarray]:
     bucket of longest `L` after its `c`-th element saves `c * (L - lengths[c - 1])` slots: one array op per bucket."""
     order = np.argsort(lengths, kind="stable")
     ordered = lengths[order]
+    if ordered[0] == ordered[-1]:  # equal lengths: no cut saves a padded slot
+        return [order]
     groups = [(0, len(order))]  # [lo, hi) ranges of `order`
     best_cut: dict[tuple[int, int], tuple[int, int]] = {}  # range -> (gain, cut), computed once per range
     while len(groups) < _MAX_BUCKETS:
@@ -183,11 +185,9 @@ def _plan(cu_q: torch.Tensor, cu_k: torch.Tensor, window: int | None, device: to
 
 
 def _plan_for(cu_q: torch.Tensor, cu_k: torch.Tensor, window: int | None, device: torch.device) -> _Plan:
-    """Built with array ops over all requests on the host (numpy: a small op costs ~1 us there against ~5-10 us for a
-    torch op), no per-request Python for single-token rows, the bulk of a decode step; only the few multi-token
-    requests (prefill chunks) are planned one by one."""
-    q_bounds = cu_q.to("cpu", torch.int64).numpy()  # (B + 1,)
-    k_bounds = cu_k.to("cpu", torch.int64).numpy()
+    """Array ops over all requests on the host (numpy: ~1 us an op, against ~5-10 us for torch), no per-request Python
+    for single-token rows (the bulk of a decode step); multi-token requests (prefill chunks) are planned one by one."""
+    q_bounds, k_bounds = (b.cpu().numpy().astype(np.int64) for b in (cu_q, cu_k))  # (B + 1,) each
     key = (q_bounds.tobytes(), k_bounds.tobytes(), window, device)
     cache: dict = getattr(_local, "plans", None) or {}
     _local.plans = cache
@@ -195,18 +195,18 @@ def _plan_for(cu_q: torch.Tensor, cu_k: torch.Tensor, window: int | None, device
     if hit is not None:
         return hit
 
-    len_q = np.diff(q_bounds)  # (B,)
-    len_k = np.diff(k_bounds)
+    len_q, len_k = q_bounds[1:] - q_bounds[:-1], k_bounds[1:] - k_bounds[:-1]  # (B,) each
     # Single-token requests: the query is the request's last key; it sees keys [len_k - window, len_k).
     single = len_q == 1
-    rows, starts, lengths = q_bounds[:-1][single], k_bounds[:-1][single], len_k[single]
+    pick = slice(None) if single.all() else single  # a decode step (every request single): views, no copies
+    rows, starts, lengths = q_bounds[:-1][pick], k_bounds[:-1][pick], len_k[pick]
     if window is not None:
         first = np.maximum(lengths - window, 0)
         starts, lengths = starts + first, lengths - first
     buckets = [_bucket(rows[g], starts[g], lengths[g], device) for g in _split(lengths)] if len(rows) else []
 
     multi, multi_masks = [], []
-    for b in np.flatnonzero(len_q > 1).tolist():  # len_q <= 0: padding sequence (static shapes only)
+    for b in [] if isinstance(pick, slice) else np.flatnonzero(len_q > 1).tolist():  # len_q <= 0: padding
         q0, q1, k0, k1 = int(q_bounds[b]), int(q_bounds[b + 1]), int(k_bounds[b]), int(k_bounds[b + 1])
         len_q_b, len_k_b = q1 - q0, k1 - k0
         multi.append((q0, q1, k0, k1))

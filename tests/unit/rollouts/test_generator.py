@@ -260,3 +260,23 @@ def test_peft_generation_uses_adapter_weights(tokenizer, prompts):
     with model.disable_adapter():
         without = teacher_forced_logprobs(model, prompts[0], result.completion_ids[0], 1.0, 0, 1.0)
     assert (without - torch.tensor(result.logprobs[0])).abs().max() >= 0.1, "adapter had no effect"
+
+
+def test_the_model_is_unwrapped_once_not_every_round(model, tokenizer, prompts, monkeypatch):
+    """accelerate's `extract_model_from_parallel` costs ~0.6 ms a call (package metadata reads): a round must not pay
+    it again (issue 28). Counted over three rounds: once for the round lock's key, once for the module."""
+    import accelerate.utils
+
+    calls = []
+    extract = accelerate.utils.extract_model_from_parallel
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return extract(*args, **kwargs)
+
+    monkeypatch.setattr(accelerate.utils, "extract_model_from_parallel", counted)
+    with ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=4)) as gen:
+        calls.clear()  # the constructor's model checks unwrap too
+        for _ in range(3):
+            assert len(gen.generate(prompts[:2], num_generations=2).completion_ids) == 4
+    assert len(calls) == 2, f"unwrapped {len(calls)} times in 3 rounds"
