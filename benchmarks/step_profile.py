@@ -88,10 +88,6 @@ class StepProfiler:
         current.clear()
         self._kind = None
 
-    def reset(self) -> None:
-        for steps in self.steps.values():
-            steps.clear()
-
     def summary(self, rounds: int) -> dict[str, dict[str, Any]]:
         """Per kind: steps per round, the median CPU ms of each phase per step, and the kind's total CPU ms per round
         (what it adds to a round: divided by the round's tokens, its share of the ms per decode step)."""

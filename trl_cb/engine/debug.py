@@ -48,7 +48,7 @@ DECODE_FAST_PATH_ENV = "TRL_CB_DECODE_FAST_PATH"
 
 def decode_fast_path_enabled() -> bool:
     """False when `TRL_CB_DECODE_FAST_PATH=0` asks for upstream's per-request scheduling and batch preparation."""
-    return os.environ.get(DECODE_FAST_PATH_ENV, "1") != "0"
+    return _switched_on(DECODE_FAST_PATH_ENV)
 
 
 MASK_SKIP_ENV = "TRL_CB_MASK_SKIP"
@@ -56,7 +56,7 @@ MASK_SKIP_ENV = "TRL_CB_MASK_SKIP"
 
 def mask_skip_enabled() -> bool:
     """False when `TRL_CB_MASK_SKIP=0` asks for transformers' mask construction in engine forwards."""
-    return os.environ.get(MASK_SKIP_ENV, "1") != "0"
+    return _switched_on(MASK_SKIP_ENV)
 
 
 FAST_FORK_ENV = "TRL_CB_FAST_FORK"
@@ -64,4 +64,9 @@ FAST_FORK_ENV = "TRL_CB_FAST_FORK"
 
 def fast_fork_enabled() -> bool:
     """False when `TRL_CB_FAST_FORK=0` asks for transformers' `deepcopy` of forked request states."""
-    return os.environ.get(FAST_FORK_ENV, "1") != "0"
+    return _switched_on(FAST_FORK_ENV)
+
+
+def _switched_on(env: str) -> bool:
+    """An on-by-default switch: off only when `env` is "0"."""
+    return os.environ.get(env, "1") != "0"

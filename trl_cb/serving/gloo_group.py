@@ -57,11 +57,10 @@ def join_group(store: dist.TCPStore, rank: int, timeout_s: float) -> dist.Proces
     return dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
 
 
-def open_group(host: str, port: int, rank: int, timeout_s: float) -> tuple[dist.TCPStore, dist.ProcessGroup]:
+def open_group(host: str, port: int, timeout_s: float) -> tuple[dist.TCPStore, dist.ProcessGroup]:
     """The server's side (rank 1): connect to the trainer's store at `host:port` and join its group."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timeout)
-    return store, join_group(store, rank, timeout_s)
+    store = dist.TCPStore(host, port, world_size=2, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    return store, join_group(store, 1, timeout_s)
 
 
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:

@@ -108,7 +108,7 @@ class WeightReceiver:
             if self._token != token:  # replaced while waiting for `_busy`
                 return
             try:
-                group = open_group(host, port, 1, timeout_s)
+                group = open_group(host, port, timeout_s)
             except Exception:
                 if self._token == token:  # a failed join frees the server for the next trainer
                     self._token, self._address = None, None
