@@ -365,11 +365,13 @@ class WeightsInit(_Strict):
 
 class WeightsUpdate(_Strict):
     """Receive `params` (name, dtype, shape), broadcast by rank 0 in this order, then serve weight `version`, which
-    must be above every version this owner announced before (else 409)."""
+    must be above every version this owner announced before (else 409). The tensors travel packed in flat buffers of
+    up to `bucket_bytes` (`weight_buckets.py`; 0: one broadcast per tensor)."""
 
     token: str
     version: int = Field(ge=1)
     params: list[tuple[str, str, list[int]]]
+    bucket_bytes: int = Field(default=0, ge=0)
 
 
 class WeightsWait(_Strict):

@@ -49,7 +49,7 @@ from .protocol import (
     WeightsWaitResponse,
     value_runs,
 )
-from .weight_sync import StaleVersion, WeightReceiver
+from .weight_receiver import StaleVersion, WeightReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -285,7 +285,12 @@ def create_app(
         if not weights.owns(body.token):
             raise HTTPException(status_code=403, detail="token does not match the trainer that opened the group")
         try:
-            weights.update(body.version, body.params, on_done=lambda v: logger.info("serving weight version %d", v))
+            weights.update(
+                body.version,
+                body.params,
+                body.bucket_bytes,
+                on_done=lambda v: logger.info("serving weight version %d", v),
+            )
         except StaleVersion as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from exc
         except ValueError as exc:

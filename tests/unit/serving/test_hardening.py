@@ -20,6 +20,7 @@ from tests.unit.serving.conftest import AUTH, FP32_LOGPROB_TOL, KEY, running_ser
 from tests.unit.serving.test_server import max_gap, perturbed
 from trl_cb.errors import RolloutServerError
 from trl_cb.serving.client import RolloutClient
+from trl_cb.serving.weight_buckets import DEFAULT_BUCKET_BYTES
 from trl_cb.serving.weight_sync import WeightSender
 
 #: The body limit the module's server runs with (`--max-body-bytes`): small, so a test crosses it cheaply.
@@ -191,16 +192,21 @@ def test_unknown_or_unapplicable_settings_are_refused(server, extra, field):
 # ------------------------------------------------------------------------------------- 7 and versions: weights
 
 
-def test_non_finite_weights_are_refused_and_the_served_weights_kept(server, local_model, prompts):
+#: A tensor inside a bucket of three at `bucket_bytes=16384` (the q bias, k weight and k bias of layer 0 share one).
+MIDDLE_OF_A_BUCKET = "model.layers.0.self_attn.k_proj.weight"
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 16384, DEFAULT_BUCKET_BYTES])
+def test_non_finite_weights_are_refused_and_the_served_weights_kept(server, local_model, prompts, bucket_bytes):
     _, url = server
     poisoned = perturbed(local_model)
     with torch.no_grad():
-        next(poisoned.parameters()).view(-1)[0] = float("nan")
-    sender = WeightSender(url, api_key=KEY, timeout=30)
+        poisoned.get_parameter(MIDDLE_OF_A_BUCKET).view(-1)[3] = float("nan")
+    sender = WeightSender(url, api_key=KEY, timeout=30, bucket_bytes=bucket_bytes)
     try:
         with pytest.raises(RolloutServerError, match="non-finite") as info:
             sender.push(poisoned, 1)
-        assert "400" in str(info.value)
+        assert "400" in str(info.value) and MIDDLE_OF_A_BUCKET in str(info.value)  # named, whatever its bucket
         assert 1 not in sender.pushed_versions
         card = requests.get(url + "/v1/models", headers=AUTH, timeout=10).json()["data"][0]
         assert card["weight_version"] == 0
@@ -208,6 +214,26 @@ def test_non_finite_weights_are_refused_and_the_served_weights_kept(server, loca
         result = client.generate(prompts[:2], 2, max_tokens=8)
         assert result.weight_versions == [0] * 4
         assert max_gap(local_model, prompts[:2], result, 2) <= FP32_LOGPROB_TOL  # still the initial weights
+    finally:
+        sender.close()
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, 16384])
+def test_weights_pushed_in_buckets_are_served_exactly(server, local_model, prompts, bucket_bytes):
+    """A push packed in many buckets (and in none) serves exactly the trainer's weights: logprobs match a
+    teacher-forced pass of the pushed model, not of the weights before."""
+    _, url = server
+    new_model = perturbed(local_model)
+    sender = WeightSender(url, api_key=KEY, timeout=30, bucket_bytes=bucket_bytes)
+    try:
+        sender.push(new_model, 1)
+        client = RolloutClient([url], api_key=KEY, timeout=60)
+        client.known_versions |= sender.pushed_versions
+        result = client.generate(prompts[:2], 2, max_tokens=8)
+        assert result.weight_versions == [1] * 4
+        gap, control = max_gap(new_model, prompts[:2], result, 2), max_gap(local_model, prompts[:2], result, 2)
+        assert gap <= FP32_LOGPROB_TOL and control > 0.05
+        sender.push(local_model, 2)  # the module's later tests expect the initial weights
     finally:
         sender.close()
 
