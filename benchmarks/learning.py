@@ -422,6 +422,9 @@ def summarize_curve(runs: list[dict[str, Any]], threshold: float, window: int) -
         "total_wall_clock_s": statistics.fmean(r["wall_clock_s"][steps - 1] for r in runs),
         "mean_completion_length": statistics.fmean(x for r in runs for x in (r["completion_length"] or [0.0])),
         "completion_length_p90_over_p10_min": min(spread),
+        # mean |trainer logprob - sampler logprob| per sampled token (TRL's `sampling/sampling_logp_difference/mean`):
+        # how far the policy moved between sampling and training; what staleness costs in samples follows it
+        "sampler_drift_nats": statistics.fmean(_values(runs, "sampling", "sampling_logp_difference/mean") or [0.0]),
         "async": None,
     }
     if runs[0]["async"] is not None:
@@ -692,6 +695,7 @@ def _print_tables(summary: list[dict[str, Any]], checks: list[dict[str, Any]], t
             "in_ref": s[f"eval_band_share_vs_{REFERENCE}"], "in_gen": s["eval_band_share_vs_generate"],
             "eval_s": s["eval_seconds"], "step": s["step_time_s"], "train_final": s["final_train_reward"]["mean"],
             "spread": s["completion_length_p90_over_p10_min"], "stale": a.get("staleness_mean"),
+            "drift": s.get("sampler_drift_nats"),
             "stale_max": a.get("staleness_max"), "dropped": sum(a["dropped_groups_total"]) if a else None,
         })  # fmt: skip
     print(format_table(rows, [
@@ -701,7 +705,7 @@ def _print_tables(summary: list[dict[str, Any]], checks: list[dict[str, Any]], t
         ("ttt_x", "x trl_cb"), ("reached", "seeds reached"), ("in_ref", "in trl_cb band"),
         ("in_gen", "in generate band"), ("eval_s", "eval s/run"), ("step", "s/step"),
         ("train_final", "final batch reward"), ("spread", "min p90/p10 len"), ("stale", "mean staleness"),
-        ("stale_max", "max staleness"), ("dropped", "dropped groups"),
+        ("stale_max", "max staleness"), ("drift", "drift nats/token"), ("dropped", "dropped groups"),
     ]))  # fmt: skip
     print()
     print(format_table(

@@ -296,6 +296,9 @@ def test_learning_quick_records_curves_png_and_async_counts(tmp_path):
         async_summary
     )
     assert summary["generate"]["async"] is None
+    # the sampler's drift from the trained policy per token: fp32 noise for sync (the same weights), reported per curve
+    assert summary["trl_cb"]["sampler_drift_nats"] < 1e-4 and "drift nats/token" in proc.stdout
+    assert all(s["sampler_drift_nats"] >= 0.0 for s in summary.values())
     targets = {t["target"] for t in payload["targets"]}
     assert "trl_cb_server_async depth=1: time to threshold / trl_cb sync" in targets and "x trl_cb" in proc.stdout
     bounds = {t["target"]: t["bound"] for t in payload["targets"]}
