@@ -515,6 +515,26 @@ def test_trl_loss_computes_policy_logprobs_before_reading_advantages():
     assert "gradient_accumulation_steps % generate_every != 0" in src, "TRL's condition for old logps changed"
 
 
+def test_rloo_old_logps_forward_and_its_readers():
+    """trl_cb may answer RLOO's scoring forward for the old-policy logprobs with a placeholder and take them from the
+    loss forward (`is_correction.py` `_cb_old_logps_from_loss`): that forward must be the scoring's only policy call
+    without a KL term, its values read only for `old_logps` and the KL, and the loss must read `inputs["old_logps"]`
+    after its own forward."""
+    score = inspect.getsource(trl.RLOOTrainer._generate_and_score_completions)
+    assert "old_per_token_logps, _, _ = self._get_per_token_logps_and_entropies(\n                self.model," in score
+    readers = [line.strip() for line in score.splitlines() if "old_per_token_logps" in line]
+    assert readers == [
+        "old_per_token_logps, _, _ = self._get_per_token_logps_and_entropies(",
+        "old_logps = (old_per_token_logps * completion_mask).sum(1)  # mask out padding and tokens after EOS",
+        "per_token_kl = old_per_token_logps - ref_per_token_logps",
+    ], readers
+    assert score.count("self._get_per_token_logps_and_entropies(") == 3  # old logps; ref model; PEFT's ref adapter
+    assert score.find("if self.beta != 0.0:") < score.find("ref_per_token_logps, _, _")  # both ref calls need beta
+    loss = inspect.getsource(trl.RLOOTrainer._compute_loss)
+    assert loss.find('old_logps = inputs["old_logps"]') > loss.find("self._get_per_token_logps_and_entropies(")
+    assert "logps = (per_token_logps * completion_mask).sum(1)" in loss  # the sums trl_cb forms the same way
+
+
 def test_trainers_reach_trl_internals_only_through_one_module():
     """Every TRL private attribute trl_cb's trainers touch goes through trainers/trl_internals.py (pinned by the tests
     around this one); the other trainer modules only override TRL's three generation/loss hooks."""

@@ -1,18 +1,16 @@
 """Debug switches read from the environment: for A/B measurements and bisecting, not settings of a training run.
+Each is read at every engine build unless said otherwise, so a test can set it for one call.
 
 `TRL_CB_ATTENTION=upstream`: engines keep transformers' own attention choice (without flash, a dense mask over every
-key of the batch) instead of `varlen_attention`, and CPU batches are sized for that choice (`sizing.py`). Read at
-every engine build, model check and sizing, so a test can set it for one call (`TRL_CB_OPENMP_GUARD`: `openmp.py`).
-`TRL_CB_DIRECT_READS=0`: `varlen_attention` reads keys through `cache.update`'s packed copy (the path before one-gather
-reads from the cache storage, `_upstream_cache.py`); read at every layer call.
-`TRL_CB_SAMPLER=upstream`: engines sample with transformers' `torch.multinomial` instead of `sampler.py`'s exponential
-race; read at every engine build.
-`TRL_CB_DECODE_FAST_PATH=0`: engines schedule and prepare every decode step with transformers' per-request Python
-instead of advancing the previous batch in place (`_upstream_decode.py`); read at every engine build.
-`TRL_CB_MASK_SKIP=0`: engine forwards build transformers' attention mask (unread by `varlen_attention`) instead of
-passing a placeholder (`_upstream_forward.py`); read at every engine build.
-`TRL_CB_FAST_FORK=0`: forked samples' request states are copied by transformers' `deepcopy` instead of field by field
-(`_upstream_fork.py`); read at every engine build.
+key of the batch) instead of `varlen_attention`, and CPU batches are sized for that choice (`sizing.py`); also read at
+every model check and sizing (`TRL_CB_OPENMP_GUARD`: `openmp.py`). `TRL_CB_DIRECT_READS=0`: `varlen_attention` reads
+keys through `cache.update`'s packed copy (the path before one-gather reads, `_upstream_cache.py`); read at every
+layer call. `TRL_CB_SAMPLER=upstream`: transformers' `torch.multinomial` instead of `sampler.py`'s exponential race.
+`TRL_CB_DECODE_FAST_PATH=0`: every decode step scheduled and prepared by transformers' per-request Python instead of
+advancing the previous batch in place (`_upstream_decode.py`). `TRL_CB_MASK_SKIP=0`: engine forwards build the
+attention mask `varlen_attention` does not read (`_upstream_forward.py`). `TRL_CB_FAST_FORK=0`: forked request states
+copied by `deepcopy`, not field by field (`_upstream_fork.py`). `TRL_CB_RLOO_OLD_LOGPS_FROM_LOSS=0`: RLOO's scoring
+runs TRL's extra no-grad forward for the old-policy logprobs (`trainers/is_correction.py`); read at every scoring.
 """
 
 from __future__ import annotations
@@ -65,6 +63,14 @@ FAST_FORK_ENV = "TRL_CB_FAST_FORK"
 def fast_fork_enabled() -> bool:
     """False when `TRL_CB_FAST_FORK=0` asks for transformers' `deepcopy` of forked request states."""
     return _switched_on(FAST_FORK_ENV)
+
+
+RLOO_OLD_LOGPS_ENV = "TRL_CB_RLOO_OLD_LOGPS_FROM_LOSS"
+
+
+def old_logps_from_loss_on() -> bool:
+    """False when `TRL_CB_RLOO_OLD_LOGPS_FROM_LOSS=0` asks for TRL's extra no-grad forward for RLOO's old logprobs."""
+    return _switched_on(RLOO_OLD_LOGPS_ENV)
 
 
 def _switched_on(env: str) -> bool:

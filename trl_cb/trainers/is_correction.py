@@ -13,10 +13,12 @@ micro-batching: a deferred correction merges each micro-batch's stats and logs t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..engine.debug import old_logps_from_loss_on
 from ..importance_sampling import (
     DEFAULT_M2_THRESHOLD,
     IS_EXTRA_METRIC_NAMES,
@@ -38,6 +40,8 @@ _DEFERRED_IS_KEY = "cb_deferred_sampling_per_token_logps"
 _DEFERRED_IS_BATCH = "cb_deferred_is_batch"
 #: Key of the (B, T) per-token weights a sequence-level loss (RLOO) applies to its logprobs' gradient in the loss.
 _GRADIENT_WEIGHTS_KEY = "cb_is_gradient_weights"
+#: Key of a 0-dim marker: RLOO's scoring skipped its old-logps forward; the loss forward provides `old_logps`.
+_OLD_LOGPS_FROM_LOSS_KEY = "cb_old_logps_from_loss"
 
 
 class ImportanceSamplingMixin:
@@ -98,15 +102,43 @@ class ImportanceSamplingMixin:
         Valid exactly when TRL itself treats the loss forward's detached logprobs as the old policy's (GRPO leaves
         `old_per_token_logps` unset then): every micro-batch of this generation batch is trained on before the next
         optimizer step, i.e. gradient_accumulation_steps is a multiple of steps_per_generation x num_iterations, so
-        the weights at loss time are the weights at scoring time. RLOO always runs the extra forward itself but keeps
-        only the sequence sums; the same condition makes its per-token values equal the loss forward's. Not with
-        Liger's fused loss, which never calls `_get_per_token_logps_and_entropies`.
+        the weights at loss time are the weights at scoring time. RLOO's old-policy logprobs follow the same rule
+        (`_cb_old_logps_from_loss`). Not with Liger's fused loss, which never calls
+        `_get_per_token_logps_and_entropies`.
         """
+        return output.get("old_per_token_logps") is None and self._cb_weights_fixed_until_loss()
+
+    def _cb_weights_fixed_until_loss(self) -> bool:
+        """`_cb_can_defer_is`'s rule on the schedule: no optimizer step between scoring a generation batch and the
+        loss forwards of all its micro-batches, and TRL's loss computes its logprobs (no Liger)."""
         args = self.args
-        if output.get("old_per_token_logps") is not None or getattr(args, "use_liger_kernel", False):
+        if getattr(args, "use_liger_kernel", False):
             return False
         generate_every = args.steps_per_generation * getattr(args, "num_iterations", 1)
         return args.gradient_accumulation_steps % generate_every == 0
+
+    def _cb_old_logps_from_loss(self) -> bool:
+        """Whether RLOO's scoring may skip its extra no-grad forward: the old-policy sequence logprobs (`old_logps`)
+        are then the loss forward's, detached, as GRPO's TRL does under the same rule (`_cb_can_defer_is`).
+
+        Why: TRL's RLOO always runs that forward, a whole extra forward per batch (~15% of a step on the CPU
+        benchmark), whose values equal the loss forward's when the weights cannot change in between. Not with a KL
+        term (`beta != 0`: TRL also reads the per-token values there), not outside training, and not when
+        `TRL_CB_RLOO_OLD_LOGPS_FROM_LOSS=0`. With dropout the two forwards drew different masks, so TRL's ratio was
+        not 1 at the first iteration; it is now, as in GRPO.
+        """
+        if self._cb_per_token_loss or not self.args.use_transformers_continuous_batching or not self.model.training:
+            return False
+        return getattr(self, "beta", 0.0) == 0.0 and self._cb_weights_fixed_until_loss() and old_logps_from_loss_on()
+
+    def _cb_trl_score(self, score: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """TRL's scoring (`score()`), its RLOO old-logps forward skipped when `_cb_old_logps_from_loss`."""
+        if not self._cb_old_logps_from_loss():
+            return score()
+        with trl_internals.old_logps_forward_skipped(self):
+            output = score()
+        output[_OLD_LOGPS_FROM_LOSS_KEY] = torch.tensor(True)
+        return output
 
     def _compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         """TRL's loss; a deferred IS correction (`_cb_can_defer_is`) is applied to `inputs` as soon as TRL's loss
@@ -115,10 +147,13 @@ class ImportanceSamplingMixin:
         sampling = inputs.pop(_DEFERRED_IS_KEY, None)
         batch = inputs.pop(_DEFERRED_IS_BATCH, None)
         gradient_weights = inputs.pop(_GRADIENT_WEIGHTS_KEY, None)  # set at scoring when the correction was eager
-        if sampling is None and gradient_weights is None:
+        old_from_loss = inputs.pop(_OLD_LOGPS_FROM_LOSS_KEY, None) is not None
+        if sampling is None and gradient_weights is None and not old_from_loss:
             return super()._compute_loss(model, inputs)
 
         def correct(logps: torch.Tensor) -> torch.Tensor:
+            if old_from_loss:  # RLOO reads `old_logps` after this forward: its sums, as TRL forms them, detached
+                inputs["old_logps"] = (logps.detach() * inputs["completion_mask"]).sum(1)
             weights = gradient_weights
             if sampling is not None:
                 stats = self._cb_importance_sampling(

@@ -155,7 +155,9 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
         if self._cb_async_active():
             inputs = self._cb_async_take(inputs)
         try:
-            output = super()._generate_and_score_completions(inputs)
+            output = self._cb_trl_score(
+                lambda: super(ContinuousBatchingTrainerMixin, self)._generate_and_score_completions(inputs)
+            )
         finally:
             self._cb_async_groups = None
         if self._cb_per_token_loss and self._cb_last_logprobs is not None and "sampling_per_token_logps" not in output:

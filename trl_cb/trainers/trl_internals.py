@@ -1,7 +1,8 @@
 """The only place trl_cb's trainers touch TRL beyond its public API (as `engine/_upstream.py` is for transformers).
 
 Each private attribute or helper is reached through one function here, pinned by tests/unit/test_contracts.py:
-`_tokenize_prompts`, `_metrics`, `_get_per_token_logps_and_entropies` (called, and wrapped for one `_compute_loss`),
+`_tokenize_prompts`, `_metrics`, `_get_per_token_logps_and_entropies` (called, wrapped for one `_compute_loss`, and
+answered without a forward for RLOO's old-policy logprobs in one scoring),
 `trl.models.utils.disable_gradient_checkpointing`, `trl.trainer.utils.pad/nanmin/nanmax`, `profiling_context`. The
 trainers also override TRL's `_generate_single_turn`, `_generate_and_score_completions` and `_compute_loss`
 (`mixin.py`, `is_correction.py`); their signatures and call order are pinned there too.
@@ -9,7 +10,8 @@ trainers also override TRL's `_generate_single_turn`, `_generate_and_score_compl
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ __all__ = [
     "policy_logps",
     "profiling_context",
     "tokenize_prompts",
+    "old_logps_forward_skipped",
     "with_policy_logps_hook",
 ]
 
@@ -55,6 +58,21 @@ def policy_logps(trainer: Any, output: dict[str, Any]) -> torch.Tensor:
     return logps
 
 
+@contextmanager
+def _logps_replaced(trainer: Any, replacement: Callable[..., Any]) -> Iterator[None]:
+    """`trainer._get_per_token_logps_and_entropies` is `replacement` inside the block; whatever was there before (a
+    user's instance attribute included) is back after it."""
+    shadowed = trainer.__dict__.get(_LOGPS)
+    trainer.__dict__[_LOGPS] = replacement
+    try:
+        yield
+    finally:
+        if shadowed is None:
+            trainer.__dict__.pop(_LOGPS, None)
+        else:
+            trainer.__dict__[_LOGPS] = shadowed
+
+
 def with_policy_logps_hook(
     trainer: Any,
     compute_loss: Callable[[], torch.Tensor],
@@ -67,30 +85,46 @@ def with_policy_logps_hook(
     `RuntimeError` if the loss never made that call: a correction must never be skipped silently."""
     applied = False
     original = getattr(trainer, _LOGPS)
-    shadowed = trainer.__dict__.get(_LOGPS)  # an instance attribute already there (a user's patch) is put back
-
-    def restore() -> None:
-        if shadowed is None:
-            trainer.__dict__.pop(_LOGPS, None)
-        else:
-            trainer.__dict__[_LOGPS] = shadowed
 
     def hooked(*args: Any, **kwargs: Any) -> Any:
         nonlocal applied
-        restore()  # one call only: the loss forward is TRL's first call in `_compute_loss`
+        if applied:  # one call only: the loss forward is TRL's first call in `_compute_loss`
+            return original(*args, **kwargs)
         result = original(*args, **kwargs)
         logps = on_logps(result[0])
         applied = True
         return (logps, *result[1:])
 
-    trainer.__dict__[_LOGPS] = hooked
-    try:
+    with _logps_replaced(trainer, hooked):
         loss = compute_loss()
-    finally:
-        restore()
     if not applied:
         raise RuntimeError(
             f"trl_cb: TRL's loss did not compute the policy's logprobs through `{_LOGPS}`; the deferred "
             "importance-sampling correction could not be applied."
         )
     return loss
+
+
+@contextmanager
+def old_logps_forward_skipped(trainer: Any) -> Iterator[None]:
+    """Inside the block (TRL's RLOO scoring one batch), TRL's no-grad `_get_per_token_logps_and_entropies` call for the
+    old-policy logprobs returns NaN placeholders, (B, logits_to_keep), instead of running a forward; the loss then
+    takes them from its own forward (`ImportanceSamplingMixin._cb_old_logps_from_loss`: when, and why exact).
+
+    NaN, not zeros: a placeholder that reached a loss unreplaced makes it NaN, never a silently wrong gradient.
+    `RuntimeError` for a second call, or one with gradients on (TRL's scoring changed: it is not the call meant)."""
+    calls = 0
+
+    def placeholder(
+        model: Any, input_ids: torch.Tensor, attention_mask: Any, logits_to_keep: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, None, None]:
+        nonlocal calls
+        calls += 1
+        if calls > 1 or torch.is_grad_enabled():
+            raise RuntimeError(
+                f"trl_cb: unexpected `{_LOGPS}` call while TRL's RLOO scoring skips its old-logps forward"
+            )
+        return torch.full((input_ids.size(0), logits_to_keep), float("nan"), device=input_ids.device), None, None
+
+    with _logps_replaced(trainer, placeholder):
+        yield

@@ -399,15 +399,79 @@ def test_deferred_is_uses_the_loss_forward_and_trains_identically(kind, tokenize
     eager_logs, eager_params, eager_calls = _train_recording_forwards(kind, tokenizer, tmp_path, False, monkeypatch)
     assert deferred_calls["grad"] == eager_calls["grad"] == 2  # one loss forward per step (one micro-batch)
     assert eager_calls["no_grad"] - deferred_calls["no_grad"] == 2, (eager_calls, deferred_calls)
-    # Beside TRL's own no-grad forwards (RLOO: its old-policy forward, one per step; GRPO: none here), trl_cb runs
-    # none: no second forward of the same batch.
-    assert deferred_calls["no_grad"] == {"grpo": 0, "rloo": 2}[kind], deferred_calls
+    # No no-grad forward at all: GRPO's TRL takes the old logprobs from the loss forward under this rule, and trl_cb
+    # does the same for RLOO's (`test_rloo_old_logps_come_from_the_loss_forward`), so no batch is run twice.
+    assert deferred_calls["no_grad"] == 0, deferred_calls
     for deferred, eager in zip(deferred_logs, eager_logs, strict=True):
         assert eager["sampling/importance_sampling_ratio/min"] < 0.99, "IS weights must vary for this to mean much"
         for name in ("loss", "grad_norm", *IS_METRICS):
             assert deferred[name] == pytest.approx(eager[name], rel=1e-4, abs=1e-6), name
     for a, b in zip(deferred_params, eager_params, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_rloo_old_logps_come_from_the_loss_forward(tokenizer, tmp_path, monkeypatch):
+    """TRL's RLOO runs a no-grad forward per batch for the old-policy logprobs. When the weights cannot change before
+    the loss (the rule under which GRPO's TRL reuses the loss forward), trl_cb takes them from the loss forward: one
+    forward fewer per step, and the same losses, IS metrics and weights as with TRL's forward
+    (`TRL_CB_RLOO_OLD_LOGPS_FROM_LOSS=0`), with sharp weights that move (lr 1e-2) and IS weights that vary."""
+    skip_logs, skip_params, skip_calls = _train_recording_forwards(
+        "rloo", tokenizer, tmp_path / "skip", True, monkeypatch, learning_rate=1e-2
+    )
+    monkeypatch.setenv("TRL_CB_RLOO_OLD_LOGPS_FROM_LOSS", "0")
+    trl_logs, trl_params, trl_calls = _train_recording_forwards(
+        "rloo", tokenizer, tmp_path / "trl", True, monkeypatch, learning_rate=1e-2
+    )
+    assert skip_calls == {"no_grad": 0, "grad": 2} and trl_calls == {"no_grad": 2, "grad": 2}, (skip_calls, trl_calls)
+    for skip, trl_log in zip(skip_logs, trl_logs, strict=True):
+        assert trl_log["sampling/importance_sampling_ratio/min"] < 0.99, "IS weights must vary for this to mean much"
+        for name in ("loss", "grad_norm", *IS_METRICS):
+            assert skip[name] == pytest.approx(trl_log[name], rel=1e-4, abs=1e-6), name
+    initial = [p.detach() for p in make_trainer("rloo", tokenizer, tmp_path / "init", init_std=0.2).model.parameters()]
+    assert max((a - b).abs().max().item() for a, b in zip(skip_params, initial)) > 1e-3, "the weights must move"
+    for a, b in zip(skip_params, trl_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "skips"),
+    [
+        ({}, True),
+        ({"beta": 0.05}, False),  # TRL's KL penalty reads the per-token values of that forward (set after init:
+        # a tiny model from a config has no hub name for TRL's reference model)
+        ({"steps_per_generation": 2, "per_device_train_batch_size": 4}, False),  # an update between scoring and loss
+        ({"gradient_accumulation_steps": 2, "per_device_train_batch_size": 4}, True),
+    ],
+)
+def test_rloo_old_logps_from_the_loss_only_where_exact(overrides, skips, tokenizer, tmp_path, monkeypatch):
+    beta = overrides.pop("beta", 0.0)
+    trainer = make_trainer("rloo", tokenizer, tmp_path, **overrides)
+    trainer.beta = beta
+    trainer.model.train()
+    assert trainer._cb_old_logps_from_loss() is skips
+    monkeypatch.setenv("TRL_CB_RLOO_OLD_LOGPS_FROM_LOSS", "0")
+    assert trainer._cb_old_logps_from_loss() is False
+    trainer.model.eval()
+    monkeypatch.delenv("TRL_CB_RLOO_OLD_LOGPS_FROM_LOSS")
+    assert trainer._cb_old_logps_from_loss() is False  # evaluation has no loss forward to take them from
+
+
+def test_skipped_old_logps_forward_answers_nan_once():
+    """The placeholder TRL's scoring gets is NaN (unreplaced, it would make the loss NaN, never silently wrong), and
+    a second call in the same scoring is an error: TRL's scoring would have changed."""
+    from trl_cb.trainers import trl_internals
+
+    class Trainer:
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            raise AssertionError("the real forward ran")
+
+    trainer, ids = Trainer(), torch.zeros(3, 7, dtype=torch.long)
+    with torch.no_grad(), trl_internals.old_logps_forward_skipped(trainer):
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(None, ids, None, 4)
+        assert logps.shape == (3, 4) and torch.isnan(logps).all()
+        with pytest.raises(RuntimeError, match="unexpected"):
+            trainer._get_per_token_logps_and_entropies(None, ids, None, 4)
+    assert "_get_per_token_logps_and_entropies" not in trainer.__dict__  # the class's method is back
 
 
 @pytest.mark.parametrize(
