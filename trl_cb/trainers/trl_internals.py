@@ -23,11 +23,11 @@ __all__ = [
     "log_metric",
     "nanmax",
     "nanmin",
+    "old_logps_forward_skipped",
     "pad",
     "policy_logps",
     "profiling_context",
     "tokenize_prompts",
-    "old_logps_forward_skipped",
     "with_policy_logps_hook",
 ]
 

@@ -410,19 +410,25 @@ def test_deferred_is_uses_the_loss_forward_and_trains_identically(kind, tokenize
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_rloo_old_logps_come_from_the_loss_forward(tokenizer, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("schedule", "loss_forwards"),
+    [({}, 2), (dict(num_iterations=2, gradient_accumulation_steps=2, steps_per_generation=1), 4)],
+    ids=["default", "iter2-gas2"],  # iter2: the second pass over the buffered batch reads the first pass's old logps
+)
+def test_rloo_old_logps_come_from_the_loss_forward(schedule, loss_forwards, tokenizer, tmp_path, monkeypatch):
     """TRL's RLOO runs a no-grad forward per batch for the old-policy logprobs. When the weights cannot change before
     the loss (the rule under which GRPO's TRL reuses the loss forward), trl_cb takes them from the loss forward: one
-    forward fewer per step, and the same losses, IS metrics and weights as with TRL's forward
+    forward fewer per generation batch, and the same losses, IS metrics and weights as with TRL's forward
     (`TRL_CB_RLOO_OLD_LOGPS_FROM_LOSS=0`), with sharp weights that move (lr 1e-2) and IS weights that vary."""
     skip_logs, skip_params, skip_calls = _train_recording_forwards(
-        "rloo", tokenizer, tmp_path / "skip", True, monkeypatch, learning_rate=1e-2
+        "rloo", tokenizer, tmp_path / "skip", True, monkeypatch, learning_rate=1e-2, **schedule
     )
     monkeypatch.setenv("TRL_CB_RLOO_OLD_LOGPS_FROM_LOSS", "0")
     trl_logs, trl_params, trl_calls = _train_recording_forwards(
-        "rloo", tokenizer, tmp_path / "trl", True, monkeypatch, learning_rate=1e-2
+        "rloo", tokenizer, tmp_path / "trl", True, monkeypatch, learning_rate=1e-2, **schedule
     )
-    assert skip_calls == {"no_grad": 0, "grad": 2} and trl_calls == {"no_grad": 2, "grad": 2}, (skip_calls, trl_calls)
+    assert skip_calls == {"no_grad": 0, "grad": loss_forwards}, skip_calls
+    assert trl_calls == {"no_grad": 2, "grad": loss_forwards}, trl_calls  # one generation batch per step, 2 steps
     for skip, trl_log in zip(skip_logs, trl_logs, strict=True):
         assert trl_log["sampling/importance_sampling_ratio/min"] < 0.99, "IS weights must vary for this to mean much"
         for name in ("loss", "grad_norm", *IS_METRICS):
