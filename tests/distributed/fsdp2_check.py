@@ -33,17 +33,19 @@ from trl_cb.offline.data import synthetic_gsm8k
 from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
 
 
-def teacher_forced_max_diff(model, tokenizer, prompts, result, group: int) -> float:
+def teacher_forced_gaps(model, tokenizer, prompts, result, group: int) -> tuple[float, float]:
+    """The largest and the mean |engine logprob - teacher-forced logprob| over the sampled tokens."""
     rows = [prompts[i // group] + c for i, c in enumerate(result.completion_ids)]
     batch = tokenizer.pad({"input_ids": rows}, return_tensors="pt")  # left padding: one forward per rank
     with torch.no_grad():
         logprobs = torch.log_softmax(model(**batch).logits.float(), dim=-1)  # (B, L, V)
-    worst, width = 0.0, batch["input_ids"].shape[1]
+    gaps, width = [], batch["input_ids"].shape[1]
     for i, completion in enumerate(result.completion_ids):
         start = width - len(completion)  # completion tokens sit at the right end of the row
         ref = logprobs[i, start - 1 : width - 1].gather(-1, torch.tensor(completion)[:, None])[:, 0]
-        worst = max(worst, (ref - torch.tensor(result.logprobs[i])).abs().max().item())
-    return worst
+        gaps.append((ref - torch.tensor(result.logprobs[i])).abs())
+    every = torch.cat(gaps)
+    return every.max().item(), every.mean().item()
 
 
 def main() -> None:
@@ -95,7 +97,7 @@ def main() -> None:
             engine_dtypes = sorted({str(d) for d in seen})
             sharded = all(isinstance(p, DTensor) for p in model.parameters())
             with autocast:
-                diff = teacher_forced_max_diff(model, tokenizer, prompts, result, 2)
+                diff, mean_diff = teacher_forced_gaps(model, tokenizer, prompts, result, 2)
             shard = q_proj.weight.to_local().detach().clone()
             batch = torch.tensor([prompts[0][:16]])  # a training step on the sharded model
             with autocast:
@@ -103,9 +105,12 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+            with autocast:  # control: the same samples against the weights after the step (a sampler that is wrong)
+                control_diff, control_mean = teacher_forced_gaps(model, tokenizer, prompts, result, 2)
             report["rounds"].append(
                 {
-                    "max_diff": diff, "sharded_after": sharded, "n": len(result.completion_ids),
+                    "max_diff": diff, "mean_diff": mean_diff, "control_max_diff": control_diff,
+                    "control_mean_diff": control_mean, "sharded_after": sharded, "n": len(result.completion_ids),
                     "engine_dtypes": engine_dtypes, "copy_bytes_between_rounds": gen.generation_copy_bytes,
                     "copy_bytes_in_round": copied[-1],
                     "param_bytes_bf16": 2 * sum(p.numel() for p in model.parameters()),

@@ -119,6 +119,15 @@ def _small_logp_gap(value: float) -> bool:
     return math.isfinite(value) and value <= 0.1
 
 
+def _bf16_gaps_close(step: dict) -> bool:
+    """bf16 sampling against the bf16 teacher-forced forward, per token: close on average (measured: mean 0.0000-0.0011
+    nats, max 0.001-0.03), a rare token further off (one CI run: max 0.159; bf16 hidden states round differently
+    when the engine batches the rows differently), and both far from the control, the same samples against the
+    weights after the step (measured: mean 0.15-15 nats, 100x and more the gap)."""
+    mean, worst = step["mean_diff"], step["max_diff"]
+    return mean <= 0.01 and math.isfinite(worst) and worst <= 0.5 and step["control_mean_diff"] >= 10 * mean
+
+
 def test_zero3_bf16_two_processes(tmp_path):
     """TRL's `bf16=True` under ZeRO-3 on an fp32-loaded model: DeepSpeed holds the module in bf16 and the fp32 master
     weights in its optimizer partitions (as on TRL's own path); generation gathers the bf16 parameters (no trl_cb
@@ -148,8 +157,9 @@ def test_fsdp2_adapter_two_processes(bf16, tmp_path):
             assert step["shard_dtypes"] == ["torch.float32"] and step["step_moved_shard"]
             assert step["engine_dtypes"] == ["torch.bfloat16" if bf16 else "torch.float32"]
             if bf16:
+                assert _bf16_gaps_close(step), step
                 # Sharded: the generation copy is made per round, never kept (it would be the full model per rank).
-                assert _small_logp_gap(step["max_diff"]) and step["copy_bytes_between_rounds"] == 0, step
+                assert step["copy_bytes_between_rounds"] == 0, step
                 # fp32 unsharded parameters: the round copies them; under the policy they are bf16 already and only
                 # buffers (rotary inv_freq) are copied.
                 copied, full = step["copy_bytes_in_round"], step["param_bytes_bf16"]
