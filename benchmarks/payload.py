@@ -257,34 +257,30 @@ def serve_fake(port: int) -> None:
 
 @contextlib.contextmanager
 def fake_server() -> Iterator[str]:
-    """A `--serve-fake` server process on a free loopback port; yields its URL once `/health` answers."""
+    """A `--serve-fake` server process on a free loopback port; yields its URL once `/health` answers from it (waited
+    for while it progresses, `launch.wait_until_serving`; its exit or a stall fails at once with its log's tail)."""
+    import tempfile
+
+    from trl_cb.errors import RolloutServerError
+    from trl_cb.serving.launch import shut_down, wait_until_serving
     from trl_cb.serving.weight_sync import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env_path = {"PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, __file__, "--serve-fake", str(port)], env={**os.environ, **env_path, "OMP_NUM_THREADS": "1"}
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if requests.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("the fake server did not start")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
+    with tempfile.NamedTemporaryFile(prefix="trl-cb-fake-serve-", suffix=".log") as log:
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve-fake", str(port)],
+            env={**os.environ, **env_path, "OMP_NUM_THREADS": "1"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+            if not wait_until_serving(proc, url, log.name):
+                raise RolloutServerError(f"the fake server exited with code {proc.returncode} during startup")
+            yield url
+        finally:
+            shut_down(proc)
 
 
 def warm(url: str, args: argparse.Namespace) -> None:

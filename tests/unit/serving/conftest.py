@@ -43,9 +43,10 @@ def save_sharp_checkpoint(tmp_path_factory, tokenizer, name: str, eos_logit_bias
 
 @contextlib.contextmanager
 def running_server(checkpoint: str, *extra: str):
-    """A `trl-cb serve` process (one thread) on a free loopback port, up and healthy; stopped on exit."""
+    """A `trl-cb serve` process (one thread) on a free loopback port, up and healthy; stopped on exit. Its start is
+    waited for while it progresses, however slow the machine (`launch.wait_until_serving`), not against a clock."""
     env = {"PYTHONPATH": str(ROOT)}
-    with local_rollout_server(checkpoint, threads=1, extra_args=extra, env=env, startup_timeout=60) as server:
+    with local_rollout_server(checkpoint, threads=1, extra_args=extra, env=env) as server:
         yield server.process, server.url
 
 
