@@ -187,7 +187,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _overlap_engine_paused(trainer: Any) -> contextlib.AbstractContextManager[None]:
     """The overlap engine held between two steps (`OverlapEngineBackend.paused`); none before the first rollouts."""
-    controller = getattr(trainer, "_cb_async", None)
+    controller = trainer.rollout_state.async_rollouts.source
     return controller.backend.paused() if controller is not None else contextlib.nullcontext()
 
 

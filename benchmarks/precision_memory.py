@@ -101,8 +101,8 @@ def live_rss_bytes() -> int:
 
 
 def _generators(trainer: Any) -> list[Any]:
-    gens = [getattr(trainer, "_cb_generator", None)]
-    controller = getattr(trainer, "_cb_async", None)
+    gens = [trainer.rollout_state.generator]
+    controller = trainer.rollout_state.async_rollouts.source
     gens.append(getattr(controller, "generator", None))
     return [g for g in gens if g is not None]
 

@@ -64,10 +64,12 @@ def main() -> None:
 
     def recording_take(inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows = original_take(inputs)
-        controller = trainer._cb_async
+        controller = trainer.rollout_state.async_rollouts.source
         controllers.append(type(controller).__name__)
-        versions = [[int(v) for v in seq] for g in trainer._cb_async_groups for seq in g.versions]
-        lengths = [len(c) for g in trainer._cb_async_groups for c in g.completion_ids]
+        versions = [
+            [int(v) for v in seq] for g in trainer.rollout_state.async_rollouts.step_groups for seq in g.versions
+        ]
+        lengths = [len(c) for g in trainer.rollout_state.async_rollouts.step_groups for c in g.completion_ids]
         takes.append({"policy_version": controller.policy_version, "versions": versions, "lengths": lengths})
         return rows
 
@@ -91,7 +93,7 @@ def main() -> None:
         "max_rank_weight_diff": max((g - flat).abs().max().item() for g in gathered),
         "num_changed": sum(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters()),
         "engine_threads_left": sum("_run_generation_loop" in repr(t) for t in threading.enumerate()),
-        "controller_stopped": trainer._cb_async is None,
+        "controller_stopped": trainer.rollout_state.async_rollouts.source is None,
     }
     Path(args.report, f"rank{rank}.json").write_text(json.dumps(report, indent=2))
     trainer.accelerator.wait_for_everyone()  # leave the process group together (see train_check.py)

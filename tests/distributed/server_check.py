@@ -125,8 +125,8 @@ def main() -> None:
                 "num_completions": len(completion_ids),
                 "prompts_digest": hashlib.sha1(json.dumps(prompt_ids).encode()).hexdigest(),
                 "max_gap": max(gaps),
-                "weight_version": trainer._cb_weight_version,
-                "holds_client": trainer._cb_client is not None,  # the main process only
+                "weight_version": trainer.rollout_state.remote.weight_version,
+                "holds_client": trainer.rollout_state.remote.client is not None,  # the main process only
                 "param_dtypes": sorted({str(t.dtype) for t in state.values()}),
                 # ZeRO-3: parameters held as partitions (empty local tensors) outside gathers, so the push gathered.
                 "num_partitioned": sum(p.numel() == 0 for p in trainer.model_wrapped.parameters()),
@@ -141,13 +141,13 @@ def main() -> None:
 
     def recorded_completions(prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
         """Async mode: which groups this rank trains on, and the weight versions of their tokens."""
-        groups = trainer._cb_async_groups
+        groups = trainer.rollout_state.async_rollouts.step_groups
         taken.append(
             {
                 "num_groups": len(groups),
                 "prompts_digest": hashlib.sha1(json.dumps([g.prompt_ids for g in groups]).encode()).hexdigest(),
                 "versions": sorted({v for g in groups for per_sample in as_lists(g.versions) for v in per_sample}),
-                "holds_client": trainer._cb_client is not None,
+                "holds_client": trainer.rollout_state.remote.client is not None,
             }
         )
         return original_completions(prompt_ids)

@@ -219,7 +219,7 @@ def main() -> None:
                 **zero3_round,
             }
         )
-        builds.append(trainer._cb_generator.num_engine_builds)
+        builds.append(trainer.rollout_state.generator.num_engine_builds)
         return completion_ids, logprobs
 
     trainer._cb_generate = recording_generate
@@ -235,7 +235,7 @@ def main() -> None:
         "rounds": rounds,
         "engine_builds": builds[-1] if builds else 0,
         "logs": [e for e in trainer.state.log_history if "loss" in e],
-        "generator_closed": trainer._cb_generator is None,
+        "generator_closed": trainer.rollout_state.generator is None,
         # Module parameters by dtype, and the fp32 master weights where the strategy keeps them apart (ZeRO-3 with
         # bf16 holds the module in bf16 and the optimizer's fp32 partitions).
         "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),

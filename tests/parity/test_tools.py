@@ -104,17 +104,17 @@ def capture_is_inputs(seen: list[dict]):
     def setup(trainer) -> None:
         real = trainer._cb_importance_sampling
 
-        def capture(output, per_token_loss, old=None, sampling=None):
-            # `old`/`sampling` are given when the correction runs inside the loss forward (trainers.py `_compute_loss`)
+        def capture(output, per_token_loss, sampling, old=None):
+            # `old` is given when the correction runs inside the loss forward (is_correction.py `_compute_loss`)
             seen.append(
                 {
                     "tool_mask": output["tool_mask"].clone(),
                     "completion_mask": output["completion_mask"].clone(),
-                    "sampling": (trainer._cb_sampling_logps(output) if sampling is None else sampling).clone(),
+                    "sampling": sampling.clone(),
                     "old": (trainer._cb_old_logps(output) if old is None else old).clone(),
                 }
             )
-            return real(output, per_token_loss, old=old, sampling=sampling)
+            return real(output, per_token_loss, sampling=sampling, old=old)
 
         trainer._cb_importance_sampling = capture
 

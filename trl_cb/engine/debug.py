@@ -9,8 +9,7 @@ layer call. `TRL_CB_SAMPLER=upstream`: transformers' `torch.multinomial` instead
 `TRL_CB_DECODE_FAST_PATH=0`: every decode step scheduled and prepared by transformers' per-request Python instead of
 advancing the previous batch in place (`_upstream_decode.py`). `TRL_CB_MASK_SKIP=0`: engine forwards build the
 attention mask `varlen_attention` does not read (`_upstream_forward.py`). `TRL_CB_FAST_FORK=0`: forked request states
-copied by `deepcopy`, not field by field (`_upstream_fork.py`). `TRL_CB_RLOO_OLD_LOGPS_FROM_LOSS=0`: RLOO's scoring
-runs TRL's extra no-grad forward for the old-policy logprobs (`trainers/is_correction.py`); read at every scoring.
+copied by `deepcopy`, not field by field (`_upstream_fork.py`).
 """
 
 from __future__ import annotations
@@ -63,14 +62,6 @@ FAST_FORK_ENV = "TRL_CB_FAST_FORK"
 def fast_fork_enabled() -> bool:
     """False when `TRL_CB_FAST_FORK=0` asks for transformers' `deepcopy` of forked request states."""
     return _switched_on(FAST_FORK_ENV)
-
-
-RLOO_OLD_LOGPS_ENV = "TRL_CB_RLOO_OLD_LOGPS_FROM_LOSS"
-
-
-def old_logps_from_loss_on() -> bool:
-    """False when `TRL_CB_RLOO_OLD_LOGPS_FROM_LOSS=0` asks for TRL's extra no-grad forward for RLOO's old logprobs."""
-    return _switched_on(RLOO_OLD_LOGPS_ENV)
 
 
 def _switched_on(env: str) -> bool:

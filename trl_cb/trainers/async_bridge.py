@@ -29,8 +29,9 @@ from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.model_access import plain_module
 from ..rollouts.overlap import OverlapRolloutController
 from ..rollouts.prompt_stream import PromptStream
-from ..rollouts.rollout_groups import RolloutGroup, TokenValues, as_lists
+from ..rollouts.rollout_groups import TokenValues, as_lists
 from . import trl_internals
+from .rollout_state import RolloutStateMixin
 
 logger = logging.getLogger(__name__)
 
@@ -60,12 +61,14 @@ class _PauseEngineForOptimizerStep(TrainerCallback):
         self.trainer = trainer
 
     def on_pre_optimizer_step(self, *a: Any, **k: Any) -> None:
-        if self.trainer._cb_async is not None:
-            self.trainer._cb_async.begin_weight_update()
+        source = self.trainer.rollout_state.async_rollouts.source
+        if source is not None:
+            source.begin_weight_update()
 
     def on_optimizer_step(self, *a: Any, **k: Any) -> None:
-        if self.trainer._cb_async is not None:
-            self.trainer._cb_async.end_weight_update()
+        source = self.trainer.rollout_state.async_rollouts.source
+        if source is not None:
+            source.end_weight_update()
 
 
 class _SaveAsyncState(TrainerCallback):
@@ -80,15 +83,9 @@ class _SaveAsyncState(TrainerCallback):
         self.trainer._cb_save_async_state(os.path.join(args.output_dir, folder))
 
 
-class AsyncRolloutsMixin:
-    """The async part of `ContinuousBatchingTrainerMixin` (state: the controller, the stream position, the groups of
-    the current step and the dataset's longest prompt)."""
-
-    _cb_async: AsyncRolloutSource | None = None
-    _cb_async_groups: list[RolloutGroup] | None = None
-    #: Stream position the next async controller starts from (advanced when a controller stops; set on resume).
-    _cb_async_start: int = 0
-    _cb_async_longest: int | None = None
+class AsyncRolloutsMixin(RolloutStateMixin):
+    """The async part of `ContinuousBatchingTrainerMixin`. Its state: `rollout_state.async_rollouts` (the source,
+    the stream position, the groups of the current step and the dataset's longest prompt)."""
 
     def _cb_async_setup(self) -> None:
         """Called at the end of `__init__`: refuse unsupported setups early and hook weight updates."""
@@ -109,8 +106,8 @@ class AsyncRolloutsMixin:
 
     def _cb_async_position(self) -> int:
         """Stream position of the first prompt no finished step has consumed (see `PromptStream`)."""
-        controller = self._cb_async
-        return self._cb_async_start + (controller.consumed_groups if controller is not None else 0)
+        state = self.rollout_state.async_rollouts
+        return state.stream_start + (state.source.consumed_groups if state.source is not None else 0)
 
     def _cb_save_async_state(self, checkpoint_dir: str) -> None:
         if not os.path.isdir(checkpoint_dir):
@@ -128,14 +125,14 @@ class AsyncRolloutsMixin:
                 "Resuming async rollouts from %s without saved stream state: the prompt stream restarts.",
                 checkpoint_dir,
             )
-            self._cb_async_start = 0
+            self.rollout_state.async_rollouts.stream_start = 0
             return
         with open(path) as f:
             state = json.load(f)
         if state.get("seed") != self._cb_stream_seed():
             logger.warning("The checkpoint's prompt stream used another seed: its position is applied as is.")
-        self._cb_async_start = int(state["stream_position"])
-        logger.info("Async rollouts resume the prompt stream at item %d.", self._cb_async_start)
+        start = self.rollout_state.async_rollouts.stream_start = int(state["stream_position"])
+        logger.info("Async rollouts resume the prompt stream at item %d.", start)
 
     def _cb_stream_seed(self) -> int:
         return self.args.seed * 1000 + self.accelerator.process_index
@@ -174,8 +171,9 @@ class AsyncRolloutsMixin:
     def _cb_async_controller(self) -> AsyncRolloutSource:
         """The async rollouts, built (and started) the first time a training step needs them: from the rollout
         servers (`remote.py`) or the trainer's own engine, with the same bounds."""
-        if self._cb_async is not None:
-            return self._cb_async
+        state = self.rollout_state.async_rollouts
+        if state.source is not None:
+            return state.source
         args = self.args
         groups_per_step = args.generation_batch_size // self.accelerator.num_processes // self.num_generations
         bounds = AsyncBounds(
@@ -196,9 +194,9 @@ class AsyncRolloutsMixin:
             def validate_one(prompt: list[int]) -> None:
                 validate([prompt])
 
-            if self._cb_async_longest is None:
-                self._cb_async_longest = self._cb_scan_prompts(validate)
-            stream = self._cb_prompt_stream(self._cb_async_start)
+            if state.longest_prompt is None:
+                state.longest_prompt = self._cb_scan_prompts(validate)
+            stream = self._cb_prompt_stream(state.stream_start)
             # `RemoteRolloutsMixin.cb_remote_async_rollouts` (remote.py), a method of the same trainer
             controller = self.cb_remote_async_rollouts(stream, validate_one, groups_per_step, bounds)
         else:
@@ -209,21 +207,21 @@ class AsyncRolloutsMixin:
                 timeout=args.cb_generation_timeout,
                 **self._cb_generator_kwargs(),
             )
-            if self._cb_async_longest is None:
-                self._cb_async_longest = self._cb_scan_prompts(lambda ids: generator.validate_prompts(ids, module))
+            if state.longest_prompt is None:
+                state.longest_prompt = self._cb_scan_prompts(lambda ids: generator.validate_prompts(ids, module))
             overlap = {"engine_threads": args.async_overlap_engine_threads} if args.async_overlap else {}
             controller = (OverlapRolloutController if args.async_overlap else AsyncRolloutController)(
                 generator,
                 module,
-                self._cb_prompt_stream(self._cb_async_start),
-                max_prompt_len=self._cb_async_longest,
+                self._cb_prompt_stream(state.stream_start),
+                max_prompt_len=state.longest_prompt,
                 num_generations=self.num_generations,
                 groups_per_step=groups_per_step,
                 **overlap,
                 **bounds,
             )
         controller.start()
-        self._cb_async = controller
+        state.source = controller
         return controller
 
     def _cb_max_staleness(self) -> int:
@@ -236,7 +234,7 @@ class AsyncRolloutsMixin:
         return default_max_staleness(args.prefetch_depth, steps_per_take)
 
     def _cb_async_take(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Replace the sampler's rows by those of finished groups; stash the groups for `_generate_single_turn`."""
+        """Replace the sampler's rows by those of finished groups; keep the groups for `_generate_single_turn`."""
         controller = self._cb_async_controller()
         num_groups = len(inputs) // self.num_generations
         if num_groups != controller.groups_per_step:
@@ -247,19 +245,18 @@ class AsyncRolloutsMixin:
             groups, metrics = controller.take(num_groups)
         for name, value in metrics.as_dict().items():
             trl_internals.log_metric(self, "train", name, value)
-        self._cb_async_groups = groups
+        self.rollout_state.async_rollouts.step_groups = groups
         return [group.row for group in groups for _ in range(self.num_generations)]
 
     def _cb_async_completions(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[TokenValues]]:
         """The taken groups' completion ids (as lists: TRL decodes and pads them) and policy logprobs (lists, or
         tensors from a rollout server's binary answers: converted only where TRL needs lists, `mixin.py`)."""
-        groups, G = self._cb_async_groups, self.num_generations
+        groups, G = self.rollout_state.async_rollouts.step_groups, self.num_generations
         expected = [g.prompt_ids for g in groups for _ in range(G)]
         if [list(p) for p in prompt_ids] != expected:
             raise RuntimeError("Async rollouts are out of step with the prompts TRL tokenized (multi-turn?).")
         completion_ids = as_lists([c for g in groups for c in g.completion_ids])
         logprobs = [lp for g in groups for lp in g.policy_logprobs]
-        self._cb_last_logprobs = logprobs
         return completion_ids, logprobs
 
     def _cb_async_active(self) -> bool:
@@ -276,8 +273,8 @@ class AsyncRolloutsMixin:
 
     def _cb_async_stop(self) -> None:
         """Hard-stop the controller (in-flight groups are abandoned); the next one continues the stream."""
-        controller = self._cb_async
-        if controller is not None:
-            controller.stop()
-            self._cb_async_start = self._cb_async_position()
-            self._cb_async = None
+        state = self.rollout_state.async_rollouts
+        if state.source is not None:
+            state.source.stop()
+            state.stream_start = self._cb_async_position()
+            state.source = None

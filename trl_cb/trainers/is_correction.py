@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from ..engine.debug import old_logps_from_loss_on
 from ..importance_sampling import (
     DEFAULT_M2_THRESHOLD,
     IS_EXTRA_METRIC_NAMES,
@@ -31,6 +30,7 @@ from ..importance_sampling import (
 )
 from ..rollouts.rollout_groups import TokenValues
 from . import trl_internals
+from .rollout_state import DeferredCorrection, RolloutStateMixin
 
 __all__ = ["IS_METRIC_NAMES", "ImportanceSamplingMixin"]
 
@@ -44,18 +44,17 @@ _GRADIENT_WEIGHTS_KEY = "cb_is_gradient_weights"
 _OLD_LOGPS_FROM_LOSS_KEY = "cb_old_logps_from_loss"
 
 
-class ImportanceSamplingMixin:
-    """The IS part of `ContinuousBatchingTrainerMixin`. Reads `_cb_last_logprobs` (the last round's sampler-side
-    policy logprobs, set by the generation side) and `_cb_per_token_loss` (GRPO's loss takes (B, T) advantages; RLOO's
-    (B,), so token-level weights go to its gradient)."""
+class ImportanceSamplingMixin(RolloutStateMixin):
+    """The IS part of `ContinuousBatchingTrainerMixin`. Its state: `rollout_state.importance_sampling` (deferred
+    corrections). Reads `_cb_per_token_loss` (GRPO's loss takes (B, T) advantages; RLOO's (B,), so token-level
+    weights go to its gradient)."""
 
-    _cb_last_logprobs: list[TokenValues] | None = None
     _cb_per_token_loss: bool
-    #: Generation batches scored so far whose correction was deferred (ids of `_cb_is_pending`).
-    _cb_is_batches: int = 0
 
-    def _cb_correct(self, output: dict[str, Any]) -> None:
-        """Apply the IS correction to a scored batch now, or defer it to the loss forward when that is exact."""
+    def _cb_correct(self, output: dict[str, Any], sampled: list[TokenValues] | None) -> None:
+        """Apply the IS correction to a scored batch now, or defer it to the loss forward when that is exact.
+        `sampled`: the round's sampler-side logprobs, one row per completion (unused when TRL's batch carries them
+        as `sampling_per_token_logps`)."""
         if not self._cb_uses_is():
             return
         mode = "train" if self.model.training else "eval"
@@ -64,28 +63,27 @@ class ImportanceSamplingMixin:
             # micro-batch, and the stats are logged once the generation batch's last micro-batch is done. TRL splits
             # a training generation batch into `steps_per_generation` micro-batch dicts (reused, not re-split, for
             # `num_iterations`; the keys are popped at first use); eval uses it whole.
-            batch_id = self._cb_is_batches
-            self._cb_is_batches += 1
+            state = self.rollout_state.importance_sampling
+            batch_id = state.batches
+            state.batches += 1
             parts = self.args.steps_per_generation if mode == "train" else 1
-            self._cb_is_pending()[batch_id] = [mode, parts, None]
-            output[_DEFERRED_IS_KEY] = self._cb_sampling_logps(output)
+            state.pending[batch_id] = DeferredCorrection(mode, parts)
+            output[_DEFERRED_IS_KEY] = self._cb_sampling_logps(output, sampled)
             output[_DEFERRED_IS_BATCH] = torch.tensor(batch_id)
         else:
-            stats = self._cb_importance_sampling(output, per_token_loss=self._cb_per_token_loss)
+            sampling = self._cb_sampling_logps(output, sampled)
+            stats = self._cb_importance_sampling(output, per_token_loss=self._cb_per_token_loss, sampling=sampling)
             self._cb_log_is_stats(stats, mode)
 
-    def _cb_is_pending(self) -> dict[int, list[Any]]:
-        """Deferred IS stats per generation batch id: [mode, micro-batches still to come, stats merged so far]."""
-        return self.__dict__.setdefault("_cb_is_pending_batches", {})
-
-    def _cb_sampling_logps(self, output: dict[str, Any]) -> torch.Tensor:
-        """(B, T) sampling logprobs aligned with `output["completion_ids"]`."""
+    def _cb_sampling_logps(self, output: dict[str, Any], sampled: list[TokenValues] | None) -> torch.Tensor:
+        """(B, T) sampling logprobs aligned with `output["completion_ids"]`: the batch's own when TRL put them there,
+        else `sampled` (one row per completion) padded."""
         if "sampling_per_token_logps" in output:  # GRPO's batch has them (`_cb_score`; TRL's, tool turns included)
             return output["sampling_per_token_logps"]
-        if self._cb_last_logprobs is None:
+        if sampled is None:
             raise RuntimeError("The CB path produced no sampling logprobs for this batch.")
         width = output["completion_ids"].size(1)
-        rows = [torch.as_tensor(lp, dtype=torch.float32) for lp in self._cb_last_logprobs]  # lists or fp32 tensors
+        rows = [torch.as_tensor(lp, dtype=torch.float32) for lp in sampled]  # lists or fp32 tensors
         padded = trl_internals.pad(rows, padding_value=0.0, padding_side="right")
         padded = torch.nn.functional.pad(padded, (0, width - padded.size(1)))
         return padded.to(output["completion_ids"].device)
@@ -123,13 +121,12 @@ class ImportanceSamplingMixin:
 
         Why: TRL's RLOO always runs that forward, a whole extra forward per batch (~15% of a step on the CPU
         benchmark), whose values equal the loss forward's when the weights cannot change in between. Not with a KL
-        term (`beta != 0`: TRL also reads the per-token values there), not outside training, and not when
-        `TRL_CB_RLOO_OLD_LOGPS_FROM_LOSS=0`. With dropout the two forwards drew different masks, so TRL's ratio was
-        not 1 at the first iteration; it is now, as in GRPO.
+        term (`beta != 0`: TRL also reads the per-token values there) and not outside training. With dropout the two
+        forwards drew different masks, so TRL's ratio was not 1 at the first iteration; it is now, as in GRPO.
         """
         if self._cb_per_token_loss or not self.args.use_transformers_continuous_batching or not self.model.training:
             return False
-        return getattr(self, "beta", 0.0) == 0.0 and self._cb_weights_fixed_until_loss() and old_logps_from_loss_on()
+        return getattr(self, "beta", 0.0) == 0.0 and self._cb_weights_fixed_until_loss()
 
     def _cb_trl_score(self, score: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """TRL's scoring (`score()`), its RLOO old-logps forward skipped when `_cb_old_logps_from_loss`."""
@@ -171,18 +168,17 @@ class ImportanceSamplingMixin:
         self,
         output: dict[str, Any],
         per_token_loss: bool,
+        sampling: torch.Tensor,
         old: torch.Tensor | None = None,
-        sampling: torch.Tensor | None = None,
     ) -> ImportanceSamplingStats:
         """Weight `output`'s advantages by the IS ratio (see module docstring); return the batch's IS stats.
 
-        `old` / `sampling`: the training policy's and the sampler's logprobs of the sampled tokens, (B, T); computed
-        from `output` when not given."""
+        `old` / `sampling`: the training policy's and the sampler's logprobs of the sampled tokens, (B, T); `old` is
+        computed from `output` when not given."""
         args = self.args
         mask = output["completion_mask"]
         if output.get("tool_mask") is not None:
             mask = mask * output["tool_mask"]
-        sampling = self._cb_sampling_logps(output) if sampling is None else sampling
         old = self._cb_old_logps(output) if old is None else old
         weights = importance_weights(
             old,
@@ -208,15 +204,15 @@ class ImportanceSamplingMixin:
 
     def _cb_add_deferred_is_stats(self, batch_id: int, stats: ImportanceSamplingStats) -> None:
         """Merge one micro-batch's stats into its generation batch's; log them once the batch's last part is in."""
-        pending = self._cb_is_pending()
+        pending = self.rollout_state.importance_sampling.pending
         entry = pending.get(batch_id)
         if entry is None:  # pragma: no cover - every deferred batch is registered by `_cb_correct`
             raise RuntimeError(f"trl_cb: IS stats for unknown generation batch {batch_id}.")
-        entry[1] -= 1
-        entry[2] = stats if entry[2] is None else entry[2].merge(stats)
-        if entry[1] == 0:
+        entry.parts_left -= 1
+        entry.stats = stats if entry.stats is None else entry.stats.merge(stats)
+        if entry.parts_left == 0:
             del pending[batch_id]
-            self._cb_log_is_stats(entry[2], entry[0])
+            self._cb_log_is_stats(entry.stats, entry.mode)
 
     def _cb_log_is_stats(self, stats: ImportanceSamplingStats, mode: str) -> None:
         """Append TRL's five IS metrics for one generation batch, reduced across processes as TRL reduces them

@@ -34,7 +34,6 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
     generation round per step, and the engine's lifecycle; async rollouts and the IS correction come from the two
     mixins it combines."""
 
-    _cb_generator: ContinuousBatchingGenerator | None = None
     #: Whether the trainer's loss is per token (GRPO: the IS weight may be (B, T)) or per sequence (RLOO: (B,)).
     _cb_per_token_loss: bool
 
@@ -91,14 +90,14 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
 
     def _cb_get_generator(self) -> ContinuousBatchingGenerator:
         """The trainer's one generator, built at the first generation and kept across steps."""
-        wrapped = self.model_wrapped
-        if self._cb_generator is not None and self._cb_generator.model is not wrapped:
+        wrapped, state = self.model_wrapped, self.rollout_state
+        if state.generator is not None and state.generator.model is not wrapped:
             # The training wrapper changed (e.g. eval before train, then accelerate.prepare): new generator.
-            self._cb_generator.close()
-            self._cb_generator = None
-        if self._cb_generator is None:
+            state.generator.close()
+            state.generator = None
+        if state.generator is None:
             args = self.args
-            self._cb_generator = ContinuousBatchingGenerator(
+            state.generator = ContinuousBatchingGenerator(
                 wrapped,
                 self.generation_config,
                 continuous_batching_config=args.transformers_continuous_batching_config,
@@ -108,7 +107,7 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
                 timeout=args.cb_generation_timeout,
                 **self._cb_generator_kwargs(),
             )
-        return self._cb_generator
+        return state.generator
 
     def _cb_generator_kwargs(self) -> dict[str, Any]:
         """Generator options from the config: the generation dtype as TRL's CB path picks it (`bf16`/`fp16`, fp32 LM
@@ -125,33 +124,37 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
     def _cb_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[TokenValues]]:
         """Completions (lists) and their sampler-side policy logprobs (`GenerationResult.policy_logprobs`: what TRL's
         trainer computes, so the IS weight compares like with like; lists, or tensors from a server's binary answer)
-        for TRL's prompt list (each prompt repeated per sample)."""
-        if self._cb_async_groups is not None:
-            return self._cb_async_completions(prompt_ids)
-        if self.args.rollout_server_urls:  # rollouts from `trl-cb serve` replicas (trainers/remote.py)
-            return self._cb_remote_generate(prompt_ids)
-        generator = self._cb_get_generator()
-        with trl_internals.profiling_context(self, "trl_cb.generate"):
-            result = generator.generate(prompt_ids, num_generations=1)
-        self._cb_last_logprobs = result.policy_logprobs
-        return result.completion_ids, result.policy_logprobs
+        for TRL's prompt list (each prompt repeated per sample). The logprobs are also kept in
+        `rollout_state.sampling_logprobs` (its only writer) for `_cb_score` to hand to the IS correction."""
+        if self.rollout_state.async_rollouts.step_groups is not None:
+            completion_ids, logprobs = self._cb_async_completions(prompt_ids)
+        elif self.args.rollout_server_urls:  # rollouts from `trl-cb serve` replicas (trainers/remote.py)
+            completion_ids, logprobs = self._cb_remote_generate(prompt_ids)
+        else:
+            generator = self._cb_get_generator()
+            with trl_internals.profiling_context(self, "trl_cb.generate"):
+                result = generator.generate(prompt_ids, num_generations=1)
+            completion_ids, logprobs = result.completion_ids, result.policy_logprobs
+        self.rollout_state.sampling_logprobs = logprobs
+        return completion_ids, logprobs
 
     def _cb_close(self) -> None:
         """Stop async rollouts and the generator (hard stop: nothing in flight is generated); interrupt-safe."""
         with guards.deferred_interrupts():
             self._cb_async_stop()
             self._cb_remote_close()
-            generator = self._cb_generator
+            state = self.rollout_state
+            generator, state.generator = state.generator, None
             if generator is not None:
                 generator.close()
-                self._cb_generator = None
 
     @quiet_trl_gradient_checkpointing()  # TRL's generation/scoring helpers call transformers' deprecated names
     def _cb_score(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's scoring of `inputs` (or, in async mode, of finished groups), then IS correction. GRPO's sampling
         logprobs enter the batch as one padded tensor (`sampling_per_token_logps`, as TRL names it) built here from
         the rows (tensors from a server's binary answer, or lists), not from per-token lists TRL would pad itself."""
-        self._cb_last_logprobs = None
+        state = self.rollout_state
+        state.sampling_logprobs = None
         if self._cb_async_active():
             inputs = self._cb_async_take(inputs)
         try:
@@ -159,11 +162,12 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
                 lambda: super(ContinuousBatchingTrainerMixin, self)._generate_and_score_completions(inputs)
             )
         finally:
-            self._cb_async_groups = None
-        if self._cb_per_token_loss and self._cb_last_logprobs is not None and "sampling_per_token_logps" not in output:
+            state.async_rollouts.step_groups = None
+        sampled, state.sampling_logprobs = state.sampling_logprobs, None  # this batch's, consumed here
+        if self._cb_per_token_loss and sampled is not None and "sampling_per_token_logps" not in output:
             # GRPO: the sampler's logprobs TRL would have padded from lists (its loss reads them, e.g. for OPSM)
-            output["sampling_per_token_logps"] = self._cb_sampling_logps(output)
-        self._cb_correct(output)
+            output["sampling_per_token_logps"] = self._cb_sampling_logps(output, sampled)
+        self._cb_correct(output, sampled)
         return output
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:

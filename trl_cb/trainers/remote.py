@@ -27,13 +27,11 @@ from ..rollouts.async_core import AsyncBounds, AsyncRolloutSource
 from ..rollouts.model_access import plain_module
 from ..rollouts.rollout_groups import TokenValues, as_lists
 from . import trl_internals
+from .rollout_state import RolloutStateMixin
 
 if TYPE_CHECKING:  # the serving modules need the `serve` extra (requests): imported when servers are used
-    import torch
-
     from ..rollouts.async_metrics import AsyncMetrics
     from ..rollouts.rollout_groups import RolloutGroup
-    from ..serving.client import RolloutClient
     from ..serving.remote_rollouts import RemoteRolloutController
     from ..serving.weight_sync import WeightSender
 
@@ -43,15 +41,9 @@ T = TypeVar("T")
 Completions = tuple[list[list[int]], list[TokenValues]]  # (ids, per-token policy logprobs: lists or tensors)
 
 
-class RemoteRolloutsMixin:
-    """`_cb_remote_generate`: one round on the rollout servers, weights pushed first when the step changed."""
-
-    _cb_remote_ready: bool = False
-    _cb_client: RolloutClient | None = None  # main process only
-    _cb_senders: list[WeightSender] | None = None  # main process only
-    _cb_server_dtypes: list[torch.dtype | None] | None = None  # main process only: each server's weight dtype
-    _cb_pushed_step: int | None = None
-    _cb_weight_version: int = 0
+class RemoteRolloutsMixin(RolloutStateMixin):
+    """`_cb_remote_generate`: one round on the rollout servers, weights pushed first when the step changed. Its
+    state: `rollout_state.remote`."""
 
     def _cb_remote_setup(self) -> None:
         args: Any = self.args
@@ -68,12 +60,13 @@ class RemoteRolloutsMixin:
 
             timeout = args.cb_generation_timeout or 300.0
             key = args.rollout_server_api_key
-            self._cb_client = RolloutClient(args.rollout_server_urls, api_key=key, timeout=timeout)
-            self._cb_senders = [WeightSender(url, key, timeout=timeout) for url in self._cb_client.urls]
-            self._cb_server_dtypes = [sender.server_dtype() for sender in self._cb_senders]
+            remote.client = RolloutClient(args.rollout_server_urls, api_key=key, timeout=timeout)
+            remote.senders = [WeightSender(url, key, timeout=timeout) for url in remote.client.urls]
+            remote.server_dtypes = [sender.server_dtype() for sender in remote.senders]
 
+        remote = self.rollout_state.remote
         self._cb_on_main(connect)
-        self._cb_remote_ready = True
+        remote.connected = True
 
     def _cb_on_main(self, work: Callable[[], T]) -> T:
         """`work()` on the main process, its result on every rank; its failure raised on every rank."""
@@ -98,9 +91,10 @@ class RemoteRolloutsMixin:
 
     def _cb_remote_generate(self, prompt_ids: list[list[int]]) -> Completions:
         """This rank's completions of `prompt_ids`; a collective in multi-process training (every rank calls it)."""
-        if not self._cb_remote_ready:
+        remote = self.rollout_state.remote
+        if not remote.connected:
             self._cb_remote_setup()
-        if self._cb_pushed_step != self.state.global_step:
+        if remote.pushed_step != self.state.global_step:
             self._cb_push_weights()
         sampling = self._cb_remote_sampling()
         accelerator = self.accelerator
@@ -113,7 +107,7 @@ class RemoteRolloutsMixin:
                 shares = gather_object([prompt_ids])  # one list per rank, in rank order
 
             def generate_all() -> list[Completions]:
-                result = self._cb_client.generate([p for share in shares for p in share], 1, **sampling)
+                result = remote.client.generate([p for share in shares for p in share], 1, **sampling)
                 out, start = [], 0
                 for share in shares:  # back to each rank, in its own prompts' order
                     end = start + len(share)
@@ -122,7 +116,6 @@ class RemoteRolloutsMixin:
                 return out
 
             completion_ids, logprobs = self._cb_on_main(generate_all)[accelerator.process_index]
-        self._cb_last_logprobs = logprobs
         return as_lists(completion_ids), logprobs  # TRL decodes and pads the ids as lists
 
     def _cb_remote_sampling(self) -> dict[str, Any]:
@@ -138,15 +131,16 @@ class RemoteRolloutsMixin:
     def _cb_push_weights(self) -> int:
         """Push the current weights to every replica as the next version (served once this returns) and return it:
         every rank gathers (a collective when sharded), the main process sends."""
-        version = self._cb_weight_version + 1
+        remote = self.rollout_state.remote
+        version = remote.weight_version + 1
         module = plain_module(self.model_wrapped)
         specs, weights = weight_specs(module), iter_weights(module)
 
         def send() -> None:
             from ..serving.weight_sync import push_weights
 
-            self._cb_client.known_versions.add(version)  # async: tokens of it may arrive before the push ends
-            failed = push_weights(self._cb_senders, specs, weights, version, self._cb_server_dtypes)
+            remote.client.known_versions.add(version)  # async: tokens of it may arrive before the push ends
+            failed = push_weights(remote.senders, specs, weights, version, remote.server_dtypes)
             self._cb_drop_replicas(failed)
 
         with trl_internals.profiling_context(self, "trl_cb.push_weights"):
@@ -154,9 +148,9 @@ class RemoteRolloutsMixin:
                 for _ in weights:  # take part in the gathers
                     pass
             self._cb_on_main(send)
-        self._cb_weight_version = version
-        self._cb_pushed_step = self.state.global_step
-        return self._cb_weight_version
+        remote.weight_version = version
+        remote.pushed_step = self.state.global_step
+        return version
 
     def cb_remote_async_rollouts(
         self,
@@ -167,7 +161,7 @@ class RemoteRolloutsMixin:
     ) -> ScatteredRemoteRollouts:
         """Async rollouts from the servers (`serving/remote_rollouts.py`) for the async bridge: the main process's
         controller requests every rank's groups; each rank trains on its own share. A collective."""
-        if not self._cb_remote_ready:
+        if not self.rollout_state.remote.connected:
             self._cb_remote_setup()
         accelerator = self.accelerator
         controller = None
@@ -177,7 +171,13 @@ class RemoteRolloutsMixin:
             groups = groups_per_rank * accelerator.num_processes
             sampling = self._cb_remote_sampling()
             controller = RemoteRolloutController(
-                self._cb_client, prompt_stream, self.num_generations, groups, sampling, validate, **bounds
+                self.rollout_state.remote.client,
+                prompt_stream,
+                self.num_generations,
+                groups,
+                sampling,
+                validate,
+                **bounds,
             )
         return ScatteredRemoteRollouts(
             controller,
@@ -191,15 +191,17 @@ class RemoteRolloutsMixin:
     def _cb_drop_replicas(self, failed: dict[WeightSender, str]) -> None:
         """Stop using replicas a push did not reach: they serve older weights, so sampling there would be silently
         off-policy (sync) or beyond the recorded versions' meaning. The others take their share."""
+        remote = self.rollout_state.remote
         for sender, why in failed.items():
             logger.warning("rollout server %s missed a weight push and is dropped: %s", sender.url, why)
-            index = self._cb_senders.index(sender)
-            del self._cb_senders[index], self._cb_server_dtypes[index]
-            self._cb_client.urls = [url for url in self._cb_client.urls if url != sender.url]
+            index = remote.senders.index(sender)
+            del remote.senders[index], remote.server_dtypes[index]
+            remote.client.urls = [url for url in remote.client.urls if url != sender.url]
 
     def _cb_remote_close(self) -> None:
-        senders, self._cb_senders, self._cb_client = self._cb_senders or [], None, None
-        self._cb_remote_ready = False
+        remote = self.rollout_state.remote
+        senders, remote.senders, remote.server_dtypes, remote.client = remote.senders, [], [], None
+        remote.connected = False
         for sender in senders:
             try:
                 sender.close()

@@ -579,7 +579,11 @@ def test_trainer_overlap_is_exact_without_updates(kind, tokenizer, tmp_path):
     for entry in logs:
         assert entry["sampling/sampling_logp_difference/max"] <= 1e-4
     assert logs[-1]["async/policy_version"] == 2
-    assert trainer._cb_async is None and trainer._cb_generator is None and not engine_threads()
+    assert (
+        trainer.rollout_state.async_rollouts.source is None
+        and trainer.rollout_state.generator is None
+        and not engine_threads()
+    )
 
 
 def test_trainer_overlap_learns_with_updates(tokenizer, tmp_path):

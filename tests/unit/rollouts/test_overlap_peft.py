@@ -128,7 +128,7 @@ def test_trainer_with_lora_and_overlap_trains_the_adapters_only(tokenizer, tmp_p
 
     def recording_take(inputs: list) -> list:
         rows = take(inputs)
-        controllers.append(type(trainer._cb_async).__name__)
+        controllers.append(type(trainer.rollout_state.async_rollouts.source).__name__)
         return rows
 
     trainer._cb_async_take = recording_take
@@ -138,4 +138,4 @@ def test_trainer_with_lora_and_overlap_trains_the_adapters_only(tokenizer, tmp_p
     assert set(controllers) == {"OverlapRolloutController"}
     moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p)}
     assert moved and all("lora_" in n for n in moved), sorted(moved)[:5]
-    assert trainer._cb_async is None and not engine_threads()
+    assert trainer.rollout_state.async_rollouts.source is None and not engine_threads()

@@ -184,8 +184,9 @@ class _Trainer(RemoteRolloutsMixin, ImportanceSamplingMixin):
         self.args = SimpleNamespace(report_to=[], async_generation=False)
         self.state = SimpleNamespace(global_step=0)
         self.generation_config = GenerationConfig(max_new_tokens=TOKENS, temperature=1.0)
-        self._cb_remote_ready, self._cb_pushed_step = True, 0  # connected, weights current: generation only
-        self._cb_client = client
+        remote = self.rollout_state.remote
+        remote.connected, remote.pushed_step = True, 0  # connected, weights current: generation only
+        remote.client = client
 
 
 def _batch(url: str, encoding: str) -> dict:
@@ -196,7 +197,7 @@ def _batch(url: str, encoding: str) -> dict:
     prompts = [[5] * 8] * PROMPTS
     ids, logprobs = trainer._cb_remote_generate(prompts)
     padded = torch.zeros(len(ids), TOKENS + 3, dtype=torch.long)  # TRL pads the completion ids past the longest
-    sampling = trainer._cb_sampling_logps({"completion_ids": padded})
+    sampling = trainer._cb_sampling_logps({"completion_ids": padded}, logprobs)
     versions = client.generate(prompts, 1, max_tokens=TOKENS).token_weight_versions
     return {
         "ids": ids,

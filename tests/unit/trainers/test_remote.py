@@ -52,8 +52,9 @@ class FakeTrainer(RemoteRolloutsMixin):
         self.args = SimpleNamespace(report_to=[], async_generation=False)
         self.state = SimpleNamespace(global_step=0)
         self.generation_config = GenerationConfig(max_new_tokens=4)
-        self._cb_remote_ready, self._cb_pushed_step = True, 0  # connected, weights current: generation only
-        self._cb_client = FakeClient() if accelerator.is_main_process else None
+        remote = self.rollout_state.remote
+        remote.connected, remote.pushed_step = True, 0  # connected, weights current: generation only
+        remote.client = FakeClient() if accelerator.is_main_process else None
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -68,10 +69,10 @@ def _worker(rank: int, port: int, out: str) -> None:
         ids, logprobs = trainer._cb_remote_generate(prompts)
         report: dict[str, Any] = {
             "own": ids == [p[::-1] for p in prompts] and logprobs == [[-3.0] * 3] * len(prompts),
-            "requests": trainer._cb_client.requests if trainer._cb_client else None,
+            "requests": trainer.rollout_state.remote.client.requests if trainer.rollout_state.remote.client else None,
         }
-        if trainer._cb_client is not None:
-            trainer._cb_client.fail = True
+        if trainer.rollout_state.remote.client is not None:
+            trainer.rollout_state.remote.client.fail = True
         try:
             trainer._cb_remote_generate(prompts)
             report["raised"] = None

@@ -79,7 +79,7 @@ def test_trains_two_steps_logs_is_metrics_one_engine(kind, tokenizer, tmp_path, 
         for name in IS_METRICS:
             assert name in entry and math.isfinite(entry[name]), name
     assert len(builds) == 1, "one engine across steps"
-    assert trainer._cb_generator is None, "engine closed at the end of train()"
+    assert trainer.rollout_state.generator is None, "engine closed at the end of train()"
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())), "weights never updated"
 
 
@@ -104,7 +104,7 @@ def test_grpo_hands_trl_no_logprob_lists_and_the_batch_carries_the_sampling_logp
     returned, scored = [], []
     single_turn, correct = trainer._generate_single_turn, trainer._cb_correct
     trainer._generate_single_turn = lambda *a, **k: returned.append(single_turn(*a, **k)) or returned[-1]
-    trainer._cb_correct = lambda output: scored.append((output, trainer._cb_last_logprobs)) or correct(output)
+    trainer._cb_correct = lambda output, sampled: scored.append((output, sampled)) or correct(output, sampled)
     trainer.train()
     assert returned and all(ids and logprobs is None for ids, logprobs in returned)
     output, rows = scored[0]
@@ -200,6 +200,12 @@ def test_is_weight_reaches_loss_as_the_formula_says(kind, mode, tokenizer, tmp_p
         trainer._cb_close()
 
 
+def _importance_sampling(trainer, output, kind: str, rows) -> None:
+    """The eager IS correction of `output` with the sampler's logprobs `rows` (one per completion)."""
+    sampling = trainer._cb_sampling_logps(output, rows)
+    trainer._cb_importance_sampling(output, per_token_loss=kind == "grpo", sampling=sampling)
+
+
 def _check_is_scales_loss(trainer, kind: str, mode: str) -> None:
     trainer.model.train()
     batch = [trainer.train_dataset[i] for i in range(2) for _ in range(4)]
@@ -209,12 +215,11 @@ def _check_is_scales_loss(trainer, kind: str, mode: str) -> None:
     raw["advantages"][0] = 1.0
     d = 0.01
     base, shifted = copy.deepcopy(raw), copy.deepcopy(raw)
-    logprobs = trainer._cb_last_logprobs
-    trainer._cb_importance_sampling(base, per_token_loss=kind == "grpo")
+    logprobs = trainer.rollout_state.sampling_logprobs
+    _importance_sampling(trainer, base, kind, logprobs)
     if "sampling_per_token_logps" in shifted:
         shifted["sampling_per_token_logps"] = shifted["sampling_per_token_logps"] + d * shifted["completion_mask"]
-    trainer._cb_last_logprobs = [[x + d for x in row] for row in logprobs]
-    trainer._cb_importance_sampling(shifted, per_token_loss=kind == "grpo")
+    _importance_sampling(trainer, shifted, kind, [[x + d for x in row] for row in logprobs])
     factor = math.exp(-d * 8) if mode.startswith("sequence") else math.exp(-d)
     loss_base, loss_shifted = _loss(trainer, base), _loss(trainer, shifted)
     assert abs(loss_base) > 1e-6, "advantages must be non-zero for this test to mean anything"
@@ -238,14 +243,13 @@ def test_self_normalized_is_undoes_a_uniform_shift(kind, tokenizer, tmp_path):
         raw["advantages"] = torch.zeros_like(raw["advantages"])
         raw["advantages"][0] = 1.0
         base, shifted = copy.deepcopy(raw), copy.deepcopy(raw)
-        logprobs = trainer._cb_last_logprobs
-        trainer._cb_importance_sampling(base, per_token_loss=kind == "grpo")
+        logprobs = trainer.rollout_state.sampling_logprobs
+        _importance_sampling(trainer, base, kind, logprobs)
         if "sampling_per_token_logps" in shifted:
             shifted["sampling_per_token_logps"] = (
                 shifted["sampling_per_token_logps"] + 0.3 * shifted["completion_mask"]
             )
-        trainer._cb_last_logprobs = [[x + 0.3 for x in row] for row in logprobs]
-        trainer._cb_importance_sampling(shifted, per_token_loss=kind == "grpo")
+        _importance_sampling(trainer, shifted, kind, [[x + 0.3 for x in row] for row in logprobs])
         loss_base, loss_shifted = _loss(trainer, base), _loss(trainer, shifted)
         assert abs(loss_base) > 1e-6, "advantages must be non-zero for this test to mean anything"
         assert loss_shifted == pytest.approx(loss_base, rel=1e-4)
@@ -277,16 +281,13 @@ def test_rloo_token_level_weights_scale_each_tokens_gradient(defer, tokenizer, t
         batch = [trainer.train_dataset[i] for i in range(2) for _ in range(4)]
         raw = super(type(trainer), trainer)._generate_and_score_completions(batch)  # TRL's, without our IS
         raw["advantages"] = torch.linspace(-1.0, 1.0, raw["advantages"].numel())
-        noise = [
-            [0.5 * math.sin(7 * b + t) for t in range(len(row))] for b, row in enumerate(trainer._cb_last_logprobs)
-        ]
-        trainer._cb_last_logprobs = [
-            [x + e for x, e in zip(row, n)] for row, n in zip(trainer._cb_last_logprobs, noise)
-        ]
-        sampling = trainer._cb_sampling_logps(raw)
+        rows = trainer.rollout_state.sampling_logprobs
+        noise = [[0.5 * math.sin(7 * b + t) for t in range(len(row))] for b, row in enumerate(rows)]
+        rows = [[x + e for x, e in zip(row, n)] for row, n in zip(rows, noise)]
+        sampling = trainer._cb_sampling_logps(raw, rows)
         corrected = copy.deepcopy(raw)
         monkeypatch.setattr(trainer, "_cb_can_defer_is", lambda output: defer)
-        trainer._cb_correct(corrected)
+        trainer._cb_correct(corrected, rows)
         assert ("cb_deferred_sampling_per_token_logps" in corrected) == defer
         loss, grads = _loss_and_grads(trainer, corrected)
 
@@ -342,7 +343,7 @@ def test_engine_closed_when_training_fails(tokenizer, tmp_path):
     trainer = make_trainer("grpo", tokenizer, tmp_path, reward=failing_reward)
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
-    assert trainer._cb_generator is None
+    assert trainer.rollout_state.generator is None
 
 
 def perturb_sampler(patch: pytest.MonkeyPatch) -> None:
@@ -410,6 +411,18 @@ def test_deferred_is_uses_the_loss_forward_and_trains_identically(kind, tokenize
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _teacher_forced_sums(model, inputs, temperature: float) -> torch.Tensor:
+    """(B,) sums of the completion tokens' logprobs, `log_softmax(logits / T)`, from one plain forward of `model` on
+    prompt + completion: the old-policy sequence logprobs RLOO's loss compares with, computed without TRL."""
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    width = inputs["completion_ids"].size(1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, -width - 1 : -1].float() / temperature
+    logps = logits.log_softmax(-1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)  # (B, T)
+    return (logps * inputs["completion_mask"]).sum(1)
+
+
 @pytest.mark.parametrize(
     ("schedule", "loss_forwards"),
     [({}, 2), (dict(num_iterations=2, gradient_accumulation_steps=2, steps_per_generation=1), 4)],
@@ -417,26 +430,43 @@ def test_deferred_is_uses_the_loss_forward_and_trains_identically(kind, tokenize
 )
 def test_rloo_old_logps_come_from_the_loss_forward(schedule, loss_forwards, tokenizer, tmp_path, monkeypatch):
     """TRL's RLOO runs a no-grad forward per batch for the old-policy logprobs. When the weights cannot change before
-    the loss (the rule under which GRPO's TRL reuses the loss forward), trl_cb takes them from the loss forward: one
-    forward fewer per generation batch, and the same losses, IS metrics and weights as with TRL's forward
-    (`TRL_CB_RLOO_OLD_LOGPS_FROM_LOSS=0`), with sharp weights that move (lr 1e-2) and IS weights that vary."""
-    skip_logs, skip_params, skip_calls = _train_recording_forwards(
-        "rloo", tokenizer, tmp_path / "skip", True, monkeypatch, learning_rate=1e-2, **schedule
-    )
-    monkeypatch.setenv("TRL_CB_RLOO_OLD_LOGPS_FROM_LOSS", "0")
-    trl_logs, trl_params, trl_calls = _train_recording_forwards(
-        "rloo", tokenizer, tmp_path / "trl", True, monkeypatch, learning_rate=1e-2, **schedule
-    )
-    assert skip_calls == {"no_grad": 0, "grad": loss_forwards}, skip_calls
-    assert trl_calls == {"no_grad": 2, "grad": loss_forwards}, trl_calls  # one generation batch per step, 2 steps
-    for skip, trl_log in zip(skip_logs, trl_logs, strict=True):
-        assert trl_log["sampling/importance_sampling_ratio/min"] < 0.99, "IS weights must vary for this to mean much"
-        for name in ("loss", "grad_norm", *IS_METRICS):
-            assert skip[name] == pytest.approx(trl_log[name], rel=1e-4, abs=1e-6), name
-    initial = [p.detach() for p in make_trainer("rloo", tokenizer, tmp_path / "init", init_std=0.2).model.parameters()]
-    assert max((a - b).abs().max().item() for a, b in zip(skip_params, initial)) > 1e-3, "the weights must move"
-    for a, b in zip(skip_params, trl_params, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    the loss (the rule under which GRPO's TRL reuses the loss forward), trl_cb takes them from the loss forward: no
+    no-grad forward at all, and every `old_logps` the loss reads equals a teacher-forced forward of the model at that
+    moment (sharp weights that move, lr 1e-2). Control: the same oracle on the weights of the first loss (what a
+    stale `old_logps` would hold) is far off once the weights moved, so a stale or wrong value would fail."""
+    trainer = make_trainer("rloo", tokenizer, tmp_path, init_std=0.2, learning_rate=1e-2, **schedule)
+    temperature = trainer.temperature
+    reference = tiny_model(tokenizer, eos_logit_bias=4.0)  # a plain module: the oracle runs none of trl_cb's code
+    calls, checked, first = {"no_grad": 0, "grad": 0}, [], []
+    cls_method = type(trainer)._get_per_token_logps_and_entropies
+    compute_loss = trainer._compute_loss
+
+    def counting(self, *args, **kwargs):
+        calls["grad" if torch.is_grad_enabled() else "no_grad"] += 1
+        return cls_method(self, *args, **kwargs)
+
+    def oracle(weights, inputs) -> torch.Tensor:
+        reference.load_state_dict(weights)
+        return _teacher_forced_sums(reference.train(trainer.model.training), inputs, temperature)
+
+    def checked_loss(model, inputs):
+        loss = compute_loss(model, inputs)  # the loss forward has set `old_logps` by now
+        now = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        first.append(first[0] if first else now)  # the weights of the first loss
+        old = inputs["old_logps"].detach()
+        gaps = ((old - oracle(now, inputs)).abs().max().item(), (old - oracle(first[0], inputs)).abs().max().item())
+        checked.append((trainer.state.global_step, *gaps))
+        return loss
+
+    with monkeypatch.context() as patch:
+        patch.setattr(type(trainer), "_get_per_token_logps_and_entropies", counting)
+        patch.setattr(trainer, "_compute_loss", checked_loss)
+        trainer.train()
+    assert calls == {"no_grad": 0, "grad": loss_forwards}, calls
+    assert len(checked) == loss_forwards
+    assert max(now for _, now, _ in checked) <= 1e-4, checked
+    after_a_step = [old for step, _, old in checked if step >= 1]
+    assert after_a_step and min(after_a_step) > 100 * 1e-4, f"control: the weights must move ({checked})"
 
 
 @pytest.mark.parametrize(
@@ -449,16 +479,13 @@ def test_rloo_old_logps_come_from_the_loss_forward(schedule, loss_forwards, toke
         ({"gradient_accumulation_steps": 2, "per_device_train_batch_size": 4}, True),
     ],
 )
-def test_rloo_old_logps_from_the_loss_only_where_exact(overrides, skips, tokenizer, tmp_path, monkeypatch):
+def test_rloo_old_logps_from_the_loss_only_where_exact(overrides, skips, tokenizer, tmp_path):
     beta = overrides.pop("beta", 0.0)
     trainer = make_trainer("rloo", tokenizer, tmp_path, **overrides)
     trainer.beta = beta
     trainer.model.train()
     assert trainer._cb_old_logps_from_loss() is skips
-    monkeypatch.setenv("TRL_CB_RLOO_OLD_LOGPS_FROM_LOSS", "0")
-    assert trainer._cb_old_logps_from_loss() is False
     trainer.model.eval()
-    monkeypatch.delenv("TRL_CB_RLOO_OLD_LOGPS_FROM_LOSS")
     assert trainer._cb_old_logps_from_loss() is False  # evaluation has no loss forward to take them from
 
 
