@@ -27,8 +27,9 @@ from transformers.generation.continuous_batching import ContinuousBatchingManage
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from ..errors import EngineDiedError, GenerationError
-from . import _upstream_cache, _upstream_decode, _upstream_fork, _upstream_forward, openmp
+from . import _upstream_cache, _upstream_decode, _upstream_fork, _upstream_forward, openmp, paged_decode
 from . import _upstream_sampling as _sampling
+from . import decode_graphs as _graphs
 from . import varlen_attention as attention
 from .guards import deferred_interrupts
 from .request_processors import HistoryProcessor
@@ -66,6 +67,7 @@ def create_manager(
     request_processors: Sequence[HistoryProcessor] = (),
     record_policy_logprobs: bool = False,
     check_model: Callable[..., object] | None = None,
+    decode_graphs: bool = False,
 ) -> ContinuousBatchingManager:
     """Build and warm up (on this thread, RNG preserved) a fresh manager; its thread is *not* started (`resume`
     starts it). Never reuses a cached one.
@@ -99,10 +101,15 @@ def create_manager(
             _choose_attention(manager, model, check_model)  # before warmup builds the batch processor (no dense mask)
             if attn_before == attention.ATTENTION_NAME:
                 manager._original_attn_impl = attn_before  # after this engine's rounds, the other engine's again
+            backend = _graphs.backend_for(model.device) if decode_graphs else None
+            longest = hints.max_prompt_length + hints.max_generated_length
+            block_tables = backend is not None and _graphs.enable_block_table_decode(manager, longest)
             manager.warmup()
             _sampling.install_sampler(manager)  # before the recorder, which wraps whichever sampler runs
             if recorder is not None:
                 _sampling.install_policy_logprob_recorder(manager, recorder)
+            if block_tables:  # innermost `compute_batch` wrapper: the others run outside the graph
+                _install_graphed_decode(manager, model, backend, recorder)
             install_step_threads(manager, model)
             _upstream_cache.install_read_index_rows(manager)
             _upstream_cache.install_model_side_updates(manager, model, attention.ATTENTION_NAME)
@@ -115,6 +122,32 @@ def create_manager(
         model.train(training_before)
         raise
     return manager
+
+
+def _install_graphed_decode(
+    manager: ContinuousBatchingManager, model: PreTrainedModel, backend: Any, recorder: Any
+) -> None:
+    """Block-table decode steps padded, attended by the kernel `paged_decode.choose_kernel` picks for this model, and
+    run as graphs; the policy-logprob recorder told how many rows each replay recorded."""
+    from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
+
+    cache = manager.batch_processor.cache
+    text = model.config.get_text_config()
+    kernel = paged_decode.choose_kernel(
+        model.device,
+        model.dtype,
+        manager.continuous_batching_config.page_size,
+        text.num_attention_heads,
+        find_num_key_value_heads(text),
+        find_head_dim(text),
+        softcap=getattr(text, "attn_logit_softcapping", None),
+        sinks=any(getattr(m, "sinks", None) is not None for m in model.modules()),
+    )
+    setattr(cache, _upstream_cache.DECODE_KERNEL_ATTR, kernel)
+    _graphs.pad_decode_steps(manager)
+    graphs = _graphs.install_decode_graphs(manager, model, backend)
+    if recorder is not None:
+        graphs.after_replay.append(recorder.replayed)
 
 
 def install_step_threads(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
@@ -259,10 +292,20 @@ def release(manager: ContinuousBatchingManager) -> None:
 
 
 def resume(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
-    """Restart a suspended engine's thread on its kept batch processor (no re-seeding, no re-allocation)."""
+    """Restart a suspended engine's thread on its kept batch processor (no re-seeding, no re-allocation); its decode
+    graphs are dropped first if a weight they read moved (`decode_graphs.DecodeGraphs.check`)."""
+    check_graphs(manager, model)
     switch_to_generation_attention(manager, model)
     if not manager.is_running():
         manager.start()
+
+
+def check_graphs(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
+    """Drop the engine's decode graphs if a weight of `model` they read moved (call with no step running: before a
+    round, or inside a pause after the weights were written)."""
+    graphs = _graphs.decode_graphs(manager)
+    if graphs is not None:
+        graphs.check(model)
 
 
 #: Manager attribute (ours): whether this engine runs `varlen_attention`, decided once, because its batch processor

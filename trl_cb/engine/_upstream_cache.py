@@ -29,10 +29,13 @@ from transformers.generation.continuous_batching.cache_allocators.full_attention
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import debug
+from .paged_decode import BlockTableLayer
 
 __all__ = [
     "ATTENTION_UPDATES_CACHE",
+    "DECODE_KERNEL_ATTR",
     "PagedLayer",
+    "block_table_layer",
     "drop_paged_cache_from_outputs",
     "engine_layer",
     "install_model_side_updates",
@@ -48,6 +51,11 @@ ATTENTION_UPDATES_CACHE: bool = "cache" in inspect.signature(sdpa_attention_forw
 #: Attribute (ours) of the key view the 5.24 `update` wrapper returns: its read index, for `engine_layer`. On the
 #: tensor rather than in the kwargs because a KV-shared layer (Gemma-3n) receives that same view from its source layer.
 _READ_INDEX_ATTR = "_trl_cb_read_index"
+#: Attention kwargs (ours) of a block-table step: the layer's write-trash row, where padding rows write their key, and
+#: the decode kernel chosen for the engine (`paged_decode.choose_kernel`, kept on the cache as `DECODE_KERNEL_ATTR`).
+_WRITE_TRASH_KWARG = "_trl_cb_write_trash"
+_KERNEL_KWARG = "_trl_cb_decode_kernel"
+DECODE_KERNEL_ATTR = "_trl_cb_decode_kernel"
 
 
 @dataclass
@@ -144,9 +152,44 @@ def install_model_side_updates(
                 keys = layer.key_storage.transpose(0, 1)[None]  # (1, Hkv, slots, D): a fresh view every call
                 setattr(keys, _READ_INDEX_ATTR, layer.read_index)
                 return keys, layer.value_storage.transpose(0, 1)[None]
+        if kwargs is not None and kwargs.get("block_table") is not None:
+            _mark_block_table_step(cache, layer_idx, kwargs)
         return update(key_states=key_states, value_states=value_states, layer_idx=layer_idx, kwargs=kwargs)
 
     cache.update = update_with_direct_reads
+
+
+def block_table_layer(
+    cache: object,
+    module: torch.nn.Module,
+    key_states: torch.Tensor,  # (1, Hkv, R, D): this step's keys, one per row (not yet written)
+    value_states: torch.Tensor,
+    kwargs: dict,  # the attention kwargs of a block-table (decode) step
+) -> BlockTableLayer:
+    """A decode step's inputs in block-table form (`paged_decode.BlockTableLayer`), the new keys not yet written.
+
+    Upstream's `cache.update` fills `kwargs` for a block-table step without writing anything (a flash kernel writes):
+    the layer's `block_table` row, its page views `k_cache` / `v_cache` and its `cu_seq_lens_k`. Up to 5.23 the
+    attention function gets `cache` and calls it here; from 5.24 the model's layer called it (through
+    `install_model_side_updates`, which also hands over the allocator's write-trash row)."""
+    if isinstance(cache, PagedAttentionCache):
+        cache.update(key_states=key_states, value_states=value_states, layer_idx=module.layer_idx, kwargs=kwargs)
+        _mark_block_table_step(cache, module.layer_idx, kwargs)
+    return BlockTableLayer(
+        new_keys=key_states[0].transpose(0, 1),
+        new_values=value_states[0].transpose(0, 1),
+        key_pages=kwargs["k_cache"],
+        value_pages=kwargs["v_cache"],
+        block_table=kwargs["block_table"],
+        cu_seq_lens_k=kwargs["cu_seq_lens_k"],
+        write_trash=kwargs[_WRITE_TRASH_KWARG],
+        kernel=kwargs[_KERNEL_KWARG],
+    )
+
+
+def _mark_block_table_step(cache: PagedAttentionCache, layer_idx: int, kwargs: dict) -> None:
+    kwargs[_WRITE_TRASH_KWARG] = cache.layer_to_allocator[layer_idx].write_trash_index
+    kwargs[_KERNEL_KWARG] = getattr(cache, DECODE_KERNEL_ATTR, "gather")
 
 
 def drop_paged_cache_from_outputs(model: PreTrainedModel) -> None:

@@ -28,7 +28,8 @@ class PolicyLogprobRecorder:
     with `read(n)`. Row i of the step's logits is the row of the i-th sampled token, as in the engine's outputs.
 
     Invariant: `read(n)` returns the values of the last recorded step; steps are strictly sequential (the engine runs
-    synchronously whenever a recorder is installed: no async batching, no accelerator graphs, no compilation).
+    synchronously whenever a recorder is installed: no async batching, no compilation). Graph-safe: a replayed step
+    writes the same buffer (`_values`, allocated at the first eager step), and `replayed` tells how many rows.
     """
 
     def __init__(self, temperature: float | None) -> None:
@@ -58,6 +59,10 @@ class PolicyLogprobRecorder:
         tokens = output_ids[0, :rows].to(torch.long)  # (rows,)
         self._values[:rows].copy_(log_probs.gather(1, tokens[:, None]).squeeze(1))
         self._log_probs = None
+        self._recorded = rows
+
+    def replayed(self, rows: int) -> None:
+        """A graph replayed a step of `rows` (padded) rows: it recorded them on the device (`decode_graphs.py`)."""
         self._recorded = rows
 
     def read(self, n: int) -> list[float] | None:

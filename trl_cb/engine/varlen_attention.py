@@ -29,7 +29,8 @@ from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import _upstream_cache, debug
+from . import _upstream_cache, debug, paged_decode
+from .masked_attention import masked_attention
 
 __all__ = ["ATTENTION_NAME", "packed_varlen_attention", "register", "replaces", "varlen_paged_attention"]
 
@@ -242,40 +243,6 @@ def _bucket_keys(plan: _Plan, key_index: torch.Tensor | None) -> list[torch.Tens
     return composed
 
 
-def _attend(
-    query: torch.Tensor,  # (B, Hkv, R, D): R = n_rep x query rows, GQA-packed
-    key: torch.Tensor,  # (B, Hkv, L, D)
-    value: torch.Tensor,  # (B, Hkv, L, D)
-    mask: torch.Tensor | None,  # bool, broadcastable to (B, Hkv, R, L); True = attend
-    is_causal: bool,
-    scaling: float | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,  # (Hkv, n_rep) logits, or None
-    n_rep: int,
-) -> torch.Tensor:  # (B, Hkv, R, D)
-    if softcap is None and sinks is None:
-        return torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, is_causal=is_causal, scale=scaling
-        )
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # (B, Hkv, R, L)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if is_causal:
-        rows, cols = scores.shape[-2:]
-        mask = torch.ones(rows, cols, dtype=torch.bool, device=scores.device).tril()
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is not None:
-        b, hkv, r, _ = scores.shape
-        sink = sinks.to(scores.dtype)[None, :, :, None].expand(b, hkv, n_rep, r // n_rep)  # rows are (rep, token)
-        scores = torch.cat([scores, sink.reshape(b, hkv, r, 1)], dim=-1)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    if sinks is not None:
-        probs = probs[..., :-1]
-    return torch.matmul(probs, value)
-
-
 @torch.compiler.disable  # the cache update mutates aliased views; the plan reads host-side lengths
 def varlen_paged_attention(
     module: torch.nn.Module,
@@ -294,8 +261,9 @@ def varlen_paged_attention(
     """Attention for a CB forward: returns (1, T, H, D) and no weights (see the module docstring)."""
     window = sliding_window if isinstance(sliding_window, int) and sliding_window > 0 else None
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
-    if kwargs.get("block_table") is not None:
-        raise ValueError(f"{ATTENTION_NAME} does not read block tables (flash-only decode fast path).")
+    if kwargs.get("block_table") is not None:  # a decode step through the block table (graph-safe: `paged_decode`)
+        table = _upstream_cache.block_table_layer(cache, module, key, value, kwargs)
+        return paged_decode.attend(query[0].transpose(0, 1), table, scaling, softcap, sinks).unsqueeze(0), None
     # The engine's keys, its new ones written (by the cache's update here or, from transformers 5.24, in the model)
     layer = _upstream_cache.engine_layer(cache, module, key, value, kwargs)
     if layer is None:
@@ -381,7 +349,7 @@ def packed_varlen_attention(
             q = query.index_select(0, bucket.rows).reshape(rows, num_kv, n_rep, head_dim)  # (R, Hkv, n_rep, D)
             k = key.index_select(0, flat).reshape(rows, -1, num_kv, head_dim).transpose(1, 2)  # (R, Hkv, L, D)
             v = value.index_select(0, flat).reshape(rows, -1, num_kv, value_dim).transpose(1, 2)
-            o = _attend(q, k, v, bucket.mask, False, scaling, softcap, sinks, n_rep)  # (R, Hkv, n_rep, Dv)
+            o = masked_attention(q, k, v, bucket.mask, False, scaling, softcap, sinks, n_rep)  # (R, Hkv, n_rep, Dv)
             out.index_copy_(0, bucket.rows, o.reshape(rows, num_heads, value_dim))
 
         for (q0, q1, k0, k1), mask in zip(plan.multi, plan.masks_for(n_rep), strict=True):
@@ -394,7 +362,7 @@ def packed_varlen_attention(
             else:
                 k, v = key.index_select(0, key_index[k0:k1]), value.index_select(0, key_index[k0:k1])
             k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # (1, Hkv, Lk, D)
-            o = _attend(q, k, v, mask, mask is None, scaling, softcap, sinks, n_rep)  # (1, Hkv, n_rep * Lq, Dv)
+            o = masked_attention(q, k, v, mask, mask is None, scaling, softcap, sinks, n_rep)  # (1, Hkv, rep*Lq, Dv)
             o = o.reshape(num_kv, n_rep, len_q, value_dim).permute(2, 0, 1, 3)
             out[q0:q1] = o.reshape(len_q, num_heads, -1)
     return out

@@ -24,7 +24,7 @@ from ..checks.generation_settings import (
     sampling_signature,
     without_trl_cb_fields,
 )
-from ..engine import _upstream, _upstream_sampling
+from ..engine import _upstream, _upstream_sampling, decode_graphs
 from ..engine.request_processors import (
     HISTORY_NEEDS_SYNC,
     POLICY_LOGPROBS_NEED_SYNC,
@@ -56,7 +56,7 @@ class EnginePool:
 
     `stable_weights`: whether the weights the engine reads sit at the same addresses every round
     (`ModelAccess.stable_weights`); when not, accelerator graphs, which replay the addresses they were captured
-    with, are off (an explicit `use_cuda_graph=True` is refused)."""
+    with, are off (an explicit `use_cuda_graph=True` is refused; `decode_graphs`)."""
 
     def __init__(self, cb_kwargs: dict[str, Any], stable_weights: bool = True) -> None:
         self.cb_kwargs = cb_kwargs
@@ -111,6 +111,27 @@ class EnginePool:
             max_batch_tokens=self.cb_kwargs.get("max_batch_tokens") or sized.max_batch_tokens,
         )
 
+    def decode_graphs(self, module: PreTrainedModel, needs_history: bool = False) -> bool:
+        """Whether the engine runs its decode steps as accelerator graphs (`engine/decode_graphs.py`).
+
+        The user's `use_cuda_graph` where set (a `(varlen, decode)` pair: its decode half), else on wherever the device
+        has graphs (CUDA). Off, or refused when asked for explicitly, where a graph would replay stale state: weights
+        gathered or copied per round (`stable_weights`), or per-request history processors (`needs_history`)."""
+        asked = self.cb_kwargs.get("use_cuda_graph")
+        if isinstance(asked, (tuple, list)):
+            asked = bool(asked[-1])
+        if asked is None:
+            return decode_graphs.backend_available(module.device) and self.stable_weights and not needs_history
+        if asked and not self.stable_weights:
+            raise ValueError(
+                "use_cuda_graph=True needs the weights at the same addresses every round, but they are gathered "
+                "(ZeRO-3/FSDP) or copied per round (cb_keep_generation_weights=False) here: unset use_cuda_graph, "
+                "or keep the generation copies (unsharded models)."
+            )
+        if asked and needs_history:
+            require_synchronous_engine({"use_cuda_graph": True}, HISTORY_NEEDS_SYNC)
+        return bool(asked)
+
     def stop(self) -> None:
         """Hard-stop the engine's thread, give the model its attention back, and retire the engine (not yet freed).
         The engine is forgotten only once its thread has exited."""
@@ -143,18 +164,13 @@ class EnginePool:
         # Truncating or penalising settings: record the trainer-comparable logprob beside the processed one.
         record_policy = bool(request_processors) or _upstream_sampling.reshapes_distribution(module, engine_config)
         if record_policy:  # both read per-step state on the host: synchronous, uncompiled engine only
-            require_synchronous_engine(
-                self.cb_kwargs, HISTORY_NEEDS_SYNC if settings.needs_history else POLICY_LOGPROBS_NEED_SYNC
-            )
+            if settings.needs_history:
+                require_synchronous_engine(self.cb_kwargs, HISTORY_NEEDS_SYNC)
+            else:  # the recorder runs inside trl_cb's decode graphs (`decode_graphs.py`): only graphs are allowed
+                require_synchronous_engine(_without_graphs(self.cb_kwargs), POLICY_LOGPROBS_NEED_SYNC)
             kwargs.update(SYNCHRONOUS_ENGINE)
-        if not self.stable_weights:
-            if self.cb_kwargs.get("use_cuda_graph"):
-                raise ValueError(
-                    "use_cuda_graph=True needs the weights at the same addresses every round, but they are gathered "
-                    "(ZeRO-3/FSDP) or copied per round (cb_keep_generation_weights=False) here: unset "
-                    "use_cuda_graph, or keep the generation copies (unsharded models)."
-                )
-            kwargs["use_cuda_graph"] = False
+        graphs = self.decode_graphs(module, needs_history=settings.needs_history)
+        kwargs["use_cuda_graph"] = False  # transformers' own graphs stay off: trl_cb's run the decode steps
         size = self.cache_size(module, workload)
         kwargs.update(
             page_size=size.page_size,
@@ -179,6 +195,7 @@ class EnginePool:
                 request_processors,
                 record_policy,
                 check_model=model_checks.check_model,
+                decode_graphs=graphs,
             )
         except MemoryError as err:
             raise MemoryError(
@@ -196,3 +213,7 @@ class EnginePool:
         )
         _upstream.restore_training_attention(manager)
         return Engine(manager=manager, module=module, signature=signature, workload=workload, size=size)
+
+
+def _without_graphs(cb_kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in cb_kwargs.items() if key != "use_cuda_graph"}
