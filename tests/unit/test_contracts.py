@@ -956,3 +956,63 @@ def test_fork_deepcopies_the_state_and_mask_builders_return_a_4d_mask(tokenizer)
             past_key_values=None, position_ids=torch.arange(3)[None],
         )  # fmt: skip
         assert mask is placeholder, f"{build.__name__} no longer returns a 4D mask as-is"
+
+
+def test_batch_internals_the_decode_graphs_use(model, tokenizer, monkeypatch):
+    """`engine/decode_graphs.py` and `engine/paged_decode.py` rely on these; behaviour (exact graphed rounds, graphs
+    kept across optimizer steps, re-capture on a moved weight and its control) is in tests/unit/engine/
+    test_decode_graphs.py."""
+    from transformers.generation.continuous_batching.cache import ATTN_TYPE_TO_ALLOCATOR, group_layers_by_attn_type
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+    from transformers.generation.continuous_batching.utils import pad_to_pow2
+
+    from tests.graph_fakes import use_fake_graphs
+    from trl_cb.engine import decode_graphs
+
+    assert params(ModelRunner.maybe_pad_inputs) == ["self", "num_q_tokens", "max_kv_read", "use_decode_fast_path"]
+    assert params(ModelRunner._forward_process_and_sample) == [
+        "self", "model", "batch_data", "carry_over_ids", "prev_output_ids", "output_ids",
+    ]  # fmt: skip
+    assert params(ModelRunner.compute_batch) == ["self", "model", "batch_data"]
+    assert params(ContinuousBatchingIOs.get_cb_kwargs) == ["self"]
+    assert pad_to_pow2(5, 64) == 8 and pad_to_pow2(100, 64) == 64
+    assert ATTN_TYPE_TO_ALLOCATOR["full_attention"].supports_block_table
+    assert not ATTN_TYPE_TO_ALLOCATOR["sliding_attention"].supports_block_table
+    assert set(group_layers_by_attn_type(model.config)) == {"full_attention"}
+    for name in ("max_blocks_per_request", "max_requests_per_batch", "page_size"):
+        assert name in {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}, name
+    use_fake_graphs(monkeypatch)
+    manager = _upstream.create_manager(
+        model,
+        sampling_config(tokenizer, max_new_tokens=4),
+        ContinuousBatchingConfig(return_logprobs=True, num_blocks=8, max_batch_tokens=64, page_size=16),
+        WorkloadHints(max_prompt_length=40, max_generated_length=4, num_requests=1),
+        decode_graphs=True,
+    )
+    try:
+        processor = manager.batch_processor
+        runner, ios, cache = processor.model_runner, processor.inputs_and_outputs, processor.cache
+        assert decode_graphs.decode_graphs(manager) is not None
+        assert cache.max_decode_fast_path_length > 0, "the scheduler's block-table decode path must be on"
+        assert ios.block_table.numel() > 0, "the IOs hold a kernel block table"
+        for name in ("use_block_table", "num_q_tokens", "compute_stream", "block_table"):
+            assert hasattr(ios, name), name
+        assert hasattr(runner, "pad_inputs") and callable(runner.supports_logits_to_keep)
+        allocator = cache.layer_to_allocator[0]
+        assert isinstance(allocator.write_trash_index, int) and allocator.write_trash_index > 0
+        # A block-table "update" writes nothing and hands over the layer's page views and block table.
+        kwargs = {
+            "cu_seq_lens_k": {"full_attention": torch.tensor([0, 1], dtype=torch.int32)},
+            "max_length_k": {"full_attention": 1},
+            "block_table": ios.block_table[:, :1],
+        }
+        key = torch.randn(1, allocator.num_key_value_heads, 1, allocator.head_dim)
+        before = cache.cache_tensor.clone()
+        returned, _ = cache.update(key_states=key, value_states=key, layer_idx=0, kwargs=kwargs)
+        assert returned is key and torch.equal(cache.cache_tensor, before)
+        pages = kwargs["k_cache"]
+        assert pages.dim() == 4 and pages.shape[1] == allocator.tokens_per_page
+        assert kwargs["block_table"].dim() == 2
+    finally:
+        manager.destroy()

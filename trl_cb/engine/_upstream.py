@@ -13,6 +13,7 @@ between rounds (`suspend`); an abort never flushes (`stop_now` hard-stops, waiti
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -34,6 +35,7 @@ from . import varlen_attention as attention
 from .guards import deferred_interrupts
 from .request_processors import HistoryProcessor
 
+logger = logging.getLogger(__name__)
 _fork_lock = threading.Lock()
 
 #: The transformers minor releases whose CB internals this module is checked against (tests/unit/test_contracts.py);
@@ -102,8 +104,12 @@ def create_manager(
             if attn_before == attention.ATTENTION_NAME:
                 manager._original_attn_impl = attn_before  # after this engine's rounds, the other engine's again
             backend = _graphs.backend_for(model.device) if decode_graphs else None
+            if decode_graphs and backend is None:
+                logger.warning("No graph backend on %s: decode steps run eagerly.", model.device)
             longest = hints.max_prompt_length + hints.max_generated_length
             block_tables = backend is not None and _graphs.enable_block_table_decode(manager, longest)
+            if backend is not None and not block_tables:
+                logger.info("Sliding-window layers read no block table: decode steps run eagerly, without graphs.")
             manager.warmup()
             _sampling.install_sampler(manager)  # before the recorder, which wraps whichever sampler runs
             if recorder is not None:

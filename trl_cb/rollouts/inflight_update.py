@@ -4,8 +4,9 @@ the rollout server (`serving/engine.py`) and of in-process overlap (`overlap.py`
 Invariants: the caller's block runs only while the engine loop sits between two steps (no forward reads a
 half-written weight); every request in flight has its generated-token count recorded as the point where the new
 version starts (`InFlightGroups.mark_weight_update`), so each token keeps the version that sampled it; on exit the
-engine resumes its requests over the KV cache they have (nothing drained, nothing re-prefilled). Pauses nest (a
-server already paused by `/pause` stays paused).
+engine resumes its requests over the KV cache they have (nothing drained, nothing re-prefilled), and its decode graphs
+only if every weight is where they read it (`_upstream.check_graphs`). Pauses nest (a server already paused by
+`/pause` stays paused).
 """
 
 from __future__ import annotations
@@ -37,3 +38,4 @@ def paused_for_weight_update(
         if inflight:
             groups.mark_weight_update(manager, new_version)
         yield inflight
+        _upstream.check_graphs(manager, manager.model)  # a weight written out of place drops the decode graphs

@@ -1,0 +1,167 @@
+"""Decode steps as graphs kept across training steps (`trl_cb.engine.decode_graphs`), on the CPU through a fake graph
+backend that replays what a CUDA graph reads (tests/graph_fakes.py): the captured weight tensors.
+
+What must hold: a graphed round samples exactly (teacher forcing, weights far from uniform, truncated sampling with
+the policy-logprob recorder); graphs survive optimizer steps (lr > 0, in place) without a re-capture and stay exact;
+a parameter whose storage moved is caught before the next round (re-captured, exact), and replaying without that
+check is wrong (the control). Where graphs are refused or off is decided by the pool (last tests).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import sampling_config
+from tests.graph_fakes import use_fake_graphs
+from tests.unit.rollouts.test_generator import teacher_forced_logprobs
+from trl_cb import ContinuousBatchingGenerator
+from trl_cb.engine import decode_graphs
+from trl_cb.engine.decode_graphs import WeightFingerprint
+from trl_cb.offline.tiny import tiny_model
+
+G = 3
+
+
+def _graphs(gen: ContinuousBatchingGenerator) -> decode_graphs.DecodeGraphs | None:
+    engine = gen._pool.engine
+    return None if engine is None else decode_graphs.decode_graphs(engine.manager)
+
+
+def _worst(model, prompts, result, temperature=1.0, top_k=0, top_p=1.0, policy=False) -> float:
+    """Largest gap between the round's logprobs and teacher forcing under `model`'s current weights."""
+    worst = 0.0
+    logprobs = result.policy_logprobs if policy else result.logprobs
+    for i, (completion, lp) in enumerate(zip(result.completion_ids, logprobs, strict=True)):
+        prompt = prompts[i // result.num_generations]
+        if policy:  # the trainer's quantity: log_softmax(logits / T), no truncation
+            ref = teacher_forced_logprobs(model, prompt, completion, temperature, 0, 1.0)
+        else:
+            ref = teacher_forced_logprobs(model, prompt, completion, temperature, top_k, top_p)
+        worst = max(worst, (ref - torch.tensor(lp)).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 20, 0.9)], ids=["T1", "T0.7-k20-p0.9"]
+)
+def test_graphed_decode_samples_exactly(sharp_model, tokenizer, prompts, monkeypatch, temperature, top_k, top_p):
+    use_fake_graphs(monkeypatch)
+    cfg = sampling_config(tokenizer, temperature=temperature, top_k=top_k, top_p=top_p)
+    # 16 tokens per forward: prompts are prefilled in chunks next to decoding rows (eager, mixed steps).
+    with ContinuousBatchingGenerator(sharp_model, cfg, {"max_batch_tokens": 16}) as gen:
+        result = gen.generate(prompts, num_generations=G)
+        graphs = _graphs(gen)
+    assert graphs is not None and graphs.stats.captures > 0
+    assert graphs.stats.replays > graphs.stats.captures, "decode steps must replay their graphs"
+    assert graphs.stats.eager_steps > 0, "prefill steps run eagerly"
+    assert set(graphs.graphs) <= {1, 2, 4, 8, 16}, "decode steps are padded to powers of two rows"
+    assert _worst(sharp_model, prompts, result, temperature, top_k, top_p) < 1e-4
+    if top_p < 1.0:  # the recorder's values come out of the replayed graph
+        assert _worst(sharp_model, prompts, result, temperature, policy=True) < 1e-4
+
+
+def test_graphs_survive_optimizer_steps(tokenizer, prompts, monkeypatch):
+    """Ten optimizer steps (lr > 0) between rounds, in place: the same graphs replay the new weights, exactly."""
+    use_fake_graphs(monkeypatch)
+    model = tiny_model(tokenizer, eos_logit_bias=4.0, init_std=0.2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    cfg = sampling_config(tokenizer)
+    with ContinuousBatchingGenerator(model, cfg) as gen:
+        gen.generate(prompts, num_generations=G)
+        captured = _graphs(gen).stats.captures
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for _ in range(10):
+            model.train()
+            loss = model(torch.tensor([prompts[0]]), labels=torch.tensor([prompts[0]])).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            model.eval()
+            result = gen.generate(prompts, num_generations=G)
+            assert _worst(model, prompts, result) < 1e-4
+        stats = _graphs(gen).stats
+    moved = max((p.detach() - before[n]).abs().max().item() for n, p in model.named_parameters())
+    assert moved > 1e-2, "the weights must change, or the test shows nothing"
+    assert stats.invalidations == 0
+    assert stats.captures <= captured + 2, "in-place updates keep the graphs (a new padded size may still appear)"
+
+
+def _move_and_change(model: torch.nn.Module) -> None:
+    """What a `.to()`, a re-tie or a cast does to a weight: new storage (here also new values)."""
+    weight = model.model.layers[0].mlp.down_proj.weight
+    weight.data = weight.data.clone() * 1.5
+
+
+@pytest.mark.parametrize("recheck", [True, False], ids=["recaptured", "control-stale-replay"])
+def test_a_moved_weight_is_recaptured_never_replayed_stale(tokenizer, prompts, monkeypatch, caplog, recheck):
+    use_fake_graphs(monkeypatch)
+    if not recheck:  # the control: without the fingerprint check, a graph replays the old storage
+        monkeypatch.setattr(decode_graphs.DecodeGraphs, "check", lambda self, module: False)
+    model = tiny_model(tokenizer, eos_logit_bias=4.0, init_std=0.2)
+    cfg = sampling_config(tokenizer)
+    with ContinuousBatchingGenerator(model, cfg) as gen:
+        gen.generate(prompts, num_generations=G)
+        _move_and_change(model)
+        with caplog.at_level("WARNING", logger="trl_cb.engine.decode_graphs"):
+            result = gen.generate(prompts, num_generations=G)
+        stats = _graphs(gen).stats
+    worst = _worst(model, prompts, result)
+    if recheck:
+        assert stats.invalidations == 1
+        assert "model.layers.0.mlp.down_proj.weight" in caplog.text
+        assert worst < 1e-4
+    else:
+        assert worst > 0.1, "a stale replay must be visible, else this test could not catch a missing re-capture"
+
+
+def test_fingerprint_names_what_moved(tokenizer):
+    model = tiny_model(tokenizer)
+    before = WeightFingerprint.of(model)
+    assert before.moved(WeightFingerprint.of(model)) == []
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)  # in place: nothing moved
+    assert before.moved(WeightFingerprint.of(model)) == []
+    model.lm_head.weight.data = model.lm_head.weight.data.to(torch.float64)  # a cast re-allocates
+    assert before.moved(WeightFingerprint.of(model)) == ["lm_head.weight"]
+
+
+# ------------------------------------------------------------------------------------------- where graphs run
+
+
+def test_cpu_engines_run_eagerly_by_default(model, tokenizer, prompts):
+    with ContinuousBatchingGenerator(model, sampling_config(tokenizer)) as gen:
+        gen.generate(prompts[:2], num_generations=2)
+        assert _graphs(gen) is None
+        assert gen._pool.engine.manager.continuous_batching_config.max_blocks_per_request == 0
+
+
+def test_graphs_are_off_with_history_processors_and_refused_when_asked(model, tokenizer, prompts, monkeypatch):
+    """Repetition penalty reads each row's history on the host every step: a replay would reuse a stale one."""
+    use_fake_graphs(monkeypatch)
+    cfg = sampling_config(tokenizer, repetition_penalty=1.3)
+    with ContinuousBatchingGenerator(model, cfg) as gen:
+        gen.generate(prompts[:2], num_generations=2)
+        assert _graphs(gen) is None
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        ContinuousBatchingGenerator(model, cfg, {"use_cuda_graph": True})
+
+
+def test_graphs_are_off_where_weights_move_every_round(model, tokenizer, prompts, monkeypatch):
+    use_fake_graphs(monkeypatch)
+    cfg = sampling_config(tokenizer)
+    with ContinuousBatchingGenerator(model, cfg, keep_generation_weights=False, cast_dtype=torch.bfloat16) as gen:
+        gen.generate(prompts[:2], num_generations=2)
+        assert _graphs(gen) is None
+    gen = ContinuousBatchingGenerator(
+        model, cfg, {"use_cuda_graph": True}, keep_generation_weights=False, cast_dtype=torch.bfloat16
+    )
+    with gen, pytest.raises(ValueError, match="same addresses every round"):
+        gen.generate(prompts[:2], num_generations=2)
+
+
+def test_explicit_off_switch(model, tokenizer, prompts, monkeypatch):
+    use_fake_graphs(monkeypatch)
+    with ContinuousBatchingGenerator(model, sampling_config(tokenizer), {"use_cuda_graph": False}) as gen:
+        gen.generate(prompts[:2], num_generations=2)
+        assert _graphs(gen) is None

@@ -1,0 +1,94 @@
+"""Block-table decode attention (`trl_cb.engine.paged_decode`) against a per-row reference that reads the pages in
+order, on random paged batches: rows of 1 key, a page, a page + 1 and several pages, GQA and MHA, soft-cap, sinks,
+a padding row. The new key must land at its row's position and nowhere else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trl_cb.engine import paged_decode
+from trl_cb.engine.paged_decode import BlockTableLayer
+
+PAGE = 4
+
+
+def _batch(num_kv: int, heads: int, dim: int = 8, seed: int = 0) -> tuple[BlockTableLayer, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, PAGE, PAGE + 1, 3 * PAGE - 1, 0]  # keys per row after this step's write; 0: a padding row
+    max_pages, num_pages = 3, 16
+    table = torch.full((len(lengths), max_pages), -1, dtype=torch.int32)
+    free = (torch.randperm(num_pages - 2, generator=g) + 2).tolist()  # pages 0-1: trash
+    for row, length in enumerate(lengths):
+        for page in range(-(-length // PAGE)):
+            table[row, page] = free.pop()
+    cu_k = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu_k[1:] = torch.tensor(lengths).cumsum(0)
+    shape = (num_pages, PAGE, num_kv, dim)
+    layer = BlockTableLayer(
+        new_keys=torch.randn(len(lengths), num_kv, dim, generator=g) * 3,
+        new_values=torch.randn(len(lengths), num_kv, dim, generator=g),
+        key_pages=torch.randn(shape, generator=g) * 3,
+        value_pages=torch.randn(shape, generator=g),
+        block_table=table,
+        cu_seq_lens_k=cu_k,
+        write_trash=PAGE,  # first row of page 1 (trash)
+    )
+    return layer, torch.randn(len(lengths), heads, dim, generator=g) * 3
+
+
+def _reference(query, layer, scaling, softcap, sinks, position_shift=0):
+    """Each row's keys read page by page in block-table order, its new key at `len - 1 + position_shift`."""
+    keys, values = layer.key_pages.clone(), layer.value_pages.clone()
+    out = torch.zeros(query.shape[0], query.shape[1], values.shape[-1])
+    n_rep = query.shape[1] // keys.shape[2]
+    for row, length in enumerate(layer.seq_lens.tolist()):
+        if length == 0:
+            continue
+        pos = length - 1 + position_shift
+        keys[layer.block_table[row, pos // PAGE], pos % PAGE] = layer.new_keys[row]
+        values[layer.block_table[row, pos // PAGE], pos % PAGE] = layer.new_values[row]
+        k = torch.cat([keys[p] for p in layer.block_table[row] if p >= 0])[:length]  # (L, Hkv, D)
+        v = torch.cat([values[p] for p in layer.block_table[row] if p >= 0])[:length]
+        k, v = k.repeat_interleave(n_rep, 1).transpose(0, 1), v.repeat_interleave(n_rep, 1).transpose(0, 1)
+        scores = (query[row][:, None, :] @ k.transpose(-1, -2))[:, 0] * scaling  # (H, L)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if sinks is not None:
+            scores = torch.cat([scores, sinks[:, None]], dim=-1)
+        probs = scores.softmax(-1)[:, :length]
+        out[row] = (probs[:, None, :] @ v)[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("variant", ["plain", "softcap", "sinks"])
+@pytest.mark.parametrize("num_kv", [4, 2], ids=["MHA", "GQA"])
+def test_gather_kernel_matches_the_page_by_page_reference(variant, num_kv):
+    layer, query = _batch(num_kv, heads=4)
+    softcap = 2.0 if variant == "softcap" else None
+    sinks = torch.randn(4) * 2 if variant == "sinks" else None
+    want = _reference(query, layer, 0.5, softcap, sinks)
+    pages_before = layer.key_pages.clone()
+    got = paged_decode.attend(query, layer, 0.5, softcap, sinks)
+    real = layer.seq_lens > 0
+    assert (got[real] - want[real]).abs().max().item() < 1e-5
+    assert torch.isfinite(got).all(), "a padding row's output must stay finite"
+    # The new keys were written at each row's position, the padding row's into the trash row (page 1, slot 0) only.
+    changed = {tuple(c) for c in (layer.key_pages != pages_before).any(-1).any(-1).nonzero().tolist()}
+    lengths = layer.seq_lens.tolist()
+    expected = {(int(layer.block_table[r, (n - 1) // PAGE]), (n - 1) % PAGE) for r, n in enumerate(lengths) if n}
+    assert changed == expected | {(1, 0)}
+    # Control: writing the new key one position late changes the result beyond the tolerance.
+    layer2, _ = _batch(num_kv, heads=4)
+    late = _reference(query, layer2, 0.5, softcap, sinks, position_shift=-1)
+    assert (late[real] - got[real]).abs().max().item() > 0.1
+
+
+def test_flash_is_refused_where_it_cannot_run():
+    cpu = torch.device("cpu")
+    assert not paged_decode.flash_available(cpu, torch.bfloat16, 256)
+    assert paged_decode.choose_kernel(cpu, torch.bfloat16, 256, 4, 2, 16) == "gather"
+    cuda = torch.device("cuda")
+    assert not paged_decode.flash_available(cuda, torch.float32, 256), "flash kernels take fp16/bf16 only"
+    assert not paged_decode.flash_available(cuda, torch.bfloat16, 32), "paged flash reads pages of 256k tokens"
+    assert paged_decode.choose_kernel(cuda, torch.bfloat16, 256, 4, 2, 16, softcap=30.0) == "gather"
