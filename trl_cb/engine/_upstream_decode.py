@@ -16,11 +16,13 @@ tests/unit/test_contracts.py, listed in docs/architecture.md ("Upstream surface"
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
 from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
@@ -68,44 +70,53 @@ def decode_fast_path_stats(manager: ContinuousBatchingManager) -> DecodeFastPath
 
 def install_decode_fast_path(manager: ContinuousBatchingManager) -> bool:
     """Wrap the scheduler's `schedule_batch`, the IOs' `prepare_batch_tensors` (after `install_read_index_rows`, which
-    the slow path keeps using) and the processor's `update_batch` (after the policy-logprob recorder, whose
-    `prepare_batch_update` it calls once per step). Returns whether it was installed (where: the module docstring)."""
+    the slow path keeps using; or, with block tables, after `decode_graphs.pad_decode_steps`) and the processor's
+    `update_batch` (after the policy-logprob recorder, whose `prepare_batch_update` it calls once per step). Returns
+    whether it was installed (where: the module docstring)."""
     processor = manager.batch_processor
     ios, cache, scheduler = processor.inputs_and_outputs, processor.cache, processor.scheduler
     allocators = list(cache.cache_allocators.values())
+    block_tables = ios.block_table.numel() > 0
     fits = (
         debug.decode_fast_path_enabled()
         and type(ios) is ContinuousBatchingIOs
         and type(scheduler) in (FIFOScheduler, PrefillFirstScheduler)
         and len(allocators) == 1
         and type(allocators[0]) is FullAttentionCacheAllocator
-        and ios.block_table.numel() == 0
         and ios.attention_mask is None
-        and ios.read_index_storage.device.type == "cpu"
         and cache.read_cache_limit is None
-        and not processor.model_runner.pad_inputs
+        and (block_tables or (ios.read_index_storage.device.type == "cpu" and not processor.model_runner.pad_inputs))
     )
     if not fits:
         return False
     stats = DecodeFastPathStats()
     setattr(processor, _STATS_ATTR, stats)
-    scheduler.schedule_batch = _fast_scheduler(scheduler, cache, allocators[0], scheduler.schedule_batch)
-    ios.prepare_batch_tensors = _fast_prepare(ios, allocators[0], stats, ios.prepare_batch_tensors)
+    scheduler.schedule_batch = _fast_scheduler(scheduler, cache, allocators[0], scheduler.schedule_batch, block_tables)
+    if block_tables:
+        ios.prepare_batch_tensors = _fast_prepare_table(ios, allocators[0], stats, ios.prepare_batch_tensors)
+    else:
+        ios.prepare_batch_tensors = _fast_prepare(ios, allocators[0], stats, ios.prepare_batch_tensors)
     processor.update_batch = _fast_update(ios, processor.update_batch)
     return True
 
 
-def _fast_scheduler(scheduler: Any, cache: Any, allocator: FullAttentionCacheAllocator, slow: Callable) -> Callable:
+def _fast_scheduler(
+    scheduler: Any, cache: Any, allocator: FullAttentionCacheAllocator, slow: Callable, block_tables: bool = False
+) -> Callable:
     name = next(key for key, value in cache.cache_allocators.items() if value is allocator)  # `complete_blocks` key
     last: list[list[FutureRequestState]] = [[]]
+    # A block-table step reads no key rows (`max_kv_read` 0); a request at the table's length takes upstream's path.
+    limit = cache.max_decode_fast_path_length if block_tables else None
 
     def schedule_batch(token_budget: int, cache_budget: int) -> tuple[list | None, bool, int, int]:
-        batch = _steady_batch(scheduler, cache, allocator, name, token_budget, cache_budget, last[0])
+        batch = _steady_batch(scheduler, cache, allocator, name, token_budget, cache_budget, last[0], limit)
         if batch is None:
             last[0] = []
             return slow(token_budget, cache_budget)
         last[0] = batch
         scheduler.starved_requests = []
+        if block_tables:
+            return batch, True, len(batch), 0
         return batch, False, len(batch), sum(f.state.position_offset for f in batch)
 
     return schedule_batch
@@ -119,6 +130,7 @@ def _steady_batch(
     token_budget: int,
     cache_budget: int,
     last: list[FutureRequestState],
+    limit: int | None = None,
 ) -> list[FutureRequestState] | None:
     """Every active request, one decode token each, or None where `_process_candidates` could decide otherwise.
 
@@ -136,11 +148,17 @@ def _steady_batch(
     batch, j = [], 0
     for i, state in enumerate(active.values()):
         past = state.position_offset
-        if state.status != decoding or state.num_children or len(state.tokens_to_process) != 1 or cache_budget < past:
+        if state.status != decoding or state.num_children or len(state.tokens_to_process) != 1:
             return None
-        cache_budget -= past
-        if cache_budget <= 0 and i < n - 1:  # upstream stops adding requests here
+        if limit is not None:  # block tables: nothing read by index, only the table's length bounds a row
+            if past >= limit:
+                return None
+        elif cache_budget < past:
             return None
+        else:
+            cache_budget -= past
+            if cache_budget <= 0 and i < n - 1:  # upstream stops adding requests here
+                return None
         if len(tables.get(state.request_id, ())) * page <= past and not cache.can_store_request_tokens(state, 1):
             return None  # allocation failed: the slow path starves or offloads
         completes = sharing and (past + 1) % page == 0  # `count_new_complete_blocks`
@@ -203,22 +221,10 @@ def _advance(
     # 1) map each row to its row in the previous batch (same order, finished requests dropped)
     states = [f.state for f in batch]
     previous_states, n = last.states, len(states)
-    kept = None  # (n,) rows of `last` kept, None when all are
-    if n != len(previous_states) or any(a is not b for a, b in zip(states, previous_states)):
-        keep, j = [], 0
-        for state in states:
-            while j < len(previous_states) and previous_states[j] is not state:
-                j += 1
-            if j == len(previous_states):
-                return None
-            keep.append(j)
-            j += 1
-        kept = np.array(keep, dtype=np.int64)
-    positions = np.fromiter((s.position_offset for s in states), np.int64, n)  # (n,)
-    input_ids = np.fromiter((s.tokens_to_process[0] for s in states), np.int32, n)  # the token sampled last step
-    expected = last.positions if kept is None else last.positions[kept]
-    if not np.array_equal(positions, expected + 1):
+    mapped = _map_rows(states, last.states, last.positions)
+    if mapped is None:
         return None
+    kept, positions, input_ids = mapped
     # 2) write rows: the next slot inside a page, the block table's slot at a page start
     page, stride = allocator.tokens_per_page, allocator.block_physical_stride
     writes = (last.writes if kept is None else last.writes[kept]) + 1  # (n,)
@@ -269,6 +275,171 @@ def _advance(
     ios.requests_in_batch = batch
     ios.req_id_to_new_token_position = {s.request_id: i for i, s in enumerate(states)}
     return _Previous(batch, states, positions, writes, key_lengths, total)
+
+
+def _map_rows(
+    states: list[RequestState], previous_states: list[RequestState], previous_positions: np.ndarray
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray] | None:
+    """`(kept, positions, input_ids)` when `states` are `previous_states` minus some, in the same order, each one
+    position further: `kept` (n,) the previous rows kept (None when all are), positions (n,) int64, the token each
+    row samples from (n,) int32. None otherwise (the step is not a steady continuation)."""
+    n = len(states)
+    kept = None
+    if n != len(previous_states) or any(a is not b for a, b in zip(states, previous_states)):
+        keep, j = [], 0
+        for state in states:
+            while j < len(previous_states) and previous_states[j] is not state:
+                j += 1
+            if j == len(previous_states):
+                return None
+            keep.append(j)
+            j += 1
+        kept = np.array(keep, dtype=np.int64)
+    positions = np.fromiter((s.position_offset for s in states), np.int64, n)  # (n,)
+    input_ids = np.fromiter((s.tokens_to_process[0] for s in states), np.int32, n)  # the token sampled last step
+    expected = previous_positions if kept is None else previous_positions[kept]
+    if not np.array_equal(positions, expected + 1):
+        return None
+    return kept, positions, input_ids
+
+
+@dataclass
+class _PreviousTable:
+    """The last block-table batch (see `_Previous`): its rows' states and positions, and its padded row count."""
+
+    marker: list
+    states: list[RequestState]
+    positions: np.ndarray  # (n,) int64
+    rows: int  # padded rows of that step
+
+
+class _HostInputs:
+    """Host copies of a block-table step's inputs (the IOs' small-input rows and block table), written with numpy and
+    sent in two copies per step on the engine's compute stream, ahead of the forward that reads them. On the CPU they
+    are the IOs' own tensors (nothing sent). Each input's row is found from the address of the IOs' view of it."""
+
+    def __init__(self, ios: ContinuousBatchingIOs) -> None:
+        bulk, table = ios._bulk_input_tensor[: ios.static_inputs], ios.block_table
+        self.same = bulk.device.type == "cpu"
+        pin = not self.same and torch.cuda.is_available()
+        self.bulk = bulk if self.same else torch.zeros(bulk.shape, dtype=bulk.dtype, pin_memory=pin)
+        self.table = table if self.same else torch.full(table.shape, -1, dtype=table.dtype, pin_memory=pin)
+        self.bulk_np, self.table_np = self.bulk.numpy(), self.table.numpy()
+        row_bytes = bulk.stride(0) * bulk.element_size()
+
+        def row(tensor: torch.Tensor) -> int:  # which row of the small-input tensor `tensor` views
+            return (tensor.data_ptr() - bulk.data_ptr()) // row_bytes
+
+        self.input_ids, self.positions = row(ios.input_ids), row(ios.position_ids)
+        self.cu_q, self.logits_indices = row(ios.cumulative_seqlens_q), row(ios.logits_indices)
+        self.cu_k = [row(t) for t in ios.cumulative_seqlens_k.values()]
+
+    def send(self, ios: ContinuousBatchingIOs, rows: int) -> None:
+        if self.same:
+            return
+        stream = ios.compute_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            ios._bulk_input_tensor[: ios.static_inputs, : rows + 1].copy_(self.bulk[:, : rows + 1], non_blocking=True)
+            ios.block_table[:, :rows].copy_(self.table[:, :rows], non_blocking=True)
+
+    def fill_table_rows(self, allocator: FullAttentionCacheAllocator, states: list[RequestState], rows: range) -> None:
+        """Each row of `rows` from its request's block ids (kernel entries: block id x pages per block stride)."""
+        stride = allocator.block_physical_stride // allocator.tokens_per_page
+        table = self.table_np[allocator.index]
+        for i in rows:
+            blocks = allocator.block_table[states[i].request_id]
+            table[i, : len(blocks)] = np.asarray(blocks, dtype=np.int64) * stride
+            table[i, len(blocks) :] = -1
+
+
+def _fast_prepare_table(
+    ios: ContinuousBatchingIOs, allocator: FullAttentionCacheAllocator, stats: DecodeFastPathStats, slow: Callable
+) -> Callable:
+    """`prepare_batch_tensors` for block-table steps (padded to `num_q_tokens` rows): a steady step is advanced from
+    the last one in numpy (`_advance_table`); any other step is upstream's, and a block-table one is then recorded
+    (its rows copied to the host table from the allocator) so that the next can advance from it."""
+    previous: list[_PreviousTable | None] = [None]
+    host = _HostInputs(ios)
+
+    def prepare_batch_tensors(requests_in_batch: list, logits_processors: Any, use_decode_fast_path: bool,
+                              num_q_tokens: int, max_kv_read: int, use_padding: bool) -> None:  # fmt: skip
+        last = previous[0]
+        steady = use_decode_fast_path and all(f.query_length == 1 and f.has_new_token for f in requests_in_batch)
+        if steady and last is not None and ios.requests_in_batch is last.marker:
+            advanced = _advance_table(ios, allocator, host, last, requests_in_batch, logits_processors, num_q_tokens)
+            if advanced is not None:
+                stats.fast += 1
+                previous[0] = advanced
+                return
+        stats.slow += 1
+        previous[0] = None
+        slow(requests_in_batch, logits_processors, use_decode_fast_path, num_q_tokens, max_kv_read, use_padding)
+        if steady and ios.use_block_table:
+            states = [f.state for f in requests_in_batch]
+            host.fill_table_rows(allocator, states, range(len(states)))
+            host.table_np[allocator.index, len(states) : num_q_tokens] = -1
+            positions = np.fromiter((s.position_offset - 1 for s in states), np.int64, len(states))
+            previous[0] = _PreviousTable(ios.requests_in_batch, states, positions, num_q_tokens)
+
+    return prepare_batch_tensors
+
+
+def _advance_table(
+    ios: ContinuousBatchingIOs,
+    allocator: FullAttentionCacheAllocator,
+    host: _HostInputs,
+    last: _PreviousTable,
+    batch: list[FutureRequestState],
+    logits_processors: Any,
+    rows: int,
+) -> _PreviousTable | None:
+    """Prepare the block-table step `batch`, padded to `rows`, from `last`; None (nothing changed) unless it is a
+    steady continuation of `last` (`_map_rows`). Padding rows: no keys (flat `cu_seq_lens_k`), table rows -1."""
+    states = [f.state for f in batch]
+    n = len(states)
+    mapped = _map_rows(states, last.states, last.positions)
+    if mapped is None:
+        return None
+    kept, positions, input_ids = mapped
+    # 1) block table rows: the kept rows moved up; a row at a page start re-read (it has a new page, and completing the
+    #    previous one may have swapped it for a shared one); padding rows -1
+    table = host.table_np[allocator.index]
+    if kept is not None:
+        table[:n] = table[kept]
+    table[n : max(rows, last.rows)] = -1
+    page = allocator.tokens_per_page
+    host.fill_table_rows(allocator, states, np.flatnonzero(positions % page == 0).tolist())
+    # 2) the request states, as upstream's loop leaves them
+    for state in states:
+        state.position_offset += 1
+        state.tokens_to_process = [TMP_TOKEN_ID]
+    # 3) the small inputs (rows: input ids, positions, cu_seq_lens_q, logits indices, cu_seq_lens_k per layer type)
+    bulk = host.bulk_np
+    steps = np.arange(rows + 1, dtype=np.int32)
+    bulk[host.input_ids, :rows] = 0
+    bulk[host.input_ids, :n] = input_ids
+    bulk[host.positions, :rows] = 0
+    bulk[host.positions, :n] = positions
+    bulk[host.cu_q, : rows + 1] = np.minimum(steps, n)  # padding rows hold no query
+    bulk[host.logits_indices, :rows] = np.where(steps[:rows] < n, steps[:rows], 0)
+    cu_k = np.zeros(rows + 1, dtype=np.int64)
+    np.cumsum(positions + 1, out=cu_k[1 : n + 1])
+    cu_k[n + 1 :] = cu_k[n]
+    for cu_k_row in host.cu_k:
+        bulk[cu_k_row, : rows + 1] = cu_k
+    host.send(ios, rows)
+    # 4) the counters the forward, the graph key and `update_batch` read
+    ios.num_q_tokens, ios.max_kv_read, ios.num_request_in_batch = rows, 0, n
+    ios.use_block_table = True
+    ios.true_write_sizes, ios.true_read_sizes = [0], [0]
+    ios.max_length_q, ios.total_seqlen_q = 1, n
+    for layer_type in ios.cumulative_seqlens_k:
+        ios.max_length_k[layer_type] = int(positions.max()) + 1
+        ios.total_seqlen_k[layer_type] = int(cu_k[n])
+    logits_processors.prepare_tensor_args(batch, arg_storage=ios._bulk_input_tensor[ios.static_inputs :])
+    ios.requests_in_batch = batch
+    ios.req_id_to_new_token_position = {s.request_id: i for i, s in enumerate(states)}
+    return _PreviousTable(batch, states, positions, rows)
 
 
 def _fast_update(ios: ContinuousBatchingIOs, slow: Callable) -> Callable:

@@ -218,6 +218,9 @@ def install_decode_graphs(
     eager = runner.compute_batch
 
     def compute_batch(module: torch.nn.Module, batch_data: dict) -> None:
+        stream = ios.compute_stream
+        if stream is not None:  # the batch was prepared on this thread's current stream: the step runs after it
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
         if not ios.use_block_table:
             graphs.stats.eager_steps += 1
             return eager(module, batch_data)
@@ -228,7 +231,7 @@ def install_decode_graphs(
         def run() -> None:
             runner._forward_process_and_sample(module, batch_data, *outputs)
 
-        graphs.step(ios.num_q_tokens, run, ios.compute_stream, module)
+        graphs.step(ios.num_q_tokens, run, stream, module)
 
     runner.compute_batch = compute_batch
     setattr(manager, _GRAPHS_ATTR, graphs)

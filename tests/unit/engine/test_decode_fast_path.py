@@ -16,6 +16,7 @@ import torch
 from transformers.generation.continuous_batching.cache_allocators.cache_allocator import CacheAllocator
 
 from tests.conftest import sampling_config
+from tests.graph_fakes import use_fake_graphs
 from trl_cb import ContinuousBatchingGenerator
 from trl_cb.engine import _upstream_decode, debug
 from trl_cb.offline.tiny import tiny_model
@@ -31,22 +32,28 @@ def _case(request, tokenizer, case: str):
     return tiny_model(tokenizer), {"top_k": 1}
 
 
-def _run(model, tokenizer, prompts, monkeypatch, enabled: bool, **sampling: object):
-    """Completions, logprobs and the fast path's counters (None when off) of one seeded round."""
+def _run(model, tokenizer, prompts, monkeypatch, enabled: bool, block_tables: bool = False, **sampling: object):
+    """Completions, logprobs and the fast path's counters (None when off) of one seeded round. `block_tables`: the
+    GPU layout (decode steps through block tables, padded, replayed as graphs by tests/graph_fakes.py)."""
     monkeypatch.setenv(debug.DECODE_FAST_PATH_ENV, "1" if enabled else "0")
+    if block_tables:
+        use_fake_graphs(monkeypatch)
     cfg = sampling_config(tokenizer, max_new_tokens=NEW_TOKENS, **sampling)
-    with ContinuousBatchingGenerator(model, cfg, {"max_batch_tokens": 48, "page_size": 8}) as gen:
+    engine = {"max_batch_tokens": 48, "page_size": 8, "use_cuda_graph": block_tables}
+    with ContinuousBatchingGenerator(model, cfg, engine) as gen:
         torch.manual_seed(0)
         out = gen.generate([p[: 12 + 5 * i] for i, p in enumerate(prompts[:6])], num_generations=4)
         stats = _upstream_decode.decode_fast_path_stats(gen._pool.engine.manager)  # noqa: SLF001
     return out.completion_ids, out.logprobs, stats
 
 
+@pytest.mark.parametrize("layout", ["read_rows", "block_tables"])
 @pytest.mark.parametrize("case", ["eos", "shared_pages"])
-def test_fast_path_gives_the_slow_paths_tokens_and_logprobs(request, tokenizer, prompts, monkeypatch, case):
+def test_fast_path_gives_the_slow_paths_tokens_and_logprobs(request, tokenizer, prompts, monkeypatch, case, layout):
     model, sampling = _case(request, tokenizer, case)
-    ids, logprobs, stats = _run(model, tokenizer, prompts, monkeypatch, enabled=True, **sampling)
-    slow_ids, slow_logprobs, slow_stats = _run(model, tokenizer, prompts, monkeypatch, enabled=False, **sampling)
+    tables = layout == "block_tables"
+    ids, logprobs, stats = _run(model, tokenizer, prompts, monkeypatch, True, tables, **sampling)
+    slow_ids, slow_logprobs, slow_stats = _run(model, tokenizer, prompts, monkeypatch, False, tables, **sampling)
     lengths = sorted(len(c) for c in ids)
     assert slow_stats is None, "TRL_CB_DECODE_FAST_PATH=0 must keep upstream's path"
     if case == "eos":
@@ -122,3 +129,52 @@ def test_every_fast_step_holds_the_allocators_rows_and_positions(request, tokeni
         assert len(set(checked)) > 5, checked  # batches shrinking as requests finish
     else:
         assert sum(swapped) > 20, "completed pages were not de-duplicated: the case is not exercised"
+
+
+@pytest.mark.parametrize("case", ["eos", "shared_pages"])
+def test_every_block_table_step_holds_the_allocators_pages(request, tokenizer, prompts, monkeypatch, case):
+    """The block-table layout (GPU): each fast step's table rows are the requests' block ids (as kernel page entries),
+    padding rows -1 and key-less; positions, key counts and input tokens as transformers would set them."""
+    model, sampling = _case(request, tokenizer, case)
+    advance, checked = _upstream_decode._advance_table, []
+
+    def compare(ios, allocator, host, last, batch, processors, rows):
+        result = advance(ios, allocator, host, last, batch, processors, rows)
+        if result is None:
+            return None
+        states, n = result.states, len(result.states)
+        past = [s.position_offset - 1 for s in states]
+        stride = allocator.block_physical_stride // allocator.tokens_per_page
+        for i, state in enumerate(states):
+            blocks = allocator.block_table[state.request_id]
+            row = ios.block_table[0, i].tolist()
+            assert row[: len(blocks)] == [b * stride for b in blocks] and set(row[len(blocks) :]) <= {-1}
+        assert (ios.block_table[0, n:rows] == -1).all()
+        assert ios.position_ids[:n].tolist() == past
+        cu_k = ios.cumulative_seqlens_k["full_attention"][: rows + 1].tolist()
+        assert [b - a for a, b in zip(cu_k, cu_k[1:])] == [p + 1 for p in past] + [0] * (rows - n)
+        assert ios.input_ids[:n].tolist() == [s.generated_tokens[-1] for s in states]
+        assert rows == min(1 << (n - 1).bit_length(), 6 * 4), "padded to a power of two rows, at most the requests"
+        checked.append(n)
+        return result
+
+    monkeypatch.setattr(_upstream_decode, "_advance_table", compare)
+    _run(model, tokenizer, prompts, monkeypatch, True, True, **sampling)
+    assert len(checked) > 30, checked
+
+
+def test_control_a_wrong_table_row_changes_the_samples(sharp_model, tokenizer, prompts, monkeypatch):
+    """Control for the block-table layout: one page entry off in every fast step is caught by the comparison."""
+    advance = _upstream_decode._advance_table
+
+    def wrong(ios, allocator, host, *args):
+        result = advance(ios, allocator, host, *args)
+        if result is not None:
+            ios.block_table[0, 0, 0] += 1
+        return result
+
+    ids, logprobs, _ = _run(sharp_model, tokenizer, prompts, monkeypatch, False, True)
+    monkeypatch.setattr(_upstream_decode, "_advance_table", wrong)
+    bad_ids, bad_logprobs, stats = _run(sharp_model, tokenizer, prompts, monkeypatch, True, True)
+    assert stats.fast > 0
+    assert (ids, logprobs) != (bad_ids, bad_logprobs)
