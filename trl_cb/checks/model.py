@@ -297,7 +297,9 @@ def _record_attention_calls(model: PreTrainedModel, num_tokens: int) -> list[_At
         try:
             model.set_attn_implementation(_PROBE_NAME)
             model.eval()
-            with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            # The probe calls SDPA like the engine: never with cuDNN attention on CUDA (`engine_sdpa_backends`).
+            rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+            with torch.no_grad(), rng, attention.engine_sdpa_backends(device):
                 model(input_ids=input_ids, use_cache=False)
             return list(_probe_state.calls)
         finally:

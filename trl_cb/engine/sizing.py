@@ -3,9 +3,9 @@
 Why: without `num_blocks`/`max_batch_tokens`, transformers sizes the KV cache from free device memory (on CPU, ~60 %
 of *system* RAM) and, with sdpa, allocates a dense attention mask proportional to it: several GiB, seconds per call,
 and a process that stays slow afterwards (docs/index.md, "Sizing"). A training step knows its workload exactly, so
-we ask for that: every request's longest possible sequence, rounded up to pages, plus one page of slack per request
-for the partial page a fork copies. `max_memory_percent` remains the hard cap that transformers enforces when it
-checks the footprint.
+we ask for that: every request's longest possible sequence, rounded up to pages (a forked sample owns a copy of its
+prompt's partial page and shares the full ones, so it never holds more). `max_memory_percent` remains the hard cap
+that transformers enforces when it checks the footprint.
 
 Invariant: the cache returned holds every request of the workload at its maximum length at the same time, so no
 request is ever preempted or starved for lack of blocks.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import debug
+from . import debug, paged_decode
 
 #: Upper bound on tokens per forward; larger batches buy nothing on CPU and little on GPU.
 MAX_BATCH_TOKENS_CAP = 8192
@@ -67,16 +67,26 @@ class CacheSize:
         return self.page_size == other.page_size and self.num_blocks >= other.num_blocks
 
 
-def default_page_size(device: torch.device) -> int | None:
-    """The page size we pick when the user sets none: small on CPU, transformers' default elsewhere (`None`)."""
-    return CPU_PAGE_SIZE if device.type == "cpu" else None
+#: Page size on an accelerator when the user sets none and decode steps do not read pages with the flash kernel:
+#: a request wastes at most one partial page, so small pages keep the cache near the tokens it holds.
+GPU_PAGE_SIZE = 64
+
+
+def default_page_size(device: torch.device, dtype: torch.dtype | None = None) -> int:
+    """The page size we pick when the user sets none: small on CPU; on CUDA the flash block-table kernel's (256,
+    `paged_decode.FLASH_PAGE_MULTIPLE`) where it can serve the decode steps (half precision), else `GPU_PAGE_SIZE`."""
+    if device.type == "cpu":
+        return CPU_PAGE_SIZE
+    if dtype is not None and paged_decode.flash_available(device, dtype, paged_decode.FLASH_PAGE_MULTIPLE):
+        return paged_decode.FLASH_PAGE_MULTIPLE
+    return GPU_PAGE_SIZE
 
 
 def size_cache(workload: Workload, page_size: int, device: torch.device | None = None) -> CacheSize:
     """Blocks and batch tokens for `workload` with `page_size`-token pages (see module docstring)."""
     if page_size <= 0:
         raise ValueError(f"page_size must be > 0, got {page_size}.")
-    blocks_per_request = math.ceil((workload.max_prompt_len + workload.max_new_tokens) / page_size) + 1
+    blocks_per_request = math.ceil((workload.max_prompt_len + workload.max_new_tokens) / page_size)
     num_blocks = workload.num_requests * blocks_per_request
     # One forward should hold one decode token per running request and, ideally, the whole prefill (larger prefill is
     # chunked by the engine). A power of two keeps the shape stable while prompt lengths jitter between steps.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from trl_cb.engine.sizing import (
@@ -19,7 +20,7 @@ CPU, GPU = torch.device("cpu"), torch.device("cuda")
 def test_every_request_fits_at_full_length():
     w = Workload(num_requests=32, max_prompt_len=100, max_new_tokens=48, prefill_tokens=800)
     size = size_cache(w, page_size=32, device=GPU)
-    assert size.num_blocks == 32 * (5 + 1)  # ceil(148 / 32) = 5 pages, + 1 for a fork's partial-page copy
+    assert size.num_blocks == 32 * 5  # ceil(148 / 32) = 5 pages (a fork copies a partial page, shares the rest)
     assert size.max_batch_tokens == 1024  # next power of two >= max(32 requests, 800 prefill tokens)
 
 
@@ -46,3 +47,35 @@ def test_union_only_grows():
     a = Workload(8, 100, 48, 400)
     b = Workload(16, 50, 64, 300)
     assert a.union(b) == Workload(16, 100, 64, 400)
+
+
+@pytest.mark.parametrize(("page", "prompt_len", "new", "samples"), [(8, 7, 9, 4), (8, 16, 8, 3), (16, 17, 23, 4)])
+@pytest.mark.parametrize("graphs", [False, True], ids=["cpu-layout", "block-tables"])
+def test_the_sized_cache_never_offloads_a_request(tokenizer, monkeypatch, page, prompt_len, new, samples, graphs):
+    """Every request runs to its limit (EOS never sampled), forked from prompts whose length ends mid-page, on a page
+    or just past one: the workload-sized cache holds them all at once; transformers would offload a request to the
+    CPU (`OffloadingManager.offload_requests`) if it did not."""
+    from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
+
+    from tests.conftest import sampling_config
+    from tests.graph_fakes import use_fake_graphs
+    from trl_cb import ContinuousBatchingGenerator
+    from trl_cb.offline.tiny import tiny_model
+
+    if graphs:
+        use_fake_graphs(monkeypatch)
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("a request was offloaded: the cache was sized too small")
+
+    monkeypatch.setattr(OffloadingManager, "offload_requests", refuse)
+    model = tiny_model(tokenizer)
+    with torch.no_grad():  # EOS never sampled: its logit 0 against logits spread ~40x wider
+        model.lm_head.weight.mul_(40.0)
+        model.lm_head.weight[tokenizer.eos_token_id] = 0.0
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, len(tokenizer), (prompt_len,), generator=g).tolist() for _ in range(3)]
+    cfg = sampling_config(tokenizer, max_new_tokens=new)
+    with ContinuousBatchingGenerator(model, cfg, {"page_size": page}) as gen:
+        result = gen.generate(prompts, num_generations=samples)
+    assert [len(c) for c in result.completion_ids] == [new] * (3 * samples)

@@ -1,0 +1,98 @@
+"""Decode graphs on a real GPU (`pytest -m gpu`): CUDA graphs replay what they captured, so what the CPU tests check
+through a fake backend (tests/unit/engine/test_decode_graphs.py) is checked here against the real thing: exact
+sampling in fp32 and to the bf16 floor, graphs kept across optimizer steps, a moved weight re-captured, and the
+stale replay caught by the control."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import sampling_config
+from tests.unit.engine.test_attention import _config, _far_from_uniform
+from tests.unit.engine.test_decode_graphs import G, _graphs
+from trl_cb import ContinuousBatchingGenerator
+from trl_cb.engine import decode_graphs, paged_decode
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+#: bf16 sampling vs a bf16 teacher-forced forward of the same weights: the bound of the existing bf16 GPU test
+#: (tests/unit/engine/test_attention.py) on the same model.
+BF16_TOLERANCE = 0.1
+
+
+def _model(tokenizer, dtype: torch.dtype) -> torch.nn.Module:
+    """The GPU exactness test's model (tests/unit/engine/test_attention.py): 4 layers, weights far from uniform."""
+    return _far_from_uniform(_config("qwen2", tokenizer)).to("cuda", dtype)
+
+
+def _worst(model: torch.nn.Module, prompts: list[list[int]], result) -> float:
+    """Largest gap to a teacher-forced forward (T = 1, no truncation) of the same weights on the same device."""
+    worst = 0.0
+    for i, (completion, logprobs) in enumerate(zip(result.completion_ids, result.logprobs, strict=True)):
+        prompt = prompts[i // result.num_generations]
+        ids = torch.tensor([prompt + completion], device=model.device)
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # (T, V)
+        ref = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None])[:, 0].cpu()
+        worst = max(worst, (ref - torch.tensor(logprobs)).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_graphs_sample_exactly_and_survive_optimizer_steps(tokenizer, prompts, dtype):
+    model = _model(tokenizer, dtype)
+    tolerance = 1e-4 if dtype == torch.float32 else BF16_TOLERANCE
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    with ContinuousBatchingGenerator(model, sampling_config(tokenizer)) as gen:
+        result = gen.generate(prompts, num_generations=G)
+        graphs = _graphs(gen)
+        assert graphs is not None, "CUDA engines run their decode steps as graphs by default"
+        assert graphs.stats.replays > 0
+        kernel = getattr(gen._pool.engine.manager.batch_processor.cache, "_trl_cb_decode_kernel", None)
+        print(f"decode kernel: {kernel}, flash available: {paged_decode.flash_available(model.device, dtype, 256)}")
+        assert _worst(model, prompts, result) < tolerance
+        captured = graphs.stats.captures
+        for _ in range(10):
+            ids = torch.tensor([prompts[0]], device="cuda")
+            model.train()
+            model(ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            model.eval()
+            result = gen.generate(prompts, num_generations=G)
+            assert _worst(model, prompts, result) < tolerance
+        assert graphs.stats.invalidations == 0
+        assert graphs.stats.captures <= captured + 2
+
+
+@pytest.mark.parametrize("recheck", [True, False], ids=["recaptured", "control-stale-replay"])
+def test_cuda_moved_weight_is_recaptured(tokenizer, prompts, monkeypatch, recheck):
+    if not recheck:
+        monkeypatch.setattr(decode_graphs.DecodeGraphs, "check", lambda self, module: False)
+    model = _model(tokenizer, torch.float32)
+    with ContinuousBatchingGenerator(model, sampling_config(tokenizer)) as gen:
+        gen.generate(prompts, num_generations=G)
+        weight = model.model.layers[0].mlp.down_proj.weight
+        old = weight.data  # kept alive: a stale replay reads these (old) values, deterministically
+        weight.data = old.clone() * 1.5
+        result = gen.generate(prompts, num_generations=G)
+        stats = _graphs(gen).stats
+    del old
+    worst = _worst(model, prompts, result)
+    if recheck:
+        assert stats.invalidations == 1 and worst < 1e-4
+    else:
+        assert worst > 0.1
+
+
+def test_flash_block_table_kernel_agrees_with_gather_where_available():
+    device = torch.device("cuda")
+    if not paged_decode.flash_available(device, torch.bfloat16, 256):
+        pytest.skip("this torch's varlen_attn reads no block tables")
+    gap = paged_decode._kernel_gap(device, torch.bfloat16, 256, 8, 2, 64)
+    assert gap < 2e-2
+    assert paged_decode.choose_kernel(device, torch.bfloat16, 256, 8, 2, 64) == "flash"
