@@ -28,7 +28,7 @@ from transformers.generation.continuous_batching import ContinuousBatchingManage
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from ..errors import EngineDiedError, GenerationError
-from . import _upstream_cache, _upstream_decode, _upstream_fork, _upstream_forward, openmp, paged_decode
+from . import _upstream_cache, _upstream_decode, _upstream_fork, _upstream_forward, cuda_kernels, openmp
 from . import _upstream_sampling as _sampling
 from . import decode_graphs as _graphs
 from . import varlen_attention as attention
@@ -114,6 +114,7 @@ def create_manager(
             _sampling.install_sampler(manager)  # before the recorder, which wraps whichever sampler runs
             if recorder is not None:
                 _sampling.install_policy_logprob_recorder(manager, recorder)
+            choose_cuda_kernel(manager, model)
             if block_tables:  # innermost `compute_batch` wrapper: the others run outside the graph
                 _install_graphed_decode(manager, model, backend, recorder)
             install_step_threads(manager, model)
@@ -130,16 +131,15 @@ def create_manager(
     return manager
 
 
-def _install_graphed_decode(
-    manager: ContinuousBatchingManager, model: PreTrainedModel, backend: Any, recorder: Any
-) -> None:
-    """Block-table decode steps padded, attended by the kernel `paged_decode.choose_kernel` picks for this model, and
-    run as graphs; the policy-logprob recorder told how many rows each replay recorded."""
+def choose_cuda_kernel(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
+    """On CUDA: the fused attention kernel this engine uses (`cuda_kernels.choose`, checked once), kept on its cache
+    where the attention paths read it (`_upstream_cache.DECODE_KERNEL_ATTR`). Call after warmup."""
     from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
 
-    cache = manager.batch_processor.cache
+    if model.device.type != "cuda":
+        return
     text = model.config.get_text_config()
-    kernel = paged_decode.choose_kernel(
+    kernel = cuda_kernels.choose(
         model.device,
         model.dtype,
         manager.continuous_batching_config.page_size,
@@ -149,7 +149,14 @@ def _install_graphed_decode(
         softcap=getattr(text, "attn_logit_softcapping", None),
         sinks=any(getattr(m, "sinks", None) is not None for m in model.modules()),
     )
-    setattr(cache, _upstream_cache.DECODE_KERNEL_ATTR, kernel)
+    setattr(manager.batch_processor.cache, _upstream_cache.DECODE_KERNEL_ATTR, kernel)
+
+
+def _install_graphed_decode(
+    manager: ContinuousBatchingManager, model: PreTrainedModel, backend: Any, recorder: Any
+) -> None:
+    """Block-table decode steps padded and run as graphs; the policy-logprob recorder told how many rows each replay
+    recorded."""
     _graphs.pad_decode_steps(manager)
     graphs = _graphs.install_decode_graphs(manager, model, backend)
     if recorder is not None:

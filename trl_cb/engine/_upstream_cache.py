@@ -51,8 +51,8 @@ ATTENTION_UPDATES_CACHE: bool = "cache" in inspect.signature(sdpa_attention_forw
 #: Attribute (ours) of the key view the 5.24 `update` wrapper returns: its read index, for `engine_layer`. On the
 #: tensor rather than in the kwargs because a KV-shared layer (Gemma-3n) receives that same view from its source layer.
 _READ_INDEX_ATTR = "_trl_cb_read_index"
-#: Attention kwargs (ours) of a block-table step: the layer's write-trash row, where padding rows write their key, and
-#: the decode kernel chosen for the engine (`paged_decode.choose_kernel`, kept on the cache as `DECODE_KERNEL_ATTR`).
+#: Attention kwargs (ours): a block-table step's write-trash row, where padding rows write their key; on every engine
+#: step, the kernel chosen for the engine (`cuda_kernels.choose`, kept on the cache as `DECODE_KERNEL_ATTR`).
 _WRITE_TRASH_KWARG = "_trl_cb_write_trash"
 _KERNEL_KWARG = "_trl_cb_decode_kernel"
 DECODE_KERNEL_ATTR = "_trl_cb_decode_kernel"
@@ -66,6 +66,7 @@ class PagedLayer:
     key_storage: torch.Tensor  # (slots, Hkv, D)
     value_storage: torch.Tensor  # (slots, Hkv, Dv)
     read_index: torch.Tensor | None  # (Tk,) int64
+    kernel: str = "gather"  # the engine's kernel choice (`cuda_kernels.choose`, kept on the cache)
 
 
 def paged_layer(
@@ -109,9 +110,11 @@ def engine_layer(
     (Gemma-3n) runs no update: it gets the keys its source layer of the same type got, and its type's key lengths here.
     """
     if isinstance(cache, PagedAttentionCache):
+        kwargs[_KERNEL_KWARG] = getattr(cache, DECODE_KERNEL_ATTR, "gather")
         direct = debug.direct_reads_enabled()
         layer = paged_layer(cache, module.layer_idx, key_states, value_states, kwargs) if direct else None
         if layer is not None:
+            layer.kernel = kwargs[_KERNEL_KWARG]
             return layer
         key_states, value_states = cache.update(
             key_states=key_states, value_states=value_states, layer_idx=module.layer_idx, kwargs=kwargs
@@ -125,7 +128,8 @@ def engine_layer(
             raise ValueError(f"Layer {module.layer_idx} reads shared keys of an unknown attention type: {layer_type}")
         kwargs["cu_seq_lens_k"], kwargs["max_length_k"] = per_type[layer_type], kwargs["max_length_k"][layer_type]
     read_index = getattr(key_states, _READ_INDEX_ATTR, None)
-    return PagedLayer(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), read_index)
+    kernel = kwargs.get(_KERNEL_KWARG, "gather")
+    return PagedLayer(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), read_index, kernel)
 
 
 def install_model_side_updates(
@@ -146,6 +150,8 @@ def install_model_side_updates(
     def update_with_direct_reads(
         key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if kwargs is not None:
+            kwargs[_KERNEL_KWARG] = getattr(cache, DECODE_KERNEL_ATTR, "gather")
         if kwargs is not None and model.config._attn_implementation == attention_name and debug.direct_reads_enabled():
             layer = paged_layer(cache, layer_idx, key_states, value_states, kwargs)
             if layer is not None:

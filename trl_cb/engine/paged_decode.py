@@ -8,24 +8,20 @@ past its pages) are read on the device. The new key is written at its position t
 rows, `seq_lens == 0`, write to the write-trash row), then attended by one of two kernels: `flash`, torch's varlen
 flash kernel reading the pages itself (CUDA, fp16/bf16, no softcap or sinks, pages of a multiple of 256); `gather`
 (any device or dtype, softcap, sinks): each row's pages gathered into one padded batch, one masked SDPA call. `gather`
-is the reference `flash` is checked against once per engine (`choose_kernel`), and what CPU tests run.
+is the reference `flash` is checked against once per engine (`cuda_kernels.choose`), and what CPU tests run.
 Invariant: every row with `seq_lens > 0` gets exact causal attention of its query over keys `[0, seq_lens)`; padding
 rows get a finite, unused output. Sliding-window layers never come here (no block table for their allocator).
 """
 
 from __future__ import annotations
 
-import inspect
-import logging
 from dataclasses import dataclass
 
 import torch
 
 from .masked_attention import masked_attention
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["BlockTableLayer", "FLASH_PAGE_MULTIPLE", "attend", "choose_kernel", "flash_available", "write_new_keys"]
+__all__ = ["BlockTableLayer", "FLASH_PAGE_MULTIPLE", "attend", "write_new_keys"]
 
 #: torch's in-tree flash kernel (FlashAttention-2) reads paged KV only in pages of a multiple of 256 tokens.
 FLASH_PAGE_MULTIPLE = 256
@@ -42,7 +38,7 @@ class BlockTableLayer:
     block_table: torch.Tensor  # (R, max_pages) int32: page ids of each row, -1 past its pages
     cu_seq_lens_k: torch.Tensor  # (R + 1,) int32: cumulative key counts (the new key included), flat for padding
     write_trash: int  # a token row of the layer's cache that nothing reads
-    kernel: str = "gather"  # `choose_kernel`'s answer for this engine
+    kernel: str = "gather"  # `cuda_kernels.choose`'s answer for this engine
 
     @property
     def seq_lens(self) -> torch.Tensor:  # (R,) int32
@@ -125,73 +121,3 @@ def _flash(query: torch.Tensor, layer: BlockTableLayer, scaling: float | None) -
         block_table=layer.block_table.to(torch.int32),
     )
     return out
-
-
-def flash_available(device: torch.device, dtype: torch.dtype, page_size: int) -> bool:
-    """Whether `flash` can serve decode steps here: CUDA, half precision, pages of a multiple of
-    `FLASH_PAGE_MULTIPLE` tokens, and a torch whose `varlen_attn` reads block tables."""
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or page_size % FLASH_PAGE_MULTIPLE:
-        return False
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return False
-    return "block_table" in inspect.signature(varlen_attn).parameters
-
-
-def choose_kernel(
-    device: torch.device,
-    dtype: torch.dtype,
-    page_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    softcap: float | None = None,
-    sinks: bool = False,
-) -> str:
-    """`"flash"` where `flash_available` and it agrees with `gather` on a random paged batch of this layer's shape
-    (bf16/fp16 tolerance: max gap < 2e-2 on outputs of unit scale), else `"gather"`. The check runs once per engine;
-    a disagreement or an error is logged and answered with `"gather"`, never with a wrong kernel."""
-    if softcap is not None or sinks or not flash_available(device, dtype, page_size):
-        return "gather"
-    try:
-        gap = _kernel_gap(device, dtype, page_size, num_heads, num_kv_heads, head_dim)
-    except Exception as err:  # noqa: BLE001 - any failure means: do not use it
-        logger.warning("Flash block-table decode failed its check (%s); decode steps use the gather kernel.", err)
-        return "gather"
-    if not gap < 2e-2:
-        logger.warning("Flash block-table decode disagrees with the reference by %.3g; using the gather kernel.", gap)
-        return "gather"
-    return "flash"
-
-
-def _kernel_gap(
-    device: torch.device, dtype: torch.dtype, page_size: int, num_heads: int, num_kv_heads: int, head_dim: int
-) -> float:
-    """Largest output gap between `flash` and `gather` on one random batch: rows of 1, a page, a page plus one and
-    three pages of keys, plus a padding row."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    lengths = [1, page_size, page_size + 1, 3 * page_size, 0]
-    max_pages, num_pages = 4, 16
-    pages = torch.randperm(num_pages - 1, generator=g)[: 3 * max_pages].reshape(3, max_pages) + 1  # page 0: trash
-    table = torch.full((len(lengths), max_pages), -1, dtype=torch.int32)
-    for row, length in enumerate(lengths):
-        used = -(-length // page_size)
-        table[row, :used] = pages[row % 3, :used]
-    cu_k = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu_k[1:] = torch.tensor(lengths).cumsum(0)
-
-    def batch() -> BlockTableLayer:
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
-        key_pages = torch.randn(shape, generator=g).to(device, dtype)
-        value_pages = torch.randn(shape, generator=g).to(device, dtype)
-        new = torch.randn(len(lengths), num_kv_heads, head_dim, generator=g).to(device, dtype)
-        return BlockTableLayer(new, new.clone(), key_pages, value_pages, table.to(device), cu_k.to(device), 0, "flash")
-
-    layer = batch()
-    twin = BlockTableLayer(*(t.clone() if isinstance(t, torch.Tensor) else t for t in vars(layer).values()))
-    twin.kernel = "gather"
-    query = torch.randn(len(lengths), num_heads, head_dim, generator=g).to(device, dtype)
-    flash, gather = attend(query, layer, None), attend(query, twin, None)
-    real = slice(0, len(lengths) - 1)  # the padding row's output is unused
-    return (flash[real].float() - gather[real].float()).abs().max().item()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import debug, paged_decode
+from . import cuda_kernels, debug
 
 #: Upper bound on tokens per forward; larger batches buy nothing on CPU and little on GPU.
 MAX_BATCH_TOKENS_CAP = 8192
@@ -74,11 +74,11 @@ GPU_PAGE_SIZE = 64
 
 def default_page_size(device: torch.device, dtype: torch.dtype | None = None) -> int:
     """The page size we pick when the user sets none: small on CPU; on CUDA the flash block-table kernel's (256,
-    `paged_decode.FLASH_PAGE_MULTIPLE`) where it can serve the decode steps (half precision), else `GPU_PAGE_SIZE`."""
+    `cuda_kernels.FLASH_PAGE_MULTIPLE`) where it can serve the decode steps (half precision), else `GPU_PAGE_SIZE`."""
     if device.type == "cpu":
         return CPU_PAGE_SIZE
-    if dtype is not None and paged_decode.flash_available(device, dtype, paged_decode.FLASH_PAGE_MULTIPLE):
-        return paged_decode.FLASH_PAGE_MULTIPLE
+    if dtype is not None and cuda_kernels.paged_flash_available(device, dtype, cuda_kernels.FLASH_PAGE_MULTIPLE):
+        return cuda_kernels.FLASH_PAGE_MULTIPLE
     return GPU_PAGE_SIZE
 
 

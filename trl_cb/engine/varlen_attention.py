@@ -287,8 +287,47 @@ def varlen_paged_attention(
         softcap=softcap,
         sinks=sinks,
         key_index=layer.read_index,
+        kernel=layer.kernel,
+        max_lengths=_max_lengths(kwargs),
     )
     return out.unsqueeze(0), None
+
+
+def _max_lengths(kwargs: dict) -> tuple[int, int] | None:
+    """The engine's host-side longest query and key runs of this layer's group (selected by the cache update)."""
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    return (max_q, max_k) if isinstance(max_q, int) and isinstance(max_k, int) else None
+
+
+def _flash_packed(
+    query: torch.Tensor,  # (T, H, D)
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_lens_q: torch.Tensor,
+    cu_seq_lens_k: torch.Tensor,
+    window: int | None,
+    scaling: float | None,
+    key_index: torch.Tensor | None,
+    max_lengths: tuple[int, int],
+) -> torch.Tensor:  # (T, H, Dv)
+    """Every request in one call of torch's varlen flash kernel (causal, bottom-right aligned: a request's last query
+    is its last key; a window of W keys is flash's `(W - 1, 0)`); no plan, no host read."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    if key_index is not None:
+        key, value = key.index_select(0, key_index), value.index_select(0, key_index)
+    return varlen_attn(
+        query,
+        key,
+        value,
+        cu_seq_lens_q.to(torch.int32),
+        cu_seq_lens_k.to(torch.int32),
+        max_lengths[0],
+        max_lengths[1],
+        scale=scaling,
+        window_size=(window - 1, 0) if window is not None else (-1, 0),
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
 
 
 def _unpadded_forward(
@@ -332,10 +371,15 @@ def packed_varlen_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # (H,) one extra logit per head inside the softmax
     key_index: torch.Tensor | None = None,  # (Tk,): packed key i is key[key_index[i]] (the paged storage's rows)
+    kernel: str = "gather",  # `cuda_kernels.choose`'s answer: "flash" runs torch's varlen flash kernel (one call)
+    max_lengths: tuple[int, int] | None = None,  # (longest query run, longest key run): flash needs them, host ints
 ) -> torch.Tensor:  # (T, H, Dv)
     """Causal attention of each request's queries over its own keys only (bottom-right aligned, window-limited).
 
     With `key_index`, `key` and `value` are the cache's storage and every read is one gather from it."""
+    if kernel == "flash" and softcap is None and sinks is None and max_lengths is not None:
+        return _flash_packed(query, key, value, cu_seq_lens_q, cu_seq_lens_k, sliding_window, scaling, key_index,
+                             max_lengths)  # fmt: skip
     plan = _plan(cu_seq_lens_q, cu_seq_lens_k, sliding_window, query.device)
     bucket_keys = _bucket_keys(plan, key_index)
     num_heads, head_dim = query.shape[1], query.shape[-1]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import sampling_config
+from tests.fake_flash import use_fake_flash
 from tests.graph_fakes import use_fake_graphs
 from tests.unit.rollouts.test_generator import teacher_forced_logprobs
 from trl_cb import ContinuousBatchingGenerator
@@ -165,3 +166,58 @@ def test_explicit_off_switch(model, tokenizer, prompts, monkeypatch):
     with ContinuousBatchingGenerator(model, sampling_config(tokenizer), {"use_cuda_graph": False}) as gen:
         gen.generate(prompts[:2], num_generations=2)
         assert _graphs(gen) is None
+
+
+# ------------------------------------------------------------------------------- the flash kernel's wiring (CPU)
+
+
+def _count_calls(monkeypatch) -> dict[str, int]:
+    """Wrap the fake flash kernel (installed by `use_fake_flash`) to count paged and packed calls."""
+    import torch.nn.attention.varlen as varlen
+
+    calls, fake = {"paged": 0, "packed": 0}, varlen.varlen_attn
+
+    def counted(*args, **kwargs):
+        calls["paged" if kwargs.get("block_table") is not None else "packed"] += 1
+        return fake(*args, **kwargs)
+
+    monkeypatch.setattr(varlen, "varlen_attn", counted)
+    return calls
+
+
+def test_flash_kernel_calls_sample_exactly(sharp_model, tokenizer, prompts, monkeypatch):
+    """How trl_cb calls torch's flash kernel, checked on the CPU against a stand-in written from its documented
+    semantics (tests/fake_flash.py): block-table decode steps (graphed) and packed prefill / mixed steps (eager)."""
+    use_fake_graphs(monkeypatch)
+    use_fake_flash(monkeypatch)
+    calls = _count_calls(monkeypatch)
+    with ContinuousBatchingGenerator(sharp_model, sampling_config(tokenizer), {"max_batch_tokens": 16}) as gen:
+        result = gen.generate(prompts, num_generations=G)
+    assert calls["paged"] > 0 and calls["packed"] > 0, calls
+    assert _worst(sharp_model, prompts, result) < 1e-4
+
+
+@pytest.mark.parametrize("shift", [0, 1], ids=["window", "control-window-off-by-one"])
+def test_flash_kernel_window_matches_the_models(tokenizer, prompts, monkeypatch, shift):
+    """Sliding windows through the flash kernel (packed steps: sliding layers read no block table): exact, and a window
+    one key wider (the control) is caught."""
+    from tests.unit.engine.test_attention import _config, _far_from_uniform, _round
+    from tests.unit.engine.test_attention import _worst as _worst_shifted
+
+    use_fake_flash(monkeypatch)
+    if shift:
+        import torch.nn.attention.varlen as varlen
+
+        fake = varlen.varlen_attn
+
+        def wider(*args, window_size=(-1, 0), **kwargs):
+            left = window_size[0] + shift if window_size[0] >= 0 else -1
+            return fake(*args, window_size=(left, window_size[1]), **kwargs)
+
+        monkeypatch.setattr(varlen, "varlen_attn", wider)
+    calls = _count_calls(monkeypatch)
+    model = _far_from_uniform(_config("mistral", tokenizer))
+    completions, logprobs = _round(model, tokenizer, prompts, 1.0)
+    assert calls["packed"] > 0
+    worst = _worst_shifted(model, prompts, completions, logprobs, 1.0)
+    assert worst < 1e-4 if not shift else worst > 0.1

@@ -12,7 +12,7 @@ from tests.conftest import sampling_config
 from tests.unit.engine.test_attention import _config, _far_from_uniform
 from tests.unit.engine.test_decode_graphs import G, _graphs
 from trl_cb import ContinuousBatchingGenerator
-from trl_cb.engine import decode_graphs, paged_decode
+from trl_cb.engine import cuda_kernels, decode_graphs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,7 +53,7 @@ def test_cuda_graphs_sample_exactly_and_survive_optimizer_steps(tokenizer, promp
         assert graphs is not None, "CUDA engines run their decode steps as graphs by default"
         assert graphs.stats.replays > 0
         kernel = getattr(gen._pool.engine.manager.batch_processor.cache, "_trl_cb_decode_kernel", None)
-        print(f"decode kernel: {kernel}, flash available: {paged_decode.flash_available(model.device, dtype, 256)}")
+        print(f"kernel: {kernel}, paged flash: {cuda_kernels.paged_flash_available(model.device, dtype, 256)}")
         assert _worst(model, prompts, result) < tolerance
         captured = graphs.stats.captures
         for _ in range(10):
@@ -89,10 +89,10 @@ def test_cuda_moved_weight_is_recaptured(tokenizer, prompts, monkeypatch, rechec
         assert worst > 0.1
 
 
-def test_flash_block_table_kernel_agrees_with_gather_where_available():
+def test_flash_kernels_agree_with_the_reference_where_available():
     device = torch.device("cuda")
-    if not paged_decode.flash_available(device, torch.bfloat16, 256):
+    if not cuda_kernels.paged_flash_available(device, torch.bfloat16, 256):
         pytest.skip("this torch's varlen_attn reads no block tables")
-    gap = paged_decode._kernel_gap(device, torch.bfloat16, 256, 8, 2, 64)
-    assert gap < 2e-2
-    assert paged_decode.choose_kernel(device, torch.bfloat16, 256, 8, 2, 64) == "flash"
+    assert cuda_kernels._paged_gap(device, torch.bfloat16, 256, 8, 2, 64) < cuda_kernels.TOLERANCE
+    assert cuda_kernels._packed_gap(device, torch.bfloat16, 8, 2, 64) < cuda_kernels.TOLERANCE
+    assert cuda_kernels.choose(device, torch.bfloat16, 256, 8, 2, 64) == cuda_kernels.FLASH

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trl_cb.engine import paged_decode
+from trl_cb.engine import cuda_kernels, paged_decode
 from trl_cb.engine.paged_decode import BlockTableLayer
 
 PAGE = 4
@@ -85,10 +85,9 @@ def test_gather_kernel_matches_the_page_by_page_reference(variant, num_kv):
 
 
 def test_flash_is_refused_where_it_cannot_run():
-    cpu = torch.device("cpu")
-    assert not paged_decode.flash_available(cpu, torch.bfloat16, 256)
-    assert paged_decode.choose_kernel(cpu, torch.bfloat16, 256, 4, 2, 16) == "gather"
-    cuda = torch.device("cuda")
-    assert not paged_decode.flash_available(cuda, torch.float32, 256), "flash kernels take fp16/bf16 only"
-    assert not paged_decode.flash_available(cuda, torch.bfloat16, 32), "paged flash reads pages of 256k tokens"
-    assert paged_decode.choose_kernel(cuda, torch.bfloat16, 256, 4, 2, 16, softcap=30.0) == "gather"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert not cuda_kernels.flash_available(cpu, torch.bfloat16)
+    assert cuda_kernels.choose(cpu, torch.bfloat16, 256, 4, 2, 16) == cuda_kernels.REFERENCE
+    assert not cuda_kernels.flash_available(cuda, torch.float32), "flash kernels take fp16/bf16 only"
+    assert not cuda_kernels.paged_flash_available(cuda, torch.bfloat16, 32), "paged flash reads pages of 256k tokens"
+    assert cuda_kernels.choose(cuda, torch.bfloat16, 256, 4, 2, 16, softcap=30.0) == cuda_kernels.REFERENCE
