@@ -101,8 +101,11 @@ def live_rss_bytes() -> int:
 
 
 def _generators(trainer: Any) -> list[Any]:
-    gens = [trainer.rollout_state.generator]
-    controller = trainer.rollout_state.async_rollouts.source
+    state = getattr(trainer, "rollout_state", None)  # a plain TRL trainer (`generate`) has none
+    if state is None:
+        return []
+    gens = [state.generator]
+    controller = state.async_rollouts.source
     gens.append(getattr(controller, "generator", None))
     return [g for g in gens if g is not None]
 
