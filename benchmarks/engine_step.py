@@ -3,7 +3,7 @@ step's time goes.
 
     python benchmarks/engine_step.py                          # null, tiny, small x 32/128/512/1024 rows, 2 cores
     python benchmarks/engine_step.py --quick                  # seconds, for smoke tests (not for numbers)
-    python benchmarks/engine_step.py --models null --rows 32 512 --variant upstream_sampler:TRL_CB_SAMPLER=upstream
+    python benchmarks/engine_step.py --models null --rows 32 512 --variant one_thread:OMP_NUM_THREADS=1
     python benchmarks/engine_step.py --models llama-1b --device cuda --rows 32 128 512 1024 --max-new-tokens 128
     python benchmarks/engine_step.py --models null tiny --rows 32 128 512 --profile-steps   # + CPU per step kind
 
@@ -21,8 +21,8 @@ Backends, each (model, rows, backend) point in its own subprocess (`common.run_w
 point by point so that load drift hits them alike:
 - `generate`: one padded `model.generate` call over all rows, as TRL's default path.
 - `trl_cb`: `ContinuousBatchingGenerator` (persistent engine, prefill shared per prompt, logprobs).
-- `trl_cb:NAME`: the same with the environment of `--variant NAME:KEY=VALUE[,KEY=VALUE]` (A/B of a debug switch,
-  `trl_cb/engine/debug.py`), measured in the same run.
+- `trl_cb:NAME`: the same with the environment of `--variant NAME:KEY=VALUE[,KEY=VALUE]` (an A/B of an environment
+  setting, or of another checkout through `PYTHONPATH`), measured in the same run.
 
 Measured per timed round (after one warm-up round that also builds the engine): wall time / max_new_tokens = ms per
 decode step (one token for every row; the short prefill is included and the same for every backend), the process's

@@ -53,7 +53,7 @@ def test_gsm8k_quick_writes_table_json_png(tmp_path):
 def test_engine_step_quick_writes_a_well_formed_json(tmp_path):
     script = str(ROOT / "benchmarks" / "engine_step.py")
     proc = run(
-        script, "--quick", "--variant", "again:TRL_CB_DIRECT_READS=1", "--passes", "2", "--profile-steps",
+        script, "--quick", "--variant", "again:OMP_WAIT_POLICY=PASSIVE", "--passes", "2", "--profile-steps",
         "--out", str(tmp_path),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -172,7 +172,7 @@ def test_sampling_internals_the_policy_logprob_recorder_wraps(model, tokenizer):
 
 
 def test_the_race_sampler_writes_what_the_engines_sampler_writes():
-    """`_upstream_sampling.install_sampler` replaces `ModelRunner._sample(scores, output_ids)`: scores `(1, rows,
+    """`_upstream_sampling.race_sample` replaces `ModelRunner._sample(scores, output_ids)`: scores `(1, rows,
     vocab)`, tokens to `output_ids[0, :rows]`, fp32 logprobs bit-cast to int32 in `output_ids[1, :rows]`. Both
     samplers on the same scores: identical outputs where each row has one possible token, and on random rows each
     writes the log-probability of the token it wrote."""
@@ -772,7 +772,7 @@ def test_trl_generation_schedule_and_prompt_tokenizer():
 
 
 def test_paged_cache_internals_the_fast_reads_use(model, tokenizer):
-    """`engine/_upstream_cache.py` and `_upstream.install_step_threads` rely on these names and signatures; their
+    """`engine/_upstream_cache.py` and `_upstream_patches` (step threads) rely on these names and signatures; their
     behaviour (same rows, same logprobs) is tested in tests/unit/engine/test_upstream_cache.py and test_attention."""
     from transformers.generation.continuous_batching.cache_allocators.full_attention import (
         FullAttentionCacheAllocator,
@@ -841,17 +841,17 @@ def test_module_attachments_the_engine_view_strips(model, tokenizer):
 
 
 def test_manager_internals_the_engine_stream_uses(model, tokenizer):
-    """engine/_upstream_stream.py: `start` builds the loop thread from the instance's `_run_generation_loop` (so a
-    wrapper installed before `start` runs on the engine's thread, for the whole loop); the batch processor exists
-    before `start` (warm-up builds it) and reads its compute stream from its IOs at every step; the offloading manager
-    keeps its own reference; async batching keeps three streams."""
+    """engine/_upstream_patches.py (`run_loop_in`, `adopt_compute_stream`): `start` builds the loop thread from the
+    instance's `_run_generation_loop` (so a wrapper installed before `start` runs on the engine's thread, for the whole
+    loop); the batch processor exists before `start` (warm-up builds it) and reads its compute stream from its IOs at
+    every step; the offloading manager keeps its own reference; async batching keeps three streams."""
     from transformers.generation.continuous_batching import continuous_api, input_outputs, model_runner
 
-    from trl_cb.engine import _upstream_stream
+    from trl_cb.engine import _upstream_patches
 
     # 5.23: `Thread(target=self._run_generation_loop)`; 5.24 adds `kwargs={"use_inference_mode": ...}`
     assert re.search(
-        rf"threading\.Thread\(\s*target=self\.{_upstream_stream.LOOP_ATTRIBUTE}\b",
+        rf"threading\.Thread\(\s*target=self\.{_upstream_patches.LOOP_ATTRIBUTE}\b",
         inspect.getsource(ContinuousBatchingManager.start),
     ), "start() no longer runs the loop thread from the instance's loop attribute"
     assert "compute_stream = self.inputs_and_outputs.compute_stream" in inspect.getsource(
@@ -880,10 +880,10 @@ def test_manager_internals_the_engine_stream_uses(model, tokenizer):
         processor = manager.batch_processor
         assert processor.use_async_batching is False and processor.inputs_and_outputs.compute_stream is None  # CPU
         assert processor.offloading_manager._compute_stream is None
-        assert _upstream_stream.adopt_compute_stream(manager, object()) == []
+        assert _upstream_patches.adopt_compute_stream(manager, object()) == []
         assert processor.inputs_and_outputs.compute_stream is None, "a CPU engine has no stream to replace"
-        _upstream_stream.run_loop_in(manager, Recording)
-        _upstream_stream.run_loop_in(manager, Recording)  # idempotent
+        _upstream_patches.run_loop_in(manager, Recording)
+        _upstream_patches.run_loop_in(manager, Recording)  # idempotent
         _upstream.resume(manager, model)
         manager.add_request([5, 6, 7], request_id="r", max_new_tokens=4)
         assert manager.get_result(request_id="r", timeout=60) is not None
@@ -934,12 +934,13 @@ def test_scheduler_and_batch_internals_the_decode_fast_path_uses(model, tokenize
 
 def test_fork_deepcopies_the_state_and_mask_builders_return_a_4d_mask(tokenizer):
     """`engine/_upstream_fork.py`: `RequestState.fork` copies through `copy.deepcopy(self)` (which consults an
-    instance's `__deepcopy__`), on a plain dataclass. `engine/_upstream_forward.py`: a 4D `attention_mask` is
-    returned untouched by the mask builders (tests/unit/engine/test_upstream_forward.py checks the engine side)."""
+    instance's `__deepcopy__`), on a plain dataclass. `engine/_upstream_patches.py`' mask placeholder: a 4D
+    `attention_mask` is returned untouched by the mask builders (tests/unit/engine/test_upstream_forward.py checks the
+    engine side)."""
     from transformers import masking_utils
     from transformers.generation.continuous_batching.requests import RequestState
 
-    from trl_cb.engine import _upstream_forward
+    from trl_cb.engine import _upstream_patches
     from trl_cb.offline.tiny import tiny_model
 
     assert "__deepcopy__" not in vars(RequestState) and not hasattr(RequestState, "__slots__")
@@ -949,7 +950,7 @@ def test_fork_deepcopies_the_state_and_mask_builders_return_a_4d_mask(tokenizer)
     child = state.fork("r__child#0")
     assert len(seen) == 1 and child.request_id == "r__child#0", "fork no longer copies through deepcopy(self)"
     model = tiny_model(tokenizer)
-    placeholder = _upstream_forward.placeholder_mask(torch.device("cpu"))
+    placeholder = _upstream_patches.placeholder_mask(torch.device("cpu"))
     for build in (masking_utils.create_causal_mask, masking_utils.create_sliding_window_causal_mask):
         mask = build(
             config=model.config, inputs_embeds=torch.zeros(1, 3, 64), attention_mask=placeholder,

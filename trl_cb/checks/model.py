@@ -150,16 +150,16 @@ def check_config(config: PretrainedConfig) -> None:
 # ------------------------------------------------------------------------------------------------ model checks
 
 
-def engine_attention_implementation(model: PreTrainedModel, cuda_graphs: bool = False) -> str:
+def engine_attention_implementation(model: PreTrainedModel) -> str:
     """The attention implementation the engine will run `model` with: transformers' switch (eager -> paged|eager),
     then trl_cb's own engine attention in place of a dense-mask one (`attention.replaces`, the rule the engine
     applies in `_upstream._choose_attention`)."""
     impl = _upstream.attention_implementation(model)
     impl = "paged|eager" if impl == "eager" else impl
-    return attention.ATTENTION_NAME if attention.replaces(impl, cuda_graphs) else impl
+    return attention.ATTENTION_NAME if attention.replaces(impl) else impl
 
 
-def check_model(model: PreTrainedModel, cuda_graphs: bool = False) -> bool:
+def check_model(model: PreTrainedModel) -> bool:
     """Raise `UnsupportedModelError` unless the engine can serve `model` exactly; return whether it was probed.
 
     The config is checked always; the attention probe runs when the parameters are materialised on this process
@@ -167,7 +167,7 @@ def check_model(model: PreTrainedModel, cuda_graphs: bool = False) -> bool:
     parameters are whole (the generator does, at its first round, before submitting anything).
     """
     problems = config_problems(model.config)
-    impl = engine_attention_implementation(model, cuda_graphs)
+    impl = engine_attention_implementation(model)
     chosen = _upstream.attention_implementation(model)  # what transformers' CB accepts, before trl_cb's replacement
     if not (chosen in ("eager", "paged|eager", "sdpa", attention.ATTENTION_NAME) or "flash" in chosen):
         problems.append(
@@ -181,7 +181,7 @@ def check_model(model: PreTrainedModel, cuda_graphs: bool = False) -> bool:
     if not sharding.materialised(model):
         logger.info("Parameters are sharded or on the meta device: the attention probe runs at the first round.")
         return False
-    problems = probe_problems(model, cuda_graphs=cuda_graphs)
+    problems = probe_problems(model)
     if problems:
         raise UnsupportedModelError(_model_type(model.config), problems)
     _accepted[model] = impl
@@ -201,14 +201,14 @@ class _AttentionCall:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def probe_problems(model: PreTrainedModel, num_tokens: int = 6, cuda_graphs: bool = False) -> list[str]:
+def probe_problems(model: PreTrainedModel, num_tokens: int = 6) -> list[str]:
     """Run the attention probe on `model` and return every deviation from what the engine does (empty: none).
 
     One no-grad forward of `num_tokens` tokens with a recording attention function; mode, attention implementation
     and RNG are restored afterwards.
     """
     cfg = text_config(model.config)
-    impl = engine_attention_implementation(model, cuda_graphs)
+    impl = engine_attention_implementation(model)
     try:
         calls = _record_attention_calls(model, num_tokens)
     except Exception as err:  # noqa: BLE001 - whatever the model's forward raises is the verdict, reported with it

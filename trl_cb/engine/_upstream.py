@@ -1,10 +1,11 @@
-"""The only place trl_cb touches transformers' continuous-batching internals.
+"""The gateway to transformers' continuous-batching engine: build, start, suspend, stop and free it; read its state.
 
 transformers' CB engine is young and moves between minor releases. Everything trl_cb relies on beyond the documented
-`init_continuous_batching` / `add_request` / `get_result` / `pause` / `stop` / `destroy` surface is reached through a
-function here, and tests/unit/test_contracts.py pins each one, so an upstream change fails one cheap test with a clear
-message instead of corrupting rollouts. The list of what is relied on, and why: docs/architecture.md, "Upstream
-surface".
+`init_continuous_batching` / `add_request` / `get_result` / `pause` / `stop` / `destroy` surface is reached from the
+modules named `_upstream*` (this one; `_upstream_patches`, which sets every engine method trl_cb changes, and the
+feature modules whose builders it composes), and tests/unit/test_contracts.py pins each internal, so an upstream
+change fails one cheap test with a clear message instead of corrupting rollouts. The list of what is relied on, and
+why: docs/architecture.md, "Upstream surface".
 
 Invariants: the caller's global RNG is never re-seeded (the batch processor is built inside `fork_rng`); the model
 keeps its training attention implementation outside rounds (and after a failed build); no engine thread lives
@@ -17,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,7 +29,8 @@ from transformers.generation.continuous_batching import ContinuousBatchingManage
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from ..errors import EngineDiedError, GenerationError
-from . import _upstream_cache, _upstream_decode, _upstream_fork, _upstream_forward, cuda_kernels, openmp
+from . import _upstream_cache, cuda_kernels
+from . import _upstream_patches as _patches
 from . import _upstream_sampling as _sampling
 from . import decode_graphs as _graphs
 from . import varlen_attention as attention
@@ -68,7 +70,6 @@ def create_manager(
     hints: WorkloadHints,
     request_processors: Sequence[HistoryProcessor] = (),
     record_policy_logprobs: bool = False,
-    check_model: Callable[..., object] | None = None,
     decode_graphs: bool = False,
 ) -> ContinuousBatchingManager:
     """Build and warm up (on this thread, RNG preserved) a fresh manager; its thread is *not* started (`resume`
@@ -76,11 +77,11 @@ def create_manager(
 
     The engine's processors are checked against `generate()`'s for `generation_config`, `request_processors` run
     before them at every step, a policy-logprob recorder first of all with `record_policy_logprobs`
-    (`_upstream_sampling`), and trl_cb's attention is chosen (`_choose_attention`, which refuses through
-    `check_model` a model the engine's attention would not serve exactly), all before the batch processor and its
-    cache exist. On any failure the model keeps its attention implementation and train/eval mode: the manager's
-    constructor switches the former and calls
-    `eval()` before it can raise.
+    (`_upstream_sampling`), and trl_cb's attention is chosen (`_choose_attention`), all before the batch processor
+    and its cache exist; with `decode_graphs` (and a graph backend for the device) decode steps read the cache through
+    block tables and run as graphs kept across rounds (`decode_graphs.py`). After warmup `_upstream_patches.install`
+    sets trl_cb's behaviour on the engine. On any failure the model keeps its attention implementation and train/eval
+    mode: the manager's constructor switches the former and calls `eval()` before it can raise.
     """
     check_transformers_version()
     if getattr(model, "_cached_continuous_batching_manager", None) is not None:
@@ -100,7 +101,7 @@ def create_manager(
             recorder = _sampling.install_processors(
                 manager, model, generation_config, request_processors, record_policy_logprobs
             )
-            _choose_attention(manager, model, check_model)  # before warmup builds the batch processor (no dense mask)
+            _choose_attention(manager, model)  # before warmup builds the batch processor (no dense mask)
             if attn_before == attention.ATTENTION_NAME:
                 manager._original_attn_impl = attn_before  # after this engine's rounds, the other engine's again
             backend = _graphs.backend_for(model.device) if decode_graphs else None
@@ -111,18 +112,9 @@ def create_manager(
             if backend is not None and not block_tables:
                 logger.info("Sliding-window layers read no block table: decode steps run eagerly, without graphs.")
             manager.warmup()
-            _sampling.install_sampler(manager)  # before the recorder, which wraps whichever sampler runs
-            if recorder is not None:
-                _sampling.install_policy_logprob_recorder(manager, recorder)
             choose_cuda_kernel(manager, model)
-            if block_tables:  # innermost `compute_batch` wrapper: the others run outside the graph
-                _install_graphed_decode(manager, model, backend, recorder)
-            install_step_threads(manager, model)
-            _upstream_cache.install_read_index_rows(manager)
-            _upstream_cache.install_model_side_updates(manager, model, attention.ATTENTION_NAME)
-            _upstream_fork.install_fast_fork(manager)  # before the fast path, whose slow rows go through it
-            _upstream_decode.install_decode_fast_path(manager)  # after the read rows: its slow path keeps them
-            _upstream_forward.install_no_mask_forward(manager, model, attention.ATTENTION_NAME)
+            features = _patches.Features(attention.ATTENTION_NAME, recorder, backend if block_tables else None)
+            _patches.install(manager, model, features)
     except BaseException:
         if attention_implementation(model) != attn_before:
             model.set_attn_implementation(attn_before)
@@ -150,41 +142,6 @@ def choose_cuda_kernel(manager: ContinuousBatchingManager, model: PreTrainedMode
         sinks=any(getattr(m, "sinks", None) is not None for m in model.modules()),
     )
     setattr(manager.batch_processor.cache, _upstream_cache.DECODE_KERNEL_ATTR, kernel)
-
-
-def _install_graphed_decode(
-    manager: ContinuousBatchingManager, model: PreTrainedModel, backend: Any, recorder: Any
-) -> None:
-    """Block-table decode steps padded and run as graphs; the policy-logprob recorder told how many rows each replay
-    recorded."""
-    _graphs.pad_decode_steps(manager)
-    graphs = _graphs.install_decode_graphs(manager, model, backend)
-    if recorder is not None:
-        graphs.after_replay.append(recorder.replayed)
-
-
-def install_step_threads(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
-    """CPU engines with more than one intra-op thread: set each step's threads (`openmp.step_threads`) on the engine's
-    own thread before its forward. That changes the engine thread's OpenMP team size, not the caller's (the
-    trainer's); threads started while a round runs would take the engine's count, so `suspend` republishes the
-    caller's (`republish_threads`).
-
-    Internal (pinned by tests/unit/test_contracts.py): `batch_processor.model_runner.compute_batch(model, batch_data)`
-    runs one step's forward and sampling; `batch_data["input_ids"]` is `(1, query_tokens)`."""
-    threads = torch.get_num_threads()
-    hidden_size = getattr(model.config.get_text_config(), "hidden_size", None)
-    if model.device.type != "cpu" or threads <= 1 or not isinstance(hidden_size, int):
-        return
-    runner = manager.batch_processor.model_runner
-    compute = runner.compute_batch
-
-    def compute_with_step_threads(module: torch.nn.Module, batch_data: dict) -> None:
-        wanted = openmp.step_threads(batch_data["input_ids"].shape[-1], hidden_size, threads)
-        if torch.get_num_threads() != wanted:
-            torch.set_num_threads(wanted)
-        compute(module, batch_data)
-
-    runner.compute_batch = compute_with_step_threads
 
 
 def attention_implementation(model: PreTrainedModel) -> str:
@@ -253,7 +210,7 @@ def suspend(manager: ContinuousBatchingManager) -> None:
 def republish_threads() -> None:
     """Make the caller's intra-op thread count the default of threads started from now on again.
 
-    `torch.set_num_threads` on the engine thread (`install_step_threads`) also sets the count a new thread takes at its
+    `torch.set_num_threads` on the engine thread (`_upstream_patches`) also sets the count a new thread takes at its
     first parallel op; once the engine thread is gone, the caller's own count (unchanged) is published back."""
     torch.set_num_threads(torch.get_num_threads())
 
@@ -326,22 +283,11 @@ def check_graphs(manager: ContinuousBatchingManager, model: PreTrainedModel) -> 
 _VARLEN_FLAG = "_trl_cb_varlen_attention"
 
 
-def _choose_attention(
-    manager: ContinuousBatchingManager, model: PreTrainedModel, check_model: Callable[..., object] | None
-) -> None:
-    """Decide, once per engine, whether it runs `varlen_attention` (see `switch_to_generation_attention`).
-
-    The model was checked against the engine attention it gets without accelerator graphs; with graphs on, a
-    dense-mask implementation stays, so `check_model(model, cuda_graphs=True)` (the caller's model check,
-    `checks.model.check_model`) checks it against that one: a soft-capped or sink model is refused here rather than
-    sampled without its soft-cap or sinks."""
-    impl = attention_implementation(model)
-    graphs = any(manager.continuous_batching_config.cuda_graph_booleans)
-    if graphs and attention.replaces(impl):
-        if check_model is None:
-            raise ValueError("An engine with accelerator graphs needs the model check (`check_model`) to be built.")
-        check_model(model, cuda_graphs=True)
-    setattr(manager, _VARLEN_FLAG, attention.replaces(impl, graphs))
+def _choose_attention(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
+    """Decide, once per engine, whether it runs `varlen_attention` (see `switch_to_generation_attention`): where
+    transformers would run a dense-mask implementation (`attention.replaces`). transformers' own accelerator graphs,
+    which would need that dense mask, are never turned on (trl_cb's decode graphs read block tables instead)."""
+    setattr(manager, _VARLEN_FLAG, attention.replaces(attention_implementation(model)))
     switch_to_generation_attention(manager, model)
 
 

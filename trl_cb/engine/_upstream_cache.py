@@ -5,9 +5,9 @@ layer and step; `varlen_attention` gathers again into its per-request layout. On
 per-layer cost of a decode step; reading the storage through `read_index[padded positions]` is one gather, same
 values. Full-attention layers only (they write, then read past and new keys); a sliding-window layer reads before it
 writes, so `paged_layer` returns None and the caller uses `cache.update`. `read_index_rows` builds the read index from
-the block tables with tensor ops (`install_read_index_rows`). Who writes the cache depends on the release
+the block tables with tensor ops (`with_read_index_rows`). Who writes the cache depends on the release
 (`ATTENTION_UPDATES_CACHE`): up to 5.23 the attention function (it gets `cache`), from 5.24 the model's attention
-layer; `engine_layer` hides it, and on 5.24 `install_model_side_updates` keeps the one-gather reads and the cache out
+layer; `engine_layer` hides it, and on 5.24 `with_direct_reads` keeps the one-gather reads and the cache out
 of the model's output (`drop_paged_cache_from_outputs`). Upstream surface (tests/unit/test_contracts.py):
 `cache.layer_to_allocator`, the allocator's `index`, `layer_type`, `block_table`, `tokens_per_page`,
 `block_physical_stride`, `get_read_indices`, `_kv_token_views[layer]`; the engine's `read_index` / `write_index` /
@@ -18,17 +18,16 @@ per-layer-type `cu_seq_lens_k` kwargs; `ContinuousBatchingIOs.prepare_batch_tens
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
-from transformers.generation.continuous_batching import ContinuousBatchingManager, PagedAttentionCache
+from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from . import debug
 from .paged_decode import BlockTableLayer
 
 __all__ = [
@@ -38,8 +37,8 @@ __all__ = [
     "block_table_layer",
     "drop_paged_cache_from_outputs",
     "engine_layer",
-    "install_model_side_updates",
-    "install_read_index_rows",
+    "with_direct_reads",
+    "with_read_index_rows",
     "paged_layer",
     "read_index_rows",
 ]
@@ -104,15 +103,14 @@ def engine_layer(
     """This layer's keys in an engine forward, with the new keys written to the cache; None outside an engine.
 
     5.23 (`cache` is the engine's, passed to the attention function): write here, directly (`paged_layer`) or, for
-    sliding-window layers and under `TRL_CB_DIRECT_READS=0`, through `cache.update`'s packed copy. 5.24 (no `cache`;
+    sliding-window layers, through `cache.update`'s packed copy. 5.24 (no `cache`;
     the engine's `write_index` kwarg marks its forwards): the model's layer has written them already, and returned
-    either the packed keys or, through `install_model_side_updates`, the storage and its read index. A KV-shared layer
+    either the packed keys or, through `with_direct_reads`, the storage and its read index. A KV-shared layer
     (Gemma-3n) runs no update: it gets the keys its source layer of the same type got, and its type's key lengths here.
     """
     if isinstance(cache, PagedAttentionCache):
         kwargs[_KERNEL_KWARG] = getattr(cache, DECODE_KERNEL_ATTR, "gather")
-        direct = debug.direct_reads_enabled()
-        layer = paged_layer(cache, module.layer_idx, key_states, value_states, kwargs) if direct else None
+        layer = paged_layer(cache, module.layer_idx, key_states, value_states, kwargs)
         if layer is not None:
             layer.kernel = kwargs[_KERNEL_KWARG]
             return layer
@@ -132,27 +130,24 @@ def engine_layer(
     return PagedLayer(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), read_index, kernel)
 
 
-def install_model_side_updates(
-    manager: ContinuousBatchingManager, model: PreTrainedModel, attention_name: str
-) -> None:
-    """transformers 5.24+ (no-op before): where the model's layers write the cache, keep `attention_name`'s one-gather
-    reads and keep the cache out of the model's output. Call after warmup (the batch processor exists).
-
-    The engine cache's `update` is wrapped: while the model runs `attention_name`, a full-attention layer's new keys
-    are written by `paged_layer` and the storage is returned with its read index on the key view (`engine_layer` takes
-    it back), instead of upstream's packed copy of every key; anything else goes to upstream's `update` unchanged."""
+def with_direct_reads(
+    cache: PagedAttentionCache, model: PreTrainedModel, attention_name: str, update: Callable
+) -> Callable | None:
+    """transformers 5.24+ (None before, where the attention function writes the cache): the engine cache's `update`
+    keeping `attention_name`'s one-gather reads. While the model runs `attention_name`, a full-attention layer's new
+    keys are written by `paged_layer` and the storage is returned with its read index on the key view (`engine_layer`
+    takes it back), instead of upstream's packed copy of every key; a block-table step's kwargs get the layer's
+    write-trash row; anything else goes to `update` unchanged. Every engine step's kwargs carry the engine's kernel
+    choice. The caller also keeps the cache out of the model's output (`drop_paged_cache_from_outputs`)."""
     if ATTENTION_UPDATES_CACHE:
-        return
-    drop_paged_cache_from_outputs(model)
-    cache = manager.batch_processor.cache
-    update = cache.update
+        return None
 
     def update_with_direct_reads(
         key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if kwargs is not None:
             kwargs[_KERNEL_KWARG] = getattr(cache, DECODE_KERNEL_ATTR, "gather")
-        if kwargs is not None and model.config._attn_implementation == attention_name and debug.direct_reads_enabled():
+        if kwargs is not None and model.config._attn_implementation == attention_name:
             layer = paged_layer(cache, layer_idx, key_states, value_states, kwargs)
             if layer is not None:
                 keys = layer.key_storage.transpose(0, 1)[None]  # (1, Hkv, slots, D): a fresh view every call
@@ -162,7 +157,7 @@ def install_model_side_updates(
             _mark_block_table_step(cache, layer_idx, kwargs)
         return update(key_states=key_states, value_states=value_states, layer_idx=layer_idx, kwargs=kwargs)
 
-    cache.update = update_with_direct_reads
+    return update_with_direct_reads
 
 
 def block_table_layer(
@@ -177,7 +172,7 @@ def block_table_layer(
     Upstream's `cache.update` fills `kwargs` for a block-table step without writing anything (a flash kernel writes):
     the layer's `block_table` row, its page views `k_cache` / `v_cache` and its `cu_seq_lens_k`. Up to 5.23 the
     attention function gets `cache` and calls it here; from 5.24 the model's layer called it (through
-    `install_model_side_updates`, which also hands over the allocator's write-trash row)."""
+    `with_direct_reads`, which also hands over the allocator's write-trash row)."""
     if isinstance(cache, PagedAttentionCache):
         cache.update(key_states=key_states, value_states=value_states, layer_idx=module.layer_idx, kwargs=kwargs)
         _mark_block_table_step(cache, module.layer_idx, kwargs)
@@ -239,17 +234,16 @@ def _no_reads(request_id: str, past_length: int, query_length: int) -> list[int]
     return []
 
 
-def install_read_index_rows(manager: ContinuousBatchingManager) -> None:
-    """Build full-attention read indices with `read_index_rows` instead of per-token Python lists (CPU, no padding or
-    block table: the batches `varlen_attention` reads). While the engine prepares a batch the allocators report no
-    reads; right after, each full-attention group's rows are written where the engine keeps them."""
-    processor = manager.batch_processor
+def with_read_index_rows(processor: Any, prepare: Callable) -> Callable | None:
+    """`prepare_batch_tensors` building full-attention read indices with `read_index_rows` instead of per-token Python
+    lists (CPU, no padding or block table: the batches `varlen_attention` reads); None where nothing fits. While the
+    engine prepares a batch the allocators report no reads; right after, each full-attention group's rows are written
+    where the engine keeps them."""
     ios = processor.inputs_and_outputs
     allocators = enumerate(processor.cache.cache_allocators.values())
     groups = [(i, a) for i, a in allocators if type(a) is FullAttentionCacheAllocator]
     if not groups or ios.read_index_storage.device.type != "cpu":
-        return
-    prepare = ios.prepare_batch_tensors
+        return None
 
     def prepare_with_rows(requests_in_batch: list, logits_processors: Any, use_decode_fast_path: bool,
                           num_q_tokens: int, max_kv_read: int, use_padding: bool) -> None:  # fmt: skip
@@ -269,4 +263,4 @@ def install_read_index_rows(manager: ContinuousBatchingManager) -> None:
             ios.read_index_storage[i, : rows.numel()] = rows
             ios.true_read_sizes[i] = rows.numel()
 
-    ios.prepare_batch_tensors = prepare_with_rows
+    return prepare_with_rows

@@ -1,7 +1,7 @@
 """Steady-state decode fast path: the previous step's batch advanced in place instead of rebuilt per request.
 
 Why: at hundreds of rows transformers' per-request Python in every step (the scheduler's `_process_candidates`,
-`prepare_batch_tensors`, `update_batch`) is the largest part of a CPU decode step (docs/benchmarks.md, issue 28).
+`prepare_batch_tensors`, `update_batch`) is the largest part of a CPU decode step (docs/benchmarks.md).
 When every active request decodes one token and none joins, step t+1's batch is step t's minus the finished
 requests, each one position further (vLLM's persistent batch): `_steady_batch` schedules it, `_advance` moves the
 previous tensors (positions + 1, write row + 1 inside a page, each row's new key appended to its read rows; a row
@@ -9,8 +9,8 @@ at a page start is read from its block table), `_fast_update` appends the tokens
 (joins, forks, prefill chunks, a failed page allocation) takes upstream's path for that step.
 Invariant: a fast step leaves the tensors the forward reads and the request states as upstream's path would
 (tests/unit/engine/test_decode_fast_path.py: same tokens and logprobs, the rows checked per step, controls).
-Installed only where it fits (`install_decode_fast_path`): sync CPU engines, full-attention layers only, no block
-table, mask or padding. `TRL_CB_DECODE_FAST_PATH=0` keeps upstream's path (`debug.py`). Upstream surface: pinned in
+Where it fits (`fast_path_fits`): synchronous engines with full-attention layers only and no dense mask, in either
+layout: read rows (CPU, unpadded) or block tables (decode graphs, padded). Upstream surface: pinned in
 tests/unit/test_contracts.py, listed in docs/architecture.md ("Upstream surface").
 """
 
@@ -34,10 +34,9 @@ from transformers.generation.continuous_batching.requests import (
 )
 from transformers.generation.continuous_batching.scheduler import FIFOScheduler, PrefillFirstScheduler
 
-from . import debug
 from ._upstream_cache import read_index_rows
 
-__all__ = ["DecodeFastPathStats", "decode_fast_path_stats", "install_decode_fast_path"]
+__all__ = ["DecodeFastPathStats", "decode_fast_path_stats", "fast_path_fits", "with_fast_path"]
 
 _STATS_ATTR = "_trl_cb_decode_fast_path_stats"
 
@@ -68,18 +67,13 @@ def decode_fast_path_stats(manager: ContinuousBatchingManager) -> DecodeFastPath
     return getattr(manager.batch_processor, _STATS_ATTR, None)
 
 
-def install_decode_fast_path(manager: ContinuousBatchingManager) -> bool:
-    """Wrap the scheduler's `schedule_batch`, the IOs' `prepare_batch_tensors` (after `install_read_index_rows`, which
-    the slow path keeps using; or, with block tables, after `decode_graphs.pad_decode_steps`) and the processor's
-    `update_batch` (after the policy-logprob recorder, whose `prepare_batch_update` it calls once per step). Returns
-    whether it was installed (where: the module docstring)."""
-    processor = manager.batch_processor
+def fast_path_fits(processor: Any) -> bool:
+    """Whether the fast path serves this batch processor (where: the module docstring)."""
     ios, cache, scheduler = processor.inputs_and_outputs, processor.cache, processor.scheduler
     allocators = list(cache.cache_allocators.values())
     block_tables = ios.block_table.numel() > 0
-    fits = (
-        debug.decode_fast_path_enabled()
-        and type(ios) is ContinuousBatchingIOs
+    return (
+        type(ios) is ContinuousBatchingIOs
         and type(scheduler) in (FIFOScheduler, PrefillFirstScheduler)
         and len(allocators) == 1
         and type(allocators[0]) is FullAttentionCacheAllocator
@@ -87,17 +81,26 @@ def install_decode_fast_path(manager: ContinuousBatchingManager) -> bool:
         and cache.read_cache_limit is None
         and (block_tables or (ios.read_index_storage.device.type == "cpu" and not processor.model_runner.pad_inputs))
     )
-    if not fits:
-        return False
+
+
+def with_fast_path(
+    processor: Any, schedule: Callable, prepare: Callable, update: Callable
+) -> tuple[Callable, Callable, Callable]:
+    """The scheduler's `schedule_batch`, the IOs' `prepare_batch_tensors` and the processor's `update_batch` with the
+    fast path in front of `schedule` / `prepare` / `update` (upstream's, or what `_upstream_patches` composed before:
+    the read rows and block-table padding for `prepare`, the recorder's `prepare_batch_update` that `update` calls once
+    per step). Counters: `decode_fast_path_stats`. Call only where `fast_path_fits`."""
+    ios, cache, scheduler = processor.inputs_and_outputs, processor.cache, processor.scheduler
+    allocator = next(iter(cache.cache_allocators.values()))
+    block_tables = ios.block_table.numel() > 0
     stats = DecodeFastPathStats()
     setattr(processor, _STATS_ATTR, stats)
-    scheduler.schedule_batch = _fast_scheduler(scheduler, cache, allocators[0], scheduler.schedule_batch, block_tables)
-    if block_tables:
-        ios.prepare_batch_tensors = _fast_prepare_table(ios, allocators[0], stats, ios.prepare_batch_tensors)
-    else:
-        ios.prepare_batch_tensors = _fast_prepare(ios, allocators[0], stats, ios.prepare_batch_tensors)
-    processor.update_batch = _fast_update(ios, processor.update_batch)
-    return True
+    fast_prepare = _fast_prepare_table if block_tables else _fast_prepare
+    return (
+        _fast_scheduler(scheduler, cache, allocator, schedule, block_tables),
+        fast_prepare(ios, allocator, stats, prepare),
+        _fast_update(ios, update),
+    )
 
 
 def _fast_scheduler(

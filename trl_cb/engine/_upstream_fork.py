@@ -2,13 +2,13 @@
 
 Why: transformers forks each of a prompt's G-1 extra samples with `RequestState.fork`, which starts with
 `copy.deepcopy(state)`: a generic walk that copies every prompt token one object at a time (~27 µs for a 16-token
-prompt, ~1 µs more per prompt token). A round of 512 rows forks 448 states, ~12 ms of engine time (docs/benchmarks.md,
-issue 28). `copy_state` returns what `deepcopy` returns (a new state whose fields are equal and share no mutable object
-with the original, aliases between fields kept) in a few list copies: lists and sets of atomic values (the token,
-logprob and timestamp lists) are copied whole, atomic values and enums shared as `deepcopy` shares them, anything else
-goes to `deepcopy`. Upstream's `fork` still runs (ids, timestamps, its own list copies); only its `deepcopy(self)`
-reaches `copy_state`, through a `__deepcopy__` set on the states about to be forked for the duration of
-`update_batch` (where forks happen) and removed after. `TRL_CB_FAST_FORK=0` keeps upstream's copy (`debug.py`).
+prompt, ~1 µs more per prompt token). A round of 512 rows forks 448 states, ~12 ms of engine time
+(docs/benchmarks.md). `copy_state` returns what `deepcopy` returns (a new state whose fields are equal and share no
+mutable object with the original, aliases between fields kept) in a few list copies: lists and sets of atomic values
+(the token, logprob and timestamp lists) are copied whole, atomic values and enums shared as `deepcopy` shares them,
+anything else goes to `deepcopy`. Upstream's `fork` still runs (ids, timestamps, its own list copies); only its
+`deepcopy(self)` reaches `copy_state`, through a `__deepcopy__` set on the states about to be forked for the duration
+of `update_batch` (where forks happen) and removed after (`with_fast_fork`, composed by `_upstream_patches`).
 Upstream surface (tests/unit/test_contracts.py): `RequestState.fork` calls `deepcopy(self)`, a plain dataclass
 (`__dict__`, no `__deepcopy__`); `scheduler._requests_to_fork` lists the states `update_batch` forks.
 """
@@ -20,11 +20,7 @@ import enum
 from collections.abc import Callable
 from typing import Any
 
-from transformers.generation.continuous_batching import ContinuousBatchingManager
-
-from . import debug
-
-__all__ = ["copy_state", "install_fast_fork"]
+__all__ = ["copy_state", "with_fast_fork"]
 
 _HOOK = "__deepcopy__"  # the instance attribute `copy.deepcopy` looks up before its generic path
 _ATOMIC = frozenset({int, float, bool, str, bytes, type(None)})  # what `deepcopy` returns as is
@@ -54,17 +50,9 @@ def copy_state(state: Any, memo: dict[int, Any] | None = None) -> Any:
     return new
 
 
-def install_fast_fork(manager: ContinuousBatchingManager) -> bool:
-    """Wrap the batch processor's `update_batch` so that the states it forks are copied by `copy_state`. Returns
-    whether it was installed (not under `TRL_CB_FAST_FORK=0`)."""
-    if not debug.fast_fork_enabled():
-        return False
-    processor = manager.batch_processor
-    processor.update_batch = _with_fast_fork(processor.scheduler, processor.update_batch)
-    return True
+def with_fast_fork(scheduler: Any, update: Callable[[], None]) -> Callable[[], None]:
+    """The batch processor's `update_batch` (`update`) with the states it forks copied by `copy_state`."""
 
-
-def _with_fast_fork(scheduler: Any, update: Callable[[], None]) -> Callable[[], None]:
     def update_batch() -> None:
         forking = list(scheduler._requests_to_fork)
         if not forking:

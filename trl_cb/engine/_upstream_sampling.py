@@ -1,11 +1,12 @@
 """transformers' CB sampling internals, beside `_upstream` (same rule: the only other place they are touched).
 
 How a step samples: with `sampler.py`'s exponential race instead of transformers' `torch.multinomial`
-(`install_sampler`; same probabilities, same logprob). What a step samples from: the engine's logits processors are
+(`race_sample`; same probabilities, same logprob). What a step samples from: the engine's logits processors are
 checked against the ones `generate()` builds (`check_processors_kept`), trl_cb's per-request processors run first
 (`install_request_processors`), and, when the distribution is reshaped beyond temperature,
 `engine/policy_logprobs.py`'s recorder before them all; it gathers the trainer-comparable logprob after the engine
-samples and hands it to the host beside the engine's own (`install_policy_logprob_recorder`, `output_logprobs`).
+samples and hands it to the host beside the engine's own (`recording_sample`, `with_policy_logprobs`,
+`output_logprobs`). `_upstream_patches` puts these on the engine.
 Pinned by tests/unit/test_contracts.py.
 
 Invariant: a step's tokens, processed logprobs and recorded policy logprobs are read for the same rows in the same
@@ -24,7 +25,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import Con
 from transformers.generation.logits_process import LogitsProcessorList
 
 from ..errors import GenerationError
-from . import debug, sampler
+from . import sampler
 from .policy_logprobs import PolicyLogprobRecorder
 from .request_processors import (
     POLICY_LOGPROBS_NEED_SYNC,
@@ -43,7 +44,7 @@ def install_processors(
 ) -> PolicyLogprobRecorder | None:
     """Before warmup: check the engine's processors, put trl_cb's per-request ones first and, with
     `record_policy_logprobs`, the recorder before everything (it must see the raw logits). Returns the recorder, to
-    be wired in with `install_policy_logprob_recorder` once warmup has built the batch processor."""
+    be wired in by `_upstream_patches` once warmup has built the batch processor."""
     check_processors_kept(manager, model, generation_config)
     if request_processors:
         install_request_processors(manager, request_processors)
@@ -204,27 +205,21 @@ def reshapes_distribution(model: PreTrainedModel, generation_config: GenerationC
     return any(not isinstance(p, TemperatureLogitsWarper) for p in model._get_logits_processor(generation_config))
 
 
-def install_sampler(manager: ContinuousBatchingManager) -> bool:
-    """After warmup: sample each step with `sampler.sample_with_logprobs` (exact in distribution, a few vectorised
-    passes instead of `torch.multinomial`'s serial per-element draws); returns whether it was installed.
-
-    Only on a sampling engine that runs its steps eagerly: greedy keeps the engine's argmax, and an engine with
-    accelerator graphs or compilation keeps the sampler it traced (`TRL_CB_SAMPLER=upstream` keeps it everywhere).
-    Internal (pinned by tests/unit/test_contracts.py, which runs both samplers on one distribution):
-    `model_runner._sample(scores, output_ids)` with scores `(1, rows, vocab)` writes the tokens to `output_ids[0,
-    :rows]` and, with `return_logprobs`, their fp32 logprobs bit-cast to int32 to `output_ids[1, :rows]`."""
+def race_sampler_fits(manager: ContinuousBatchingManager) -> bool:
+    """Whether the engine samples with `race_sample` (exact in distribution, a few vectorised passes instead of
+    `torch.multinomial`'s serial per-element draws): a sampling engine that is not compiled (greedy keeps the
+    engine's argmax; a compiled one keeps the sampler it traced). Composed by `_upstream_patches`."""
     runner = manager.batch_processor.model_runner
-    frozen = any(_resolved_engine_settings(manager)[k] for k in ("use_cuda_graph", "varlen_compile_config",
-                                                                 "decode_compile_config"))  # fmt: skip
-    if not runner.do_sample or frozen or not debug.parallel_sampler_enabled():
-        return False
-    runner._sample = race_sample(runner.return_logprobs)
-    return True
+    settings = _resolved_engine_settings(manager)
+    compiled = any(settings[k] for k in ("use_cuda_graph", "varlen_compile_config", "decode_compile_config"))
+    return runner.do_sample and not compiled
 
 
 def race_sample(return_logprobs: bool) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """A `ModelRunner._sample(scores, output_ids)` replacement that samples with `sampler.sample_with_logprobs`
-    and writes what the engine's own does, where it does (`install_sampler`)."""
+    """A `ModelRunner._sample(scores, output_ids)` replacement that samples with `sampler.sample_with_logprobs` and
+    writes what the engine's own does, where it does. Internal (pinned by tests/unit/test_contracts.py, which runs both
+    samplers on one distribution): scores `(1, rows, vocab)`; the tokens go to `output_ids[0, :rows]` and, with
+    `return_logprobs`, their fp32 logprobs bit-cast to int32 to `output_ids[1, :rows]`."""
 
     def sample(scores: torch.Tensor, output_ids: torch.Tensor) -> None:
         tokens, logprobs = sampler.sample_with_logprobs(scores[0])  # (rows,), (rows,)
@@ -236,21 +231,25 @@ def race_sample(return_logprobs: bool) -> Callable[[torch.Tensor, torch.Tensor],
     return sample
 
 
-def install_policy_logprob_recorder(manager: ContinuousBatchingManager, recorder: PolicyLogprobRecorder) -> None:
-    """After warmup: run `recorder.record` right after the engine samples each step, and hand each token's recorded
-    value to the host beside the engine's own logprob. The request state then stores `(processed, policy)` pairs in
-    its `logprobs` list, so they follow the tokens through forks and re-queues; `output_logprobs` splits them.
-
-    Internals (pinned by tests/unit/test_contracts.py): `batch_processor.model_runner._sample(scores, output_ids)`
-    writes the step's tokens to `output_ids[0, :rows]`, and `batch_processor.inputs_and_outputs
-    .prepare_batch_update()` returns `(requests, tokens, logprobs)` for the same rows, in the same order."""
-    processor = manager.batch_processor
-    runner, ios = processor.model_runner, processor.inputs_and_outputs
-    sample, prepare = runner._sample, ios.prepare_batch_update
+def recording_sample(
+    sample: Callable[[torch.Tensor, torch.Tensor], None], recorder: PolicyLogprobRecorder
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """`sample`, then `recorder.record` of the step's sampled tokens (`output_ids[0, :rows]`)."""
 
     def sample_and_record(scores: torch.Tensor, output_ids: torch.Tensor) -> None:
         sample(scores, output_ids)
         recorder.record(output_ids)
+
+    return sample_and_record
+
+
+def with_policy_logprobs(
+    prepare: Callable[[], tuple[Any, Any, Any]], recorder: PolicyLogprobRecorder
+) -> Callable[[], tuple[Any, Any, Any]]:
+    """`prepare_batch_update()` whose logprobs are `(processed, policy)` pairs: each token's recorded value beside the
+    engine's own. The request state stores the pairs in its `logprobs` list, so they follow the tokens through forks
+    and re-queues; `output_logprobs` splits them. Internal (pinned by tests/unit/test_contracts.py):
+    `prepare_batch_update()` returns `(requests, tokens, logprobs)` for the rows `_sample` wrote, in the same order."""
 
     def batch_update_with_policy_logprobs() -> tuple[Any, Any, Any]:
         requests, tokens, logprobs = prepare()
@@ -260,8 +259,7 @@ def install_policy_logprob_recorder(manager: ContinuousBatchingManager, recorder
                 logprobs = list(zip(logprobs, policy, strict=True))
         return requests, tokens, logprobs
 
-    runner._sample = sample_and_record
-    ios.prepare_batch_update = batch_update_with_policy_logprobs
+    return batch_update_with_policy_logprobs
 
 
 def output_logprobs(output: Any) -> tuple[list[float], list[float]]:

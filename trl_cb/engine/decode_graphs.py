@@ -4,7 +4,7 @@ Why: on a GPU a small model's decode step is a few milliseconds of kernels behin
 Python; a graph launches the whole step (forward, processors, sampling) at once. As in vLLM and SGLang, graphs survive
 RL weight updates because weights are written in place (optimizer steps; `copy_` into the generation copies,
 `precision.py`). Decode steps read the cache through block tables (`paged_decode.py`: no host reads), padded to a
-power of two rows (`pad_decode_steps`); each size is captured on first use and replayed after (`DecodeGraphs`).
+power of two rows (`padded_decode`); each size is captured on first use and replayed after (`DecodeGraphs`).
 Prefill and mixed steps run eagerly, unpadded.
 Invariants: a replay computes what the eager step would (same kernels, same order); a graph never replays a moved
 weight: the `WeightFingerprint` taken at capture is compared before each round and after each in-flight weight
@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from transformers import PreTrainedModel
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 
 logger = logging.getLogger(__name__)
@@ -37,10 +36,11 @@ __all__ = [
     "WeightFingerprint",
     "backend_available",
     "backend_for",
+    "attach",
     "decode_graphs",
     "enable_block_table_decode",
-    "install_decode_graphs",
-    "pad_decode_steps",
+    "graphed_compute",
+    "padded_decode",
 ]
 
 #: Manager attribute (ours) holding its `DecodeGraphs`.
@@ -188,34 +188,27 @@ def enable_block_table_decode(manager: ContinuousBatchingManager, max_sequence_l
     return True
 
 
-def pad_decode_steps(manager: ContinuousBatchingManager) -> None:
-    """Pad block-table decode steps to a power of two rows (at most `max_requests_per_batch`), so a few graphs serve
-    every batch; other steps stay unpadded (`varlen_attention` plans them on the host, no graph). Upstream pads every
-    step or none (`model_runner.pad_inputs`); here it is set per step, right before the batch is prepared."""
+def padded_decode(runner: Any, ios: Any, limit: int) -> Callable[[int, int, bool], tuple[int, int]]:
+    """The model runner's `maybe_pad_inputs`: block-table decode steps padded to a power of two rows (at most `limit`,
+    the engine's `max_requests_per_batch`), so a few graphs serve every batch; other steps unpadded
+    (`varlen_attention` plans them on the host, no graph). Upstream pads every step or none (`pad_inputs`); here it is
+    set per step, right before the batch is prepared, and read by the preparation and model kwargs of that step."""
     from transformers.generation.continuous_batching.utils import pad_to_pow2
 
-    runner = manager.batch_processor.model_runner
-    ios = manager.batch_processor.inputs_and_outputs
-    limit = manager.continuous_batching_config.max_requests_per_batch
+    runner.pad_inputs = False
 
     def maybe_pad_inputs(num_q_tokens: int, max_kv_read: int, use_decode_fast_path: bool) -> tuple[int, int]:
         block_table = use_decode_fast_path and ios.block_table.numel() > 0
-        runner.pad_inputs = block_table  # read by the batch preparation and the model kwargs of this same step
+        runner.pad_inputs = block_table
         return (pad_to_pow2(num_q_tokens, limit), 0) if block_table else (num_q_tokens, max_kv_read)
 
-    runner.pad_inputs = False
-    runner.maybe_pad_inputs = maybe_pad_inputs
+    return maybe_pad_inputs
 
 
-def install_decode_graphs(
-    manager: ContinuousBatchingManager, model: PreTrainedModel, backend: GraphBackend
-) -> DecodeGraphs:
-    """After warmup, before any other `compute_batch` wrapper (they must run outside the graph): run block-table
-    decode steps through `DecodeGraphs` on `backend`, every other step eagerly."""
-    processor = manager.batch_processor
-    runner, ios = processor.model_runner, processor.inputs_and_outputs
-    graphs = DecodeGraphs(backend)
-    eager = runner.compute_batch
+def graphed_compute(runner: Any, ios: Any, graphs: DecodeGraphs, eager: Callable) -> Callable[[Any, dict], None]:
+    """The model runner's `compute_batch`: block-table decode steps through `graphs` (captured on first use of a padded
+    size, replayed after), every other step `eager`. The innermost wrapper: whatever else a step does runs outside the
+    graph (`_upstream_patches`)."""
 
     def compute_batch(module: torch.nn.Module, batch_data: dict) -> None:
         stream = ios.compute_stream
@@ -233,6 +226,9 @@ def install_decode_graphs(
 
         graphs.step(ios.num_q_tokens, run, stream, module)
 
-    runner.compute_batch = compute_batch
+    return compute_batch
+
+
+def attach(manager: ContinuousBatchingManager, graphs: DecodeGraphs) -> None:
+    """Keep `graphs` on `manager` (`decode_graphs` finds them there)."""
     setattr(manager, _GRAPHS_ATTR, graphs)
-    return graphs

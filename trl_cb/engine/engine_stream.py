@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 
-from . import _upstream_stream
+from . import _upstream_patches
 
 __all__ = ["EngineStream"]
 
@@ -44,8 +44,8 @@ class EngineStream:
     def adopt(self, manager: ContinuousBatchingManager) -> None:
         """Before the engine's thread starts: it runs its whole loop on E, the forward included; E starts after what
         the caller queued so far."""
-        self._streams = [self.stream, *_upstream_stream.adopt_compute_stream(manager, self.stream)]
-        _upstream_stream.run_loop_in(manager, lambda: _cuda.stream(self.stream))
+        self._streams = [self.stream, *_upstream_patches.adopt_compute_stream(manager, self.stream)]
+        _upstream_patches.run_loop_in(manager, lambda: _cuda.stream(self.stream))
         self.after_weight_write()
 
     def before_weight_write(self) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cuda_kernels, debug
+from . import cuda_kernels
 
 #: Upper bound on tokens per forward; larger batches buy nothing on CPU and little on GPU.
 MAX_BATCH_TOKENS_CAP = 8192
@@ -26,9 +26,6 @@ MAX_BATCH_TOKENS_CAP = 8192
 #: attends to its own request's keys, so a step costs ~ tokens x own length and larger batches amortise the per-step
 #: CPU work; measurements: docs/benchmarks.md, "Attention path"), raised to hold one decode token of every request.
 CPU_MAX_BATCH_TOKENS = 256
-#: The same with transformers' dense-mask attention (`TRL_CB_ATTENTION=upstream`), whose step costs
-#: ~ (requests in batch)^2 x length: smaller forwards are faster there.
-CPU_DENSE_MASK_MAX_BATCH_TOKENS = 64
 #: Page size used on CPU when the user sets none: small pages waste less cache (one partial page per request); with
 #: trl_cb's attention the page size does not change the speed, and 32 keeps prompt pages shareable between samples.
 CPU_PAGE_SIZE = 32
@@ -91,12 +88,10 @@ def size_cache(workload: Workload, page_size: int, device: torch.device | None =
     # One forward should hold one decode token per running request and, ideally, the whole prefill (larger prefill is
     # chunked by the engine). A power of two keeps the shape stable while prompt lengths jitter between steps.
     wanted = max(workload.num_requests, workload.prefill_tokens, 64)
-    if device is not None and device.type == "cpu" and debug.varlen_attention_enabled():
+    if device is not None and device.type == "cpu":
         # Every running request decodes in one forward (up to `MAX_BATCH_TOKENS_CAP`): splitting a decode step over
         # several forwards pays each forward's fixed cost again (docs/benchmarks.md, "Engine step sweep").
         cap = max(CPU_MAX_BATCH_TOKENS, min(MAX_BATCH_TOKENS_CAP, 1 << (workload.num_requests - 1).bit_length()))
-    elif device is not None and device.type == "cpu":
-        cap = CPU_DENSE_MASK_MAX_BATCH_TOKENS
     else:
         cap = MAX_BATCH_TOKENS_CAP
     max_batch_tokens = min(cap, 1 << (wanted - 1).bit_length())

@@ -4,14 +4,13 @@ Without flash attention, transformers' CB engine runs `sdpa` or `paged|eager` ov
 of every request in a forward (work grows with the batch, and `paged|eager` drops `softcap`). This implementation reads
 the engine's varlen inputs (`cu_seq_lens_q` / `cu_seq_lens_k`) instead: decode rows run as one batched call over a
 padded [requests, keys] batch (length-bucketed), prefill chunks per request with a bottom-right-aligned causal (and
-window) mask. Design and measurements: docs/index.md, "The engine's attention".
-
+window) mask; on CUDA, one call of torch's varlen flash kernel where `cuda_kernels.choose` picked it; block-table
+decode steps go to `paged_decode`. Design and measurements: docs/index.md, "The engine's attention".
 Exact (tests pin it): causal masking with the request's past, sliding windows, `softcap`, `scaling`, GQA, attention
 sinks. Outside an engine (no paged cache) it runs as `sdpa`. `_upstream.switch_to_generation_attention` puts it on the
-model only while an engine is built and generating; `TRL_CB_ATTENTION=upstream` (`debug.py`) keeps transformers'
-choice. Upstream surface (pinned in tests/unit/test_contracts.py): the engine's attention kwargs (`cache` up to
-transformers 5.23, `cu_seq_lens_q`, per-layer-type `cu_seq_lens_k`) and `PagedAttentionCache.update(...)`, reached
-through `_upstream_cache.engine_layer` (which release writes the cache where: `ATTENTION_UPDATES_CACHE` there).
+model only while an engine is built and generating. Upstream surface (tests/unit/test_contracts.py): the engine's
+attention kwargs (`cache` up to transformers 5.23, `cu_seq_lens_q`, per-layer-type `cu_seq_lens_k`) and
+`PagedAttentionCache.update(...)`, reached through `_upstream_cache.engine_layer` (`ATTENTION_UPDATES_CACHE` there).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import _upstream_cache, debug, paged_decode
+from . import _upstream_cache, paged_decode
 from .masked_attention import masked_attention
 
 __all__ = ["ATTENTION_NAME", "packed_varlen_attention", "register", "replaces", "varlen_paged_attention"]
@@ -64,13 +63,11 @@ def _without_cudnn_sdpa() -> Iterator[None]:
         torch.backends.cuda.enable_cudnn_sdp(True)
 
 
-def replaces(implementation: str, cuda_graphs: bool = False) -> bool:
+def replaces(implementation: str) -> bool:
     """Whether an engine built on `implementation` runs `ATTENTION_NAME` instead: the one rule shared by the engine
     (`_upstream._choose_attention`) and the compatibility check (`checks.model.engine_attention_implementation`).
-
-    Only dense-mask implementations are replaced, not under `TRL_CB_ATTENTION=upstream`, and not with accelerator
-    graphs (the plan reads host-side lengths)."""
-    return implementation in DENSE_MASK_IMPLEMENTATIONS and debug.varlen_attention_enabled() and not cuda_graphs
+    Dense-mask implementations are replaced; flash ones are kept (varlen already, soft-cap honoured)."""
+    return implementation in DENSE_MASK_IMPLEMENTATIONS
 
 
 @functools.cache

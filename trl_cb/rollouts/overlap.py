@@ -164,7 +164,7 @@ class _ThreadCap:
 
 @contextlib.contextmanager
 def _intra_op_threads(threads: int | None) -> Iterator[None]:
-    """Build the engine reading `threads` as the caller's count (`_upstream.install_step_threads` caps each step at
+    """Build the engine reading `threads` as the caller's count (`_upstream_patches` caps each step at
     it); the caller (the trainer) gets its own count back."""
     if threads is None:
         yield

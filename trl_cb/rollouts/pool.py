@@ -16,7 +16,6 @@ from typing import Any
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import ContinuousBatchingConfig
 
-from ..checks import model as model_checks
 from ..checks.generation_settings import (
     eos_token_ids,
     request_processor_settings,
@@ -192,7 +191,6 @@ class EnginePool:
                 hints,
                 request_processors,
                 record_policy,
-                check_model=model_checks.check_model,
                 decode_graphs=graphs,
             )
         except MemoryError as err:

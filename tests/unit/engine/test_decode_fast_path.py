@@ -1,13 +1,12 @@
 """The steady-state decode fast path (`engine/_upstream_decode.py`) against transformers' per-request path.
 
 Same seed, same prompts: the engine with the fast path gives the same tokens and logprobs (bit for bit: the forward
-sees the same inputs) as with `TRL_CB_DECODE_FAST_PATH=0`, on a long decode that crosses many pages (page size 8),
-with requests finishing at different lengths by EOS, requests joining while others decode (a 48-token budget
-prefills the six prompts over several steps) and forked samples sharing their prompt's blocks; and, with identical
-forks (top_k=1), completed pages swapped for a sibling's by prefix de-duplication (without the fast path's re-read
-of a page-start row's block table, both `shared_pages` tests fail: checked by hand). The fast path must have
-prepared most steps (its counter), and a control shows a wrong position or write row would be caught.
-"""
+sees the same inputs) as transformers' own per-request path (the fast path switched off in the test), on a long decode
+that crosses many pages (page size 8), with requests finishing at different lengths by EOS, requests joining while
+others decode (a 48-token budget prefills the six prompts over several steps) and forked samples sharing their prompt's
+blocks; and, with identical forks (top_k=1), completed pages swapped for a sibling's by prefix de-duplication (without
+the fast path's re-read of a page-start row's block table, both `shared_pages` tests fail: checked by hand). The fast
+path must have prepared most steps (its counter), and a control shows a wrong position or write row would be caught."""
 
 from __future__ import annotations
 
@@ -18,10 +17,11 @@ from transformers.generation.continuous_batching.cache_allocators.cache_allocato
 from tests.conftest import sampling_config
 from tests.graph_fakes import use_fake_graphs
 from trl_cb import ContinuousBatchingGenerator
-from trl_cb.engine import _upstream_decode, debug
+from trl_cb.engine import _upstream_decode
 from trl_cb.offline.tiny import tiny_model
 
 NEW_TOKENS = 64
+fits = _upstream_decode.fast_path_fits  # the real rule (tests switch the path off by replacing it)
 
 
 def _case(request, tokenizer, case: str):
@@ -35,7 +35,7 @@ def _case(request, tokenizer, case: str):
 def _run(model, tokenizer, prompts, monkeypatch, enabled: bool, block_tables: bool = False, **sampling: object):
     """Completions, logprobs and the fast path's counters (None when off) of one seeded round. `block_tables`: the
     GPU layout (decode steps through block tables, padded, replayed as graphs by tests/graph_fakes.py)."""
-    monkeypatch.setenv(debug.DECODE_FAST_PATH_ENV, "1" if enabled else "0")
+    monkeypatch.setattr(_upstream_decode, "fast_path_fits", fits if enabled else (lambda processor: False))
     if block_tables:
         use_fake_graphs(monkeypatch)
     cfg = sampling_config(tokenizer, max_new_tokens=NEW_TOKENS, **sampling)
@@ -55,7 +55,7 @@ def test_fast_path_gives_the_slow_paths_tokens_and_logprobs(request, tokenizer, 
     ids, logprobs, stats = _run(model, tokenizer, prompts, monkeypatch, True, tables, **sampling)
     slow_ids, slow_logprobs, slow_stats = _run(model, tokenizer, prompts, monkeypatch, False, tables, **sampling)
     lengths = sorted(len(c) for c in ids)
-    assert slow_stats is None, "TRL_CB_DECODE_FAST_PATH=0 must keep upstream's path"
+    assert slow_stats is None, "the reference run must take upstream's path"
     if case == "eos":
         assert len(set(lengths)) >= 4 and lengths[0] < NEW_TOKENS, f"want EOS at several lengths: {lengths}"
     assert lengths[-1] > 3 * 8, "the decode must cross several pages"

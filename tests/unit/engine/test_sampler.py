@@ -1,6 +1,6 @@
 """The engine's sampler (`engine/sampler.py`) draws from the processed probabilities, exactly: a chi-square test of
 its draws against the probabilities at several temperature / top_k / top_p settings, with a biased sampler as the
-control, and the engine samples with it (`_upstream_sampling.install_sampler`) unless told otherwise."""
+control, and the engine samples with it (`_upstream_sampling.race_sample`, composed by `_upstream_patches`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 
 from tests.conftest import sampling_config
 from trl_cb import ContinuousBatchingGenerator
-from trl_cb.engine import debug, sampler
+from trl_cb.engine import _upstream_sampling, sampler
 
 DRAWS = 40_000
 VOCAB = 12
@@ -102,5 +102,5 @@ def _engine_sample_calls(model, tokenizer, prompts, monkeypatch) -> int:
 
 def test_the_engine_samples_with_the_race_unless_told_otherwise(model, tokenizer, prompts, monkeypatch):
     assert _engine_sample_calls(model, tokenizer, prompts, monkeypatch) >= 4
-    monkeypatch.setenv(debug.SAMPLER_ENV, "upstream")  # control: transformers' torch.multinomial
+    monkeypatch.setattr(_upstream_sampling, "race_sampler_fits", lambda manager: False)  # control: upstream's
     assert _engine_sample_calls(model, tokenizer, prompts, monkeypatch) == 0

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from trl_cb.engine.sizing import (
-    CPU_DENSE_MASK_MAX_BATCH_TOKENS,
     CPU_MAX_BATCH_TOKENS,
     MAX_BATCH_TOKENS_CAP,
     CacheSize,
@@ -31,8 +30,6 @@ def test_cpu_caps_tokens_per_forward(monkeypatch):
     w = Workload(num_requests=1000, max_prompt_len=40, max_new_tokens=256, prefill_tokens=160)
     assert size_cache(w, 32, CPU).max_batch_tokens == 1024  # but every request decodes in one forward
     assert size_cache(w, 32, GPU).max_batch_tokens == 1024
-    monkeypatch.setenv("TRL_CB_ATTENTION", "upstream")  # dense-mask attention: smaller forwards
-    assert size_cache(w, 32, CPU).max_batch_tokens == CPU_DENSE_MASK_MAX_BATCH_TOKENS
     huge = Workload(num_requests=20_000, max_prompt_len=10, max_new_tokens=10, prefill_tokens=10)
     assert size_cache(huge, 256, GPU).max_batch_tokens == MAX_BATCH_TOKENS_CAP
 

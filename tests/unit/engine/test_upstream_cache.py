@@ -2,7 +2,7 @@
 
 Exactness end to end (CB logprobs = teacher-forced ones, with controls) is `test_attention.py`'s; these tests pin
 the two pieces on their own: the read rows equal the allocator's per-token lists on every step of a real engine, and
-the previous read path (`TRL_CB_DIRECT_READS=0`) still gives the same samples and logprobs.
+transformers' own read path (`cache.update`'s packed copy) gives the same samples and logprobs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from transformers.generation.continuous_batching.cache_allocators.full_attention
 
 from tests.conftest import sampling_config
 from trl_cb import ContinuousBatchingGenerator
-from trl_cb.engine import _upstream_cache, debug, openmp
+from trl_cb.engine import _upstream_cache, _upstream_decode, openmp
 
 
 def _generate(model, tokenizer, prompts, **config: object):
@@ -30,7 +30,7 @@ def test_read_rows_equal_the_allocators_lists_on_every_step(sharp_model, tokeniz
     """Every batch the engine prepares: `read_index_rows` == the concatenated `get_read_indices` lists. Page size 16
     and 30-token prompts cross page boundaries, mid-page ends and chunked prefills (48 tokens per step). The decode
     fast path is off: it advances the previous rows instead (test_decode_fast_path.py checks those)."""
-    monkeypatch.setenv(debug.DECODE_FAST_PATH_ENV, "0")
+    monkeypatch.setattr(_upstream_decode, "fast_path_fits", lambda processor: False)
     checked = []
     rows_fn = _upstream_cache.read_index_rows
 
@@ -63,17 +63,17 @@ def test_read_rows_control_a_shifted_page_is_seen(sharp_model, tokenizer, prompt
 
 
 def test_packed_copy_path_gives_identical_rollouts(sharp_model, tokenizer, prompts, monkeypatch):
-    """`TRL_CB_DIRECT_READS=0` (reads through `cache.update`'s packed copy) samples the same tokens, logprobs equal to
-    1e-5: the A/B switch for benchmarks measures speed only."""
+    """Reads through transformers' `cache.update` (its packed copy of every key: the reference) sample the same tokens
+    as the one-gather reads, logprobs equal to 1e-5."""
     calls = []
     paged = _upstream_cache.paged_layer
     monkeypatch.setattr(_upstream_cache, "paged_layer", lambda *a: calls.append(1) or paged(*a))
     direct = _generate(sharp_model, tokenizer, prompts)
     assert calls, "the direct-read path did not run"
-    monkeypatch.setenv(debug.DIRECT_READS_ENV, "0")
+    monkeypatch.setattr(_upstream_cache, "paged_layer", lambda *a: calls.append(1))  # returns None: upstream's path
     calls.clear()
     packed = _generate(sharp_model, tokenizer, prompts)
-    assert not calls, "TRL_CB_DIRECT_READS=0 still read the storage directly"
+    assert calls, "the reference run did not go through the direct-read hook"
     assert packed.completion_ids == direct.completion_ids
     worst = max(abs(a - b) for x, y in zip(packed.logprobs, direct.logprobs) for a, b in zip(x, y))
     assert worst <= 1e-5

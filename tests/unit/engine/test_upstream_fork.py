@@ -15,7 +15,7 @@ from transformers.generation.continuous_batching.requests import RequestState, R
 
 from tests.conftest import sampling_config
 from trl_cb import ContinuousBatchingGenerator
-from trl_cb.engine import _upstream_fork, debug
+from trl_cb.engine import _upstream_fork
 
 
 def _state() -> RequestState:
@@ -66,7 +66,8 @@ def test_control_a_shallow_copy_fails_the_check():
 
 
 def _round(model, tokenizer, prompts, monkeypatch, fast: bool) -> tuple[list, list, int]:
-    monkeypatch.setenv(debug.FAST_FORK_ENV, "1" if fast else "0")
+    if not fast:  # the reference: transformers' own `deepcopy` of each forked state
+        monkeypatch.setattr(_upstream_fork, "with_fast_fork", lambda scheduler, update: update)
     calls = []
     copy_state = _upstream_fork.copy_state
 

@@ -1,8 +1,8 @@
-"""Engine forwards skip transformers' attention-mask construction (`engine/_upstream_forward.py`).
+"""Engine forwards skip transformers' attention-mask construction (the placeholder of `engine/_upstream_patches.py`).
 
 With the skip on, an engine round never runs the mask builders' packed-sequence scan (`find_packed_sequence_indices`,
 called by `create_causal_mask` for every forward given no mask) and gives the same tokens and logprobs, bit for bit,
-as with `TRL_CB_MASK_SKIP=0` (a seeded round of forked samples on a sliding-window model, so both mask builders
+as without the placeholder (a seeded round of forked samples on a sliding-window model, so both mask builders
 run); control: with the skip off the scan runs in every engine forward, so the spy would see a skip that stopped
 working (transformers 5.23; 5.24 skips the builders for the engine's cache itself). A training forward (no engine)
 still gets its mask.
@@ -17,13 +17,19 @@ from transformers import AutoModelForCausalLM, Qwen2Config, masking_utils
 
 from tests.conftest import sampling_config
 from trl_cb import ContinuousBatchingGenerator
-from trl_cb.engine import debug
+from trl_cb.engine import _upstream_patches
 from trl_cb.offline.tiny import tiny_model
+
+
+def _skip_mask(monkeypatch, skip: bool) -> None:
+    """Without `skip`, engines are built without the placeholder (upstream's mask construction: the reference)."""
+    if not skip:
+        monkeypatch.setattr(_upstream_patches, "_with_placeholder_mask", lambda compute, model, name: compute)
 
 
 def _round(tokenizer, prompts, monkeypatch, skip: bool) -> tuple[list, list, int]:
     """Completions, logprobs and the number of packed-sequence scans of one seeded round."""
-    monkeypatch.setenv(debug.MASK_SKIP_ENV, "1" if skip else "0")
+    _skip_mask(monkeypatch, skip)
     scans = []
     scan = masking_utils.find_packed_sequence_indices
 
@@ -62,10 +68,10 @@ def test_engine_forwards_skip_the_mask_and_sample_the_same(tokenizer, prompts, m
     assert ids == built_ids and logprobs == built_logprobs
 
 
-@pytest.mark.parametrize("skip", ["1", "0"])
+@pytest.mark.parametrize("skip", [True, False])
 def test_a_training_forward_keeps_its_padding_mask(tokenizer, monkeypatch, skip):
     """Outside the engine nothing changes: a left-padded batch gives the unpadded row's logits."""
-    monkeypatch.setenv(debug.MASK_SKIP_ENV, skip)
+    _skip_mask(monkeypatch, skip)
     model = tiny_model(tokenizer)
     ids = torch.tensor([[5, 6, 7, 8], [0, 6, 7, 8]])
     mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])

@@ -1,0 +1,177 @@
+"""trl_cb's behaviour inside transformers' CB engine: every engine method trl_cb changes is set here, once.
+
+Why one module: several features change the same method (three wrap `compute_batch`), and their order is part of
+their correctness (the graph innermost: whatever else a step does runs outside it). `install` builds each method from
+upstream's and the features' pure builders and assigns it once; feature modules never assign to an engine object
+(tests/unit/engine/test_upstream_patches.py). Composed, outermost first (`>`):
+`compute_batch`: step threads (CPU) > mask placeholder > decode graphs or eager (`decode_graphs`) > upstream;
+`_sample`: policy-logprob recorder > race sampler or upstream; `maybe_pad_inputs`: decode padding (`decode_graphs`);
+`prepare_batch_update`: (processed, policy) logprob pairs > upstream; `schedule_batch`: steady decode batch > upstream;
+`prepare_batch_tensors`: steady decode advance > read rows by tensor ops (`_upstream_cache`) > upstream;
+`update_batch`: steady rows inline > forks copied field by field (`_upstream_fork`) > upstream; `cache.update` (5.24):
+one-gather reads and block-table marks > upstream; `_run_generation_loop`: a context for the loop (`run_loop_in`).
+The mask placeholder: a 4D `attention_mask` short-circuits transformers' mask builders, which `varlen_attention`'s
+engine forwards never read (~0.1 ms of a 1.5 ms step). Upstream surface: tests/unit/test_contracts.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+from transformers.generation.continuous_batching import ContinuousBatchingManager
+
+from . import _upstream_cache, _upstream_decode, _upstream_fork, openmp
+from . import _upstream_sampling as _sampling
+from . import decode_graphs as _graphs
+from .policy_logprobs import PolicyLogprobRecorder
+
+__all__ = ["LOOP_ATTRIBUTE", "adopt_compute_stream", "install", "placeholder_mask", "run_loop_in"]
+
+
+@dataclass
+class Features:
+    """What an engine gets beyond upstream's behaviour (decided by `_upstream.create_manager`)."""
+
+    attention_name: str  # trl_cb's attention implementation (`varlen_attention.ATTENTION_NAME`)
+    recorder: PolicyLogprobRecorder | None = None  # record the trainer-comparable logprob of each sampled token
+    graphs_backend: _graphs.GraphBackend | None = None  # run block-table decode steps as graphs on this backend
+
+
+def install(manager: ContinuousBatchingManager, model: PreTrainedModel, features: Features) -> None:
+    """After warmup: set every engine method of the module docstring's table, once, composed in its order."""
+    processor = manager.batch_processor
+    runner, ios, scheduler, cache = (
+        processor.model_runner,
+        processor.inputs_and_outputs,
+        processor.scheduler,
+        (processor.cache),
+    )
+    recorder = features.recorder
+
+    # ModelRunner._sample and IOs.prepare_batch_update: what a step samples and hands to the host
+    sample = _sampling.race_sample(runner.return_logprobs) if _sampling.race_sampler_fits(manager) else runner._sample
+    prepare_update = ios.prepare_batch_update
+    if recorder is not None:
+        sample = _sampling.recording_sample(sample, recorder)
+        prepare_update = _sampling.with_policy_logprobs(prepare_update, recorder)
+
+    # ModelRunner.maybe_pad_inputs and compute_batch: graphs innermost, then the mask placeholder, then step threads
+    compute = runner.compute_batch
+    if features.graphs_backend is not None:
+        graphs = _graphs.DecodeGraphs(features.graphs_backend)
+        if recorder is not None:
+            graphs.after_replay.append(recorder.replayed)
+        _graphs.attach(manager, graphs)
+        runner.maybe_pad_inputs = _graphs.padded_decode(
+            runner, ios, manager.continuous_batching_config.max_requests_per_batch
+        )
+        compute = _graphs.graphed_compute(runner, ios, graphs, compute)
+    compute = _with_placeholder_mask(compute, model, features.attention_name)
+    compute = _with_step_threads(compute, model)
+
+    # Scheduler.schedule_batch, IOs.prepare_batch_tensors, processor.update_batch: the steady decode path in front
+    schedule, prepare, update = scheduler.schedule_batch, ios.prepare_batch_tensors, processor.update_batch
+    prepare = _upstream_cache.with_read_index_rows(processor, prepare) or prepare
+    update = _upstream_fork.with_fast_fork(scheduler, update)
+    runner._sample, runner.compute_batch = sample, compute  # read by the fast path's `fits` below: set first
+    ios.prepare_batch_update = prepare_update
+    processor.update_batch = update  # the fast path's inline update calls it for the rows it does not take
+    if _upstream_decode.fast_path_fits(processor):
+        schedule, prepare, update = _upstream_decode.with_fast_path(processor, schedule, prepare, update)
+    scheduler.schedule_batch, ios.prepare_batch_tensors, processor.update_batch = schedule, prepare, update
+
+    # PagedAttentionCache.update (5.24): the model's layers write the cache
+    cache_update = _upstream_cache.with_direct_reads(cache, model, features.attention_name, cache.update)
+    if cache_update is not None:
+        _upstream_cache.drop_paged_cache_from_outputs(model)
+        cache.update = cache_update
+
+
+def placeholder_mask(device: torch.device) -> torch.Tensor:
+    """(1, 1, 0, 0) bool: 4D, so transformers' mask builders hand it back untouched; empty, so nothing reads it."""
+    return torch.empty(1, 1, 0, 0, dtype=torch.bool, device=device)
+
+
+def _with_placeholder_mask(compute: Callable, model: PreTrainedModel, attention_name: str) -> Callable:
+    """A step without a dense mask gets `placeholder_mask` while `model` runs `attention_name` (see the module
+    docstring); training forwards and other attention implementations are untouched."""
+    placeholder = placeholder_mask(model.device)
+    config = model.config
+
+    def compute_without_mask(module: torch.nn.Module, batch_data: dict) -> None:
+        if batch_data.get("attention_mask") is None and config._attn_implementation == attention_name:
+            batch_data["attention_mask"] = placeholder
+        compute(module, batch_data)
+
+    return compute_without_mask
+
+
+def _with_step_threads(compute: Callable, model: PreTrainedModel) -> Callable:
+    """CPU engines with more than one intra-op thread: each step's threads set on the engine's own thread before its
+    forward (`openmp.step_threads`). That changes the engine thread's OpenMP team size, not the caller's; threads
+    started while a round runs would take the engine's count, so `_upstream.suspend` republishes the caller's.
+    `batch_data["input_ids"]` is `(1, query_tokens)`."""
+    threads = torch.get_num_threads()
+    hidden_size = getattr(model.config.get_text_config(), "hidden_size", None)
+    if model.device.type != "cpu" or threads <= 1 or not isinstance(hidden_size, int):
+        return compute
+
+    def compute_with_step_threads(module: torch.nn.Module, batch_data: dict) -> None:
+        wanted = openmp.step_threads(batch_data["input_ids"].shape[-1], hidden_size, threads)
+        if torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)
+        compute(module, batch_data)
+
+    return compute_with_step_threads
+
+
+# --------------------------------------------------------------------------------------------- the engine's loop
+
+#: The manager method `start()` hands to `threading.Thread(target=...)` (with the caller's arguments since 5.24),
+#: looked up on the instance at `start()`.
+LOOP_ATTRIBUTE = "_run_generation_loop"
+#: Manager attribute (ours): the loop already runs inside a context (`run_loop_in` is idempotent).
+_WRAPPED = "_trl_cb_loop_context"
+
+
+def run_loop_in(
+    manager: ContinuousBatchingManager, context: Callable[[], contextlib.AbstractContextManager[Any]]
+) -> None:
+    """Make every later `start()` run the engine's whole loop (batch preparation, forwards, read-back) inside
+    `context()`, entered on the engine's own thread. Call before `start()`; a second call is a no-op."""
+    if getattr(manager, _WRAPPED, False):
+        return
+    loop = getattr(manager, LOOP_ATTRIBUTE)
+
+    @functools.wraps(loop)  # the thread keeps upstream's name (leak checks look for it)
+    def loop_in_context(*args: Any, **kwargs: Any) -> None:  # 5.24 passes `use_inference_mode`, 5.23 nothing
+        with context():
+            loop(*args, **kwargs)
+
+    setattr(manager, LOOP_ATTRIBUTE, loop_in_context)
+    setattr(manager, _WRAPPED, True)
+
+
+def adopt_compute_stream(manager: ContinuousBatchingManager, stream: Any) -> list[Any]:
+    """Make `stream` the batch processor's compute stream, so the forward and sampling run on the same stream as the
+    rest of the engine's thread (one in-order queue: no cross-stream hazard inside the engine). Only for synchronous
+    IOs with a stream (a device that has streams; on CPU there is none and nothing changes).
+
+    Returns the upstream streams still in use that the caller must order against the trainer as it orders `stream`:
+    none, or with `use_async_batching` its compute, host-to-device and device-to-host streams (kept: their
+    double-buffering is ordered by upstream's own events)."""
+    processor = manager.batch_processor
+    ios = processor.inputs_and_outputs
+    if processor.use_async_batching:
+        return [s for s in (ios.compute_stream, ios.h2d_stream, ios.d2h_stream) if s is not None]
+    if ios.compute_stream is not None:
+        ios.compute_stream.synchronize()  # the warm-up ran on it: done before `stream` takes over
+        ios.compute_stream = stream
+        processor.offloading_manager._compute_stream = stream  # its copies are ordered on the compute stream
+    return []
