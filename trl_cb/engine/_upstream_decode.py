@@ -95,10 +95,25 @@ def with_fast_path(
     block_tables = ios.block_table.numel() > 0
     stats = DecodeFastPathStats()
     setattr(processor, _STATS_ATTR, stats)
-    fast_prepare = _fast_prepare_table if block_tables else _fast_prepare
+    if block_tables:
+        host = _HostInputs(ios)
+
+        def advance(last: Any, batch: list, processors: Any, num_q_tokens: int, max_kv_read: int) -> Any:
+            return _advance_table(ios, allocator, host, last, batch, processors, num_q_tokens)
+
+        def remember(batch: list, num_q_tokens: int) -> Any:
+            return _remember_table(ios, allocator, host, batch, num_q_tokens)
+    else:
+
+        def advance(last: Any, batch: list, processors: Any, num_q_tokens: int, max_kv_read: int) -> Any:
+            return _advance(ios, allocator, last, batch, processors, max_kv_read)
+
+        def remember(batch: list, num_q_tokens: int) -> Any:
+            return _remember_rows(ios, batch)
+
     return (
         _fast_scheduler(scheduler, cache, allocator, schedule, block_tables),
-        fast_prepare(ios, allocator, stats, prepare),
+        _fast_prepare(ios, stats, prepare, block_tables, advance, remember),
         _fast_update(ios, update),
     )
 
@@ -176,18 +191,26 @@ def _steady_batch(
 
 def _fast_prepare(
     ios: ContinuousBatchingIOs,
-    allocator: FullAttentionCacheAllocator,
     stats: DecodeFastPathStats,
     slow: Callable,
+    block_tables: bool,
+    advance: Callable[[Any, list, Any, int, int], Any],
+    remember: Callable[[list, int], Any],
 ) -> Callable:
-    previous: list[_Previous | None] = [None]
+    """`prepare_batch_tensors`: a steady step (every row one decode token; in the block-table layout a step the
+    scheduler sent through block tables, in the read-row layout an unpadded one) is advanced from the last one
+    (`advance(last, batch, processors, num_q_tokens, max_kv_read)`, None when it is not a steady continuation); any
+    other step is `slow` (upstream's), after which `remember(batch, num_q_tokens)` records the state to advance from
+    (None where the step cannot be)."""
+    previous: list[Any] = [None]
 
     def prepare_batch_tensors(requests_in_batch: list, logits_processors: Any, use_decode_fast_path: bool,
                               num_q_tokens: int, max_kv_read: int, use_padding: bool) -> None:  # fmt: skip
         last = previous[0]
-        steady = not use_padding and all(f.query_length == 1 and f.has_new_token for f in requests_in_batch)
+        layout_fits = use_decode_fast_path if block_tables else not use_padding
+        steady = layout_fits and all(f.query_length == 1 and f.has_new_token for f in requests_in_batch)
         if steady and last is not None and ios.requests_in_batch is last.marker:
-            advanced = _advance(ios, allocator, last, requests_in_batch, logits_processors, max_kv_read)
+            advanced = advance(last, requests_in_batch, logits_processors, num_q_tokens, max_kv_read)
             if advanced is not None:
                 stats.fast += 1
                 previous[0] = advanced
@@ -195,20 +218,27 @@ def _fast_prepare(
         stats.slow += 1
         previous[0] = None
         slow(requests_in_batch, logits_processors, use_decode_fast_path, num_q_tokens, max_kv_read, use_padding)
-        if steady and ios.true_read_sizes[0] > 0:
-            n = len(requests_in_batch)
-            positions = ios.position_ids[:n].numpy().astype(np.int64)
-            key_lengths = positions + 1
-            previous[0] = _Previous(
-                ios.requests_in_batch,
-                [f.state for f in requests_in_batch],
-                positions,
-                ios.write_index_storage[0, :n].numpy().copy(),
-                key_lengths,
-                int(key_lengths.sum()),
-            )
+        if steady:
+            previous[0] = remember(requests_in_batch, num_q_tokens)
 
     return prepare_batch_tensors
+
+
+def _remember_rows(ios: ContinuousBatchingIOs, batch: list) -> _Previous | None:
+    """The read-row state of a step upstream just prepared (None if it read no key rows)."""
+    if ios.true_read_sizes[0] == 0:
+        return None
+    n = len(batch)
+    positions = ios.position_ids[:n].numpy().astype(np.int64)
+    key_lengths = positions + 1
+    return _Previous(
+        ios.requests_in_batch,
+        [f.state for f in batch],
+        positions,
+        ios.write_index_storage[0, :n].numpy().copy(),
+        key_lengths,
+        int(key_lengths.sum()),
+    )
 
 
 def _advance(
@@ -355,36 +385,18 @@ class _HostInputs:
             table[i, len(blocks) :] = -1
 
 
-def _fast_prepare_table(
-    ios: ContinuousBatchingIOs, allocator: FullAttentionCacheAllocator, stats: DecodeFastPathStats, slow: Callable
-) -> Callable:
-    """`prepare_batch_tensors` for block-table steps (padded to `num_q_tokens` rows): a steady step is advanced from
-    the last one in numpy (`_advance_table`); any other step is upstream's, and a block-table one is then recorded
-    (its rows copied to the host table from the allocator) so that the next can advance from it."""
-    previous: list[_PreviousTable | None] = [None]
-    host = _HostInputs(ios)
-
-    def prepare_batch_tensors(requests_in_batch: list, logits_processors: Any, use_decode_fast_path: bool,
-                              num_q_tokens: int, max_kv_read: int, use_padding: bool) -> None:  # fmt: skip
-        last = previous[0]
-        steady = use_decode_fast_path and all(f.query_length == 1 and f.has_new_token for f in requests_in_batch)
-        if steady and last is not None and ios.requests_in_batch is last.marker:
-            advanced = _advance_table(ios, allocator, host, last, requests_in_batch, logits_processors, num_q_tokens)
-            if advanced is not None:
-                stats.fast += 1
-                previous[0] = advanced
-                return
-        stats.slow += 1
-        previous[0] = None
-        slow(requests_in_batch, logits_processors, use_decode_fast_path, num_q_tokens, max_kv_read, use_padding)
-        if steady and ios.use_block_table:
-            states = [f.state for f in requests_in_batch]
-            host.fill_table_rows(allocator, states, range(len(states)))
-            host.table_np[allocator.index, len(states) : num_q_tokens] = -1
-            positions = np.fromiter((s.position_offset - 1 for s in states), np.int64, len(states))
-            previous[0] = _PreviousTable(ios.requests_in_batch, states, positions, num_q_tokens)
-
-    return prepare_batch_tensors
+def _remember_table(
+    ios: ContinuousBatchingIOs, allocator: FullAttentionCacheAllocator, host: _HostInputs, batch: list, rows: int
+) -> _PreviousTable | None:
+    """The block-table state of a step upstream just prepared: its rows copied to the host table from the allocator
+    (the device table is upstream's), padding rows -1, so that the next step can advance from it."""
+    if not ios.use_block_table:
+        return None
+    states = [f.state for f in batch]
+    host.fill_table_rows(allocator, states, range(len(states)))
+    host.table_np[allocator.index, len(states) : rows] = -1
+    positions = np.fromiter((s.position_offset - 1 for s in states), np.int64, len(states))
+    return _PreviousTable(ios.requests_in_batch, states, positions, rows)
 
 
 def _advance_table(
