@@ -147,37 +147,27 @@ def test_probe_refuses_a_window_the_engine_would_not_apply(tokenizer, special_id
         compat.check_model(model)
 
 
-def test_engine_with_accelerator_graphs_refuses_a_soft_capped_model(tokenizer, special_ids):
-    """With accelerator graphs the engine keeps transformers' dense-mask attention (trl_cb's reads host-side lengths),
-    which drops Gemma-2's soft-cap: the engine build refuses the model instead of sampling without it. Control: the
-    same engine choice for a model without soft-cap goes through, and without graphs Gemma-2 gets trl_cb's attention.
-    """
+def test_engine_attention_replaces_dense_mask_implementations(tokenizer, special_ids):
+    """The engine always puts trl_cb's attention where transformers would run a dense mask (Gemma-2's soft-cap
+    included: transformers' `paged|eager` drops it), and keeps a flash implementation."""
     from types import SimpleNamespace
 
     from trl_cb.engine import _upstream
     from trl_cb.engine import varlen_attention as attention
 
-    def fake_manager(graphs: bool) -> SimpleNamespace:  # what `_choose_attention` uses, after upstream's switch
-        config = SimpleNamespace(cuda_graph_booleans=(graphs,), auto_switch_to_flash=False)
-        switch = lambda model, flash: None  # noqa: E731 - upstream already switched (eager -> paged|eager)
-        return SimpleNamespace(
-            continuous_batching_config=config, _original_attn_impl=None, switch_to_cb_friendly_attn=switch
-        )
-
-    def make(model_type: str):
-        return tiny_arch_model(next(a for a in SUPPORTED if a.model_type == model_type), len(tokenizer), special_ids)
-
-    gemma2 = make("gemma2")
-    assert compat.check_model(gemma2) is True  # accepted for the engine trl_cb builds by default
+    gemma2 = tiny_arch_model(next(a for a in SUPPORTED if a.model_type == "gemma2"), len(tokenizer), special_ids)
+    assert compat.check_model(gemma2) is True
     gemma2.set_attn_implementation("paged|eager")  # as the manager's constructor leaves an eager model
-    with pytest.raises(UnsupportedModelError, match="soft"):
-        _upstream._choose_attention(fake_manager(graphs=True), gemma2, compat.check_model)
-    for model, graphs in ((make("qwen2"), True), (gemma2, False)):
-        manager = fake_manager(graphs)
-        expected = model.config._attn_implementation if graphs else attention.ATTENTION_NAME
-        _upstream._choose_attention(manager, model, compat.check_model)
-        assert getattr(manager, _upstream._VARLEN_FLAG) is (not graphs), model.config.model_type
-        assert model.config._attn_implementation == expected
+    switch = lambda model, flash: None  # noqa: E731 - upstream already switched (eager -> paged|eager)
+    config = SimpleNamespace(auto_switch_to_flash=False)
+    manager = SimpleNamespace(
+        continuous_batching_config=config, _original_attn_impl=None, switch_to_cb_friendly_attn=switch
+    )
+    _upstream._choose_attention(manager, gemma2)
+    assert getattr(manager, _upstream._VARLEN_FLAG) is True
+    assert gemma2.config._attn_implementation == attention.ATTENTION_NAME
+    assert manager._original_attn_impl == "paged|eager"
+    assert not attention.replaces("flash_attention_2")
 
 
 def test_probe_leaves_the_model_as_it_was(tokenizer, special_ids):

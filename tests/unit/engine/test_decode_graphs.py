@@ -9,6 +9,8 @@ check is wrong (the control). Where graphs are refused or off is decided by the 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -221,3 +223,36 @@ def test_flash_kernel_window_matches_the_models(tokenizer, prompts, monkeypatch,
     assert calls["packed"] > 0
     worst = _worst_shifted(model, prompts, completions, logprobs, 1.0)
     assert worst < 1e-4 if not shift else worst > 0.1
+
+
+@pytest.mark.parametrize("softcap", [True, False], ids=["softcap", "control-softcap-dropped"])
+def test_graphed_decode_honours_a_soft_cap(tokenizer, prompts, monkeypatch, softcap):
+    """A soft-capped model with full attention only (Gemma-2's cap, no sliding layers: block tables on) samples
+    exactly through graphed decode steps; the control compares with the same model without its cap."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from tests.model_zoo import SHAPE
+
+    use_fake_graphs(monkeypatch)
+    shape = {k: v for k, v in SHAPE.items() if k != "initializer_range"}
+    config = Gemma2Config(
+        **shape, vocab_size=len(tokenizer), attn_logit_softcapping=2.0, final_logit_softcapping=None,
+        query_pre_attn_scalar=16, layer_types=["full_attention"] * SHAPE["num_hidden_layers"], sliding_window=4096,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+    with ContinuousBatchingGenerator(model, sampling_config(tokenizer)) as gen:
+        result = gen.generate(prompts, num_generations=G)
+        assert _graphs(gen).stats.replays > 0
+    reference = model
+    if not softcap:
+        reference = copy.deepcopy(model)
+        for layer in reference.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+    worst = _worst(reference, prompts, result)
+    assert worst < 1e-4 if softcap else worst > 0.1
