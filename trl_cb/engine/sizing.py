@@ -3,9 +3,9 @@
 Why: without `num_blocks`/`max_batch_tokens`, transformers sizes the KV cache from free device memory (on CPU, ~60 %
 of *system* RAM) and, with sdpa, allocates a dense attention mask proportional to it: several GiB, seconds per call,
 and a process that stays slow afterwards (docs/index.md, "Sizing"). A training step knows its workload exactly, so
-we ask for that: every request's longest possible sequence, rounded up to pages (a forked sample owns a copy of its
-prompt's partial page and shares the full ones, so it never holds more). `max_memory_percent` remains the hard cap
-that transformers enforces when it checks the footprint.
+we ask for that: every request's longest possible sequence, rounded up to pages; with block sharing a prompt's full
+pages are counted once for its samples (a fork shares them and owns a copy of the partial page). `max_memory_percent`
+remains the hard cap that transformers enforces when it checks the footprint.
 
 Invariant: the cache returned holds every request of the workload at its maximum length at the same time, so no
 request is ever preempted or starved for lack of blocks.
@@ -39,14 +39,19 @@ class Workload:
     max_prompt_len: int
     max_new_tokens: int
     prefill_tokens: int  # tokens of the unique prompts (forked samples share their prompt's prefill)
+    #: Prompts the requests are forked from (their G samples share the prompt's full pages); None: every request its
+    #: own prompt (a server's requests).
+    num_prompts: int | None = None
 
     def union(self, other: Workload) -> Workload:
         """The smallest workload both fit in (used when re-sizing so the engine only grows)."""
+        prompts = None if None in (self.num_prompts, other.num_prompts) else max(self.num_prompts, other.num_prompts)
         return Workload(
             num_requests=max(self.num_requests, other.num_requests),
             max_prompt_len=max(self.max_prompt_len, other.max_prompt_len),
             max_new_tokens=max(self.max_new_tokens, other.max_new_tokens),
             prefill_tokens=max(self.prefill_tokens, other.prefill_tokens),
+            num_prompts=prompts,
         )
 
 
@@ -79,12 +84,19 @@ def default_page_size(device: torch.device, dtype: torch.dtype | None = None) ->
     return GPU_PAGE_SIZE
 
 
-def size_cache(workload: Workload, page_size: int, device: torch.device | None = None) -> CacheSize:
-    """Blocks and batch tokens for `workload` with `page_size`-token pages (see module docstring)."""
+def size_cache(
+    workload: Workload, page_size: int, device: torch.device | None = None, shared_prompts: bool = True
+) -> CacheSize:
+    """Blocks and batch tokens for `workload` with `page_size`-token pages (see module docstring). With
+    `shared_prompts` (the engine's block sharing: a fork shares its prompt's full pages), a prompt's full pages are
+    counted once for its samples, each of which holds at most its prompt's partial page and its completion."""
     if page_size <= 0:
         raise ValueError(f"page_size must be > 0, got {page_size}.")
-    blocks_per_request = math.ceil((workload.max_prompt_len + workload.max_new_tokens) / page_size)
-    num_blocks = workload.num_requests * blocks_per_request
+    requests, prompt, new = workload.num_requests, workload.max_prompt_len, workload.max_new_tokens
+    num_blocks = requests * math.ceil((prompt + new) / page_size)  # every request at its longest, alone
+    if shared_prompts and workload.num_prompts is not None:
+        shared = workload.num_prompts * (prompt // page_size) + requests * math.ceil((page_size - 1 + new) / page_size)
+        num_blocks = min(num_blocks, shared)
     # One forward should hold one decode token per running request and, ideally, the whole prefill (larger prefill is
     # chunked by the engine). A power of two keeps the shape stable while prompt lengths jitter between steps.
     wanted = max(workload.num_requests, workload.prefill_tokens, 64)

@@ -55,7 +55,7 @@ class LocalEngineBackend(RolloutBackend):
         """Every group that may be in flight (`capacity_groups` x G requests) with the longest prompt."""
         max_new = int(self.generator.generation_config.max_new_tokens)
         requests = capacity_groups * self.num_generations
-        return Workload(requests, self.max_prompt_len, max_new, capacity_groups * self.max_prompt_len)
+        return Workload(requests, self.max_prompt_len, max_new, capacity_groups * self.max_prompt_len, capacity_groups)
 
     def validate(self, prompt_ids: list[int]) -> None:
         """The synchronous checks, then the length the engine was sized for (a longer prompt cannot be scheduled)."""

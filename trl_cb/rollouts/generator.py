@@ -280,6 +280,7 @@ class ContinuousBatchingGenerator:
             max_prompt_len=max(len(p) for p in prompts),
             max_new_tokens=max_new_tokens,
             prefill_tokens=sum(len(p) for p, _ in groups),
+            num_prompts=len(groups),
         )
         engine = self._pool.ensure(module, workload, gen_cfg)  # no engine thread runs when this returns
         t_engine = time.perf_counter()

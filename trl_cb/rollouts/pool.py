@@ -101,7 +101,7 @@ class EnginePool:
     def cache_size(self, module: PreTrainedModel, workload: Workload) -> CacheSize:
         """The cache geometry for `workload`: the user's settings where given, else sized from the workload."""
         page_size = self.cb_kwargs.get("page_size") or default_page_size(module.device, module.dtype)
-        sized = size_cache(workload, page_size, module.device)
+        sized = size_cache(workload, page_size, module.device, self.cb_kwargs.get("allow_block_sharing", True))
         return CacheSize(
             page_size=page_size,
             num_blocks=self.cb_kwargs.get("num_blocks") or sized.num_blocks,

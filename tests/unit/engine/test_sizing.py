@@ -16,6 +16,16 @@ from trl_cb.engine.sizing import (
 CPU, GPU = torch.device("cpu"), torch.device("cuda")
 
 
+def test_shared_prompt_pages_are_counted_once():
+    """8 samples of 4 prompts of 100 tokens, 48 new, 32-token pages: 3 full prompt pages per prompt (shared by its
+    samples) + per sample at most ceil((31 + 48) / 32) = 3 pages, against 5 pages per sample unshared."""
+    w = Workload(num_requests=32, max_prompt_len=100, max_new_tokens=48, prefill_tokens=400, num_prompts=4)
+    assert size_cache(w, 32, GPU).num_blocks == 4 * 3 + 32 * 3
+    assert size_cache(w, 32, GPU, shared_prompts=False).num_blocks == 32 * 5
+    alone = Workload(num_requests=32, max_prompt_len=100, max_new_tokens=48, prefill_tokens=100)  # a server's
+    assert size_cache(alone, 32, GPU).num_blocks == 32 * 5
+
+
 def test_every_request_fits_at_full_length():
     w = Workload(num_requests=32, max_prompt_len=100, max_new_tokens=48, prefill_tokens=800)
     size = size_cache(w, page_size=32, device=GPU)
@@ -46,9 +56,16 @@ def test_union_only_grows():
     assert a.union(b) == Workload(16, 100, 64, 400)
 
 
-@pytest.mark.parametrize(("page", "prompt_len", "new", "samples"), [(8, 7, 9, 4), (8, 16, 8, 3), (16, 17, 23, 4)])
-@pytest.mark.parametrize("graphs", [False, True], ids=["cpu-layout", "block-tables"])
-def test_the_sized_cache_never_offloads_a_request(tokenizer, monkeypatch, page, prompt_len, new, samples, graphs):
+@pytest.mark.parametrize(
+    ("page", "prompt_len", "new", "samples"),
+    [(8, 7, 9, 4), (8, 16, 8, 3), (16, 17, 23, 4), (8, 23, 1, 8), (8, 25, 15, 1)],
+)
+@pytest.mark.parametrize(
+    ("graphs", "sharing"), [(False, True), (True, True), (False, False)], ids=["cpu", "block-tables", "no-sharing"]
+)
+def test_the_sized_cache_never_offloads_a_request(
+    tokenizer, monkeypatch, page, prompt_len, new, samples, graphs, sharing
+):
     """Every request runs to its limit (EOS never sampled), forked from prompts whose length ends mid-page, on a page
     or just past one: the workload-sized cache holds them all at once; transformers would offload a request to the
     CPU (`OffloadingManager.offload_requests`) if it did not."""
@@ -73,6 +90,8 @@ def test_the_sized_cache_never_offloads_a_request(tokenizer, monkeypatch, page, 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, len(tokenizer), (prompt_len,), generator=g).tolist() for _ in range(3)]
     cfg = sampling_config(tokenizer, max_new_tokens=new)
-    with ContinuousBatchingGenerator(model, cfg, {"page_size": page}) as gen:
+    with ContinuousBatchingGenerator(model, cfg, {"page_size": page, "allow_block_sharing": sharing}) as gen:
         result = gen.generate(prompts, num_generations=samples)
+        exact = size_cache(Workload(3 * samples, prompt_len, new, 3 * prompt_len, 3), page, shared_prompts=sharing)
+        assert gen.cache_size.num_blocks == exact.num_blocks, "the test must run at the exact size"
     assert [len(c) for c in result.completion_ids] == [new] * (3 * samples)
