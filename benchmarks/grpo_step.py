@@ -13,14 +13,14 @@ benchmarks/common.py):
 - `trl_native`: TRL's trainer with its own `use_transformers_continuous_batching=True` (new manager every step,
                 no logprobs, no IS correction).
 - `trl_cb`:     trl_cb's trainer with the flag on (persistent engine, logprobs, IS correction).
-- `trl_cb_async`: the same with `async_generation=True` (engine fed ahead of the trainer, bounded staleness).
-- `trl_cb_overlap_async`: the same with `async_overlap=True`: the engine also generates during the trainer's forward
+- `trl_cb_async`: the same with `cb_async_generation=True` (engine fed ahead of the trainer, bounded staleness).
+- `trl_cb_overlap_async`: the same with `cb_async_overlap=True`: the engine also generates during the trainer's forward
                 and backward, on a view of the same weights, and pauses only for optimizer steps (docs/async.md);
                 `--engine-threads` sets its intra-op threads (default: the trainer's `--threads`); several values
                 (`1 2 trainer`, `trainer`: unset) run this backend once per value.
-- `trl_cb_server`: trl_cb's trainer with `rollout_server_urls` pointing at a local `trl-cb serve` replica the worker
+- `trl_cb_server`: trl_cb's trainer with `cb_server_urls` pointing at a local `trl-cb serve` replica the worker
                 starts (sync: weights pushed before each step's generation).
-- `trl_cb_server_async`: the same with `async_generation=True`: the server generates while the trainer trains,
+- `trl_cb_server_async`: the same with `cb_async_generation=True`: the server generates while the trainer trains,
                 weights pushed after every optimizer step (docs/server.md).
 
 Threads: colocated backends use `--threads` (default: every core); the server backends split the cores, the server
@@ -101,11 +101,11 @@ WORKLOADS = {
 
 
 def _async_fields(spec: dict[str, Any]) -> dict[str, Any]:
-    fields = {"async_generation": True, "max_staleness": spec["max_staleness"]}
+    fields = {"cb_async_generation": True, "cb_async_max_staleness": spec["max_staleness"]}
     if spec["prefetch_depth"] is not None:  # unset: the config's default for the backend (0 with overlap, else 1)
-        fields["prefetch_depth"] = spec["prefetch_depth"]
+        fields["cb_async_prefetch_depth"] = spec["prefetch_depth"]
     if spec["backend"] == "trl_cb_overlap_async":
-        fields.update(async_overlap=True, async_overlap_engine_threads=spec.get("engine_threads"))
+        fields.update(cb_async_overlap=True, cb_async_overlap_engine_threads=spec.get("engine_threads"))
     return fields
 
 
@@ -124,7 +124,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         server = {}
         if backend in SERVER_BACKENDS:
             url = stack.enter_context(served_model(model, tokenizer, spec["server_threads"]))
-            server = {"rollout_server_urls": [url]}
+            server = {"cb_server_urls": [url]}
         torch.set_num_threads(spec["trainer_threads"] if backend in SERVER_BACKENDS else spec["threads"])
         args = config_cls(
             output_dir=spec["output_dir"], per_device_train_batch_size=spec["prompts"] * spec["num_generations"],

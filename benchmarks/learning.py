@@ -42,13 +42,13 @@ What is measured (docs/benchmarks.md, "Learning: method"):
 Backends, each (trainer, backend, seed[, variant]) in its own subprocess with the same seed, data and hyper-parameters:
 - `generate`:     TRL's trainer, `use_transformers_continuous_batching=False` (left-padded `model.generate`).
 - `trl_cb`:       trl_cb's trainer with the flag on (persistent engine, IS-corrected loss).
-- `trl_cb_async`: the same with `async_generation=True` (engine fed ahead of the trainer, bounded staleness).
-- `trl_cb_overlap_async`: the same with `async_overlap=True`: the engine also generates during the trainer's forward
+- `trl_cb_async`: the same with `cb_async_generation=True` (engine fed ahead of the trainer, bounded staleness).
+- `trl_cb_overlap_async`: the same with `cb_async_overlap=True`: the engine also generates during the trainer's forward
                   and backward, on a view of the same weights, pausing for optimizer steps (and for evaluations).
-- `trl_cb_server`: trl_cb's trainer on a local `trl-cb serve` replica the worker starts (`rollout_server_urls`; sync:
+- `trl_cb_server`: trl_cb's trainer on a local `trl-cb serve` replica the worker starts (`cb_server_urls`; sync:
                   weights pushed before each step's generation). The cores are split: the server gets
                   `--server-threads` (default 1), the trainer the rest (at least 1).
-- `trl_cb_server_async`: the same with `async_generation=True`: the server generates while the trainer trains.
+- `trl_cb_server_async`: the same with `cb_async_generation=True`: the server generates while the trainer trains.
 The async backends run once per variant (`learning_variants.py`: `--prefetch-depth`, `--max-staleness`,
 `--keep-stale`, `--is-mode`, `--is-clip-min`, `--is-clip-max` as a grid, `--staleness-sweep`, or `--variants`); each
 is a curve labelled with its settings. The sync backends run once. Without a depth flag every async backend runs at
@@ -165,9 +165,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     if backend != "generate":
         extra["use_transformers_continuous_batching"] = True
     if backend in ASYNC_BACKENDS:
-        extra.update(async_generation=True, **variants.config_overrides(spec["variant"]))
+        extra.update(cb_async_generation=True, **variants.config_overrides(spec["variant"]))
     if backend == "trl_cb_overlap_async":
-        extra["async_overlap"] = True
+        extra["cb_async_overlap"] = True
     model, tokenizer = _model_and_tokenizer(spec)
     pause: Any = contextlib.nullcontext
     with contextlib.ExitStack() as stack:
@@ -175,7 +175,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             device = spec.get("server_device") or spec["device"]
             served = served_model(model, tokenizer, spec["server_threads"], device, spec["dtype"])
             url = stack.enter_context(served)
-            extra["rollout_server_urls"] = [url]
+            extra["cb_server_urls"] = [url]
             torch.set_num_threads(max(1, (os.cpu_count() or 1) - spec["server_threads"]))
             if backend in ASYNC_BACKENDS:  # it would generate ahead while the trainer evaluates
 
@@ -306,11 +306,11 @@ def _trainer_settings(trainer: Any) -> dict[str, Any]:
     """The async and IS settings the trainer ran with (the staleness bound as resolved when unset)."""
     a = trainer.args
     out = {name: getattr(a, name, None) for name in (
-        "prefetch_depth", "max_staleness", "async_keep_stale", "cb_importance_sampling_mode",
+        "cb_async_prefetch_depth", "cb_async_max_staleness", "cb_async_keep_stale", "cb_importance_sampling_mode",
         "cb_importance_sampling_clip_min", "cb_importance_sampling_clip_max",
     )}  # fmt: skip
     resolve = getattr(trainer, "_cb_max_staleness", None)
-    if getattr(a, "async_generation", False) and callable(resolve):
+    if getattr(a, "cb_async_generation", False) and callable(resolve):
         out["max_staleness_resolved"] = resolve()
     return out
 
@@ -576,7 +576,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="max_staleness values (default: the config's, (prefetch_depth + 1) * k: drops nothing)",
     )
-    g.add_argument("--keep-stale", action="store_true", help="async_keep_stale=True in every variant")
+    g.add_argument("--keep-stale", action="store_true", help="cb_async_keep_stale=True in every variant")
     g.add_argument(
         "--staleness-sweep",
         type=int,

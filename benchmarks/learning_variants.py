@@ -25,9 +25,9 @@ from trl_cb.configs import DEFAULT_OVERLAP_PREFETCH_DEPTH, DEFAULT_PREFETCH_DEPT
 
 #: Spec key -> (trl_cb config field, parser). The order is the label's order.
 FIELDS: dict[str, tuple[str, Any]] = {
-    "depth": ("prefetch_depth", int),
-    "max_staleness": ("max_staleness", int),
-    "keep_stale": ("async_keep_stale", lambda v: _parse_bool(v)),
+    "depth": ("cb_async_prefetch_depth", int),
+    "max_staleness": ("cb_async_max_staleness", int),
+    "keep_stale": ("cb_async_keep_stale", lambda v: _parse_bool(v)),
     "is_mode": ("cb_importance_sampling_mode", str),
     "is_clip_min": ("cb_importance_sampling_clip_min", float),
     "is_clip_max": ("cb_importance_sampling_clip_max", float),
@@ -154,7 +154,7 @@ def check_variants(trainers: list[str], variants: list[dict[str, Any]]) -> dict[
             try:
                 config_cls(
                     output_dir=out, use_cpu=True, report_to=[], use_transformers_continuous_batching=True,
-                    async_generation=True, **config_overrides(settings),
+                    cb_async_generation=True, **config_overrides(settings),
                 )  # fmt: skip
             except (ValueError, TypeError) as err:
                 rejected[kind, label(settings)] = str(err)

@@ -11,7 +11,7 @@ A real model and the real data (needs the hub / the file):
 Generation on a rollout server, overlapped with training (docs/server.md; same offline tiny model):
     trl-cb serve --model trl-cb/tiny --port 8000 &
     python examples/rloo_gsm8k.py --output_dir /tmp/rloo --max_steps 4 \
-        --rollout_server_urls http://127.0.0.1:8000 --async_generation
+        --cb_server_urls http://127.0.0.1:8000 --cb_async_generation
 
 Multi-GPU (see docs/distributed.md):
     accelerate launch --config_file examples/accelerate_configs/zero3.yaml examples/rloo_gsm8k.py ...

@@ -1,4 +1,4 @@
-"""DDP with `async_overlap=True` on 2 CPU processes (gloo), launched with torchrun by test_distributed.py.
+"""DDP with `cb_async_overlap=True` on 2 CPU processes (gloo), launched with torchrun by test_distributed.py.
 
 Each rank trains GRPO for `--steps` optimizer steps on the tiny model with the engine generating on its view of the
 DDP module's parameters during forward and backward (accelerate wraps the model in `DistributedDataParallel`; the
@@ -45,8 +45,8 @@ def main() -> None:
         output_dir=os.path.join(args.report, "out"), per_device_train_batch_size=4, num_generations=4,
         max_completion_length=16, max_steps=args.steps, logging_steps=1, learning_rate=1e-2, beta=0.0,
         use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
-        use_transformers_continuous_batching=True, top_k=0, top_p=1.0, async_generation=True, async_overlap=True,
-        async_overlap_engine_threads=1,
+        use_transformers_continuous_batching=True, top_k=0, top_p=1.0, cb_async_generation=True, cb_async_overlap=True,
+        cb_async_overlap_engine_threads=1,
     )  # fmt: skip
     tokenizer = tiny_tokenizer()
     model = tiny_model(tokenizer)  # no EOS bias: completions run to 16 tokens, updates land mid-request

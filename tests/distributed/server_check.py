@@ -1,10 +1,10 @@
 """Multi-process trainer against a rollout server, launched by tests/distributed/test_server_distributed.py.
 
-Trains GRPO for 2 steps with `rollout_server_urls=[--url]` (DDP or ZeRO-3 through `accelerate launch`, optionally
+Trains GRPO for 2 steps with `cb_server_urls=[--url]` (DDP or ZeRO-3 through `accelerate launch`, optionally
 LoRA) and checks every round on every rank: the completions the server returned for this rank's own prompts carry
 logprobs equal to teacher-forced logprobs of the trainer's weights at that moment, gathered whole independently of
 trl_cb (`deepspeed.zero.GatheredParameters` over the whole tiny model) into a fresh copy, LoRA merged by peft.
-With `--async-mode` (`async_generation=True`) it records instead which groups each rank trained on, and the weight
+With `--async-mode` (`cb_async_generation=True`) it records instead which groups each rank trained on, and the weight
 versions of their tokens. Writes one JSON per rank.
 """
 
@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--report", required=True)
     parser.add_argument("--url", required=True)
     parser.add_argument("--lora", action="store_true")
-    parser.add_argument("--async-mode", action="store_true", help="async_generation: groups taken while training")
+    parser.add_argument("--async-mode", action="store_true", help="cb_async_generation: groups taken while training")
     args = parser.parse_args()
 
     import trl_cb
@@ -62,8 +62,8 @@ def main() -> None:
         output_dir=os.path.join(args.report, "out"), per_device_train_batch_size=4, num_generations=4,
         max_completion_length=12, max_steps=2, logging_steps=1, learning_rate=1e-2, beta=0.0, use_cpu=True,
         report_to=[], save_strategy="no", disable_tqdm=True, seed=0, use_transformers_continuous_batching=True,
-        top_k=0, top_p=1.0, rollout_server_urls=[args.url], cb_generation_timeout=120,
-        async_generation=args.async_mode, prefetch_depth=0,
+        top_k=0, top_p=1.0, cb_server_urls=[args.url], cb_generation_timeout=120,
+        cb_async_generation=args.async_mode, cb_async_prefetch_depth=0,
     )  # fmt: skip
     tokenizer = tiny_tokenizer()
     model = tiny_model(tokenizer, eos_logit_bias=4.0, init_std=0.2)  # sharp: logprobs depend on the prompt

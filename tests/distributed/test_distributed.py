@@ -169,10 +169,11 @@ def test_fsdp2_adapter_two_processes(bf16, tmp_path):
 
 
 def test_ddp_overlap_two_processes(tmp_path):
-    """`async_overlap=True` under DDP (torchrun, gloo): the engine generates on each rank's view while DDP trains; both
-    ranks end with bitwise equal weights after 4 optimizer steps, and every take's per-token versions are consistent
-    (one per token, never decreasing along a completion, never ahead of the policy nor older than the staleness bound,
-    the same policy version on both ranks at every take): the last take's tokens were all sampled after an update."""
+    """`cb_async_overlap=True` under DDP (torchrun, gloo): the engine generates on each rank's view while DDP trains;
+    both ranks end with bitwise equal weights after 4 optimizer steps, and every take's per-token versions are
+    consistent (one per token, never decreasing along a completion, never ahead of the policy nor older than the
+    staleness bound, the same policy version on both ranks at every take): the last take's tokens were all sampled
+    after an update."""
     launcher = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
     cmd = [launcher, "--nproc_per_node", "2", *distinct_port("--master_port"), str(HERE / "overlap_check.py"),
            "--report", str(tmp_path), "--steps", "4"]  # fmt: skip

@@ -69,7 +69,7 @@ def test_two_process_zero3_trainer_on_server(server_checkpoint, lora, tmp_path):
 
 
 def test_two_process_zero3_async_trainer_on_server(server_checkpoint, tmp_path):
-    """async_generation with a 2-process ZeRO-3 trainer: the main process keeps every rank's groups requested while
+    """cb_async_generation with a 2-process ZeRO-3 trainer: the main process keeps every rank's groups requested while
     both train, each rank trains on its own groups, and a push (collective gathers) follows every optimizer step."""
     pytest.importorskip("deepspeed")
     config = zero3_unpersisted(tmp_path)

@@ -335,10 +335,14 @@ def test_learning_quick_variants_and_longtail_task(tmp_path):
     assert set(runs) == set(labels) and {s["curve"] for s in payload["summary"]} == {
         f"trl_cb_async {v}" for v in labels
     }
-    assert runs["depth=0"]["settings"]["prefetch_depth"] == 0
+    assert runs["depth=0"]["settings"]["cb_async_prefetch_depth"] == 0
     assert runs["depth=0"]["settings"]["max_staleness_resolved"] == 1
     kept = runs[labels[1]]["settings"]
-    assert kept["prefetch_depth"] == 2 and kept["max_staleness"] == 3 and kept["async_keep_stale"] is True
+    assert (
+        kept["cb_async_prefetch_depth"] == 2
+        and kept["cb_async_max_staleness"] == 3
+        and kept["cb_async_keep_stale"] is True
+    )
     assert kept["cb_importance_sampling_mode"] == "sequence_truncate" and kept["cb_importance_sampling_clip_max"] == 2
     for r in runs.values():
         assert len(r["completion_length_pct"]["p90"]) == 3 and {"length_p10", "length_p90"} <= set(r["eval"])
@@ -352,7 +356,10 @@ def test_learning_variants_parse_label_and_grid():
     assert settings == {"depth": 3, "keep_stale": True, "max_staleness": 4, "is_clip_min": None}
     assert label(settings) == "depth=3,max_staleness=4,keep_stale=1,is_clip_min=none"  # canonical order
     assert parse_spec(label(settings)) == settings and parse_spec("is_mode=x") == {"depth": 1, "is_mode": "x"}
-    assert config_overrides({"depth": 0, "keep_stale": True}) == {"prefetch_depth": 0, "async_keep_stale": True}
+    assert config_overrides({"depth": 0, "keep_stale": True}) == {
+        "cb_async_prefetch_depth": 0,
+        "cb_async_keep_stale": True,
+    }
     for bad in ("depth", "speed=1", "depth=x", "depth=1,depth=2", "keep_stale=maybe"):
         with pytest.raises(ValueError):
             parse_spec(bad)

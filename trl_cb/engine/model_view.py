@@ -30,9 +30,9 @@ __all__ = ["EngineView", "SHARDED_REFUSAL"]
 
 #: Why a sharded model has no view, and where the overlap is for it.
 SHARDED_REFUSAL = (
-    "async_overlap needs whole local parameters to alias (single process or DDP), but this model's parameters are "
+    "cb_async_overlap needs whole local parameters to alias (single process or DDP), but this model's parameters are "
     "sharded and gathered per forward (ZeRO-3 / FSDP). Overlap for sharded training runs on rollout servers, which "
-    "hold their own copy of the weights: set `rollout_server_urls` (`trl-cb serve`, docs/server.md)."
+    "hold their own copy of the weights: set `cb_server_urls` (`trl-cb serve`, docs/server.md)."
 )
 
 
@@ -46,7 +46,7 @@ class EngineView:
         devices = {p.device for p in model.parameters()}
         if len(devices) > 1:
             on = sorted(map(str, devices))
-            raise ValueError(f"async_overlap needs the model on one device, got parameters on {on}.")
+            raise ValueError(f"cb_async_overlap needs the model on one device, got parameters on {on}.")
         # deepcopy with a memo that answers every tensor: parameters become aliases, buffers are shared, a cached
         # engine is dropped; everything else (modules, config, generation config) is copied.
         memo: dict[int, object] = {}
@@ -74,8 +74,8 @@ class EngineView:
         for param, storage in self._aliases:
             if param.data_ptr() != storage.data_ptr() or param.shape != storage.shape:
                 raise RuntimeError(
-                    "async_overlap: a training parameter was replaced instead of updated in place (e.g. "
+                    "cb_async_overlap: a training parameter was replaced instead of updated in place (e.g. "
                     "`param.data = ...` or `model.to(...)` after training started), so the engine no longer reads "
                     f"the trained weights (shape {tuple(param.shape)}). Keep parameters in place, or turn "
-                    "async_overlap off."
+                    "cb_async_overlap off."
                 )

@@ -205,6 +205,7 @@ def _check_async_safe(module: torch.nn.Module) -> None:
     module in eval mode.)"""
     if _upstream.attention_implementation(module) in ("eager", "paged|eager"):
         raise ValueError(
-            "async_generation needs an attention implementation the engine can share with training (sdpa or flash); "
-            "with 'eager' the engine would switch the shared config to 'paged|eager' under the training forward."
+            "cb_async_generation needs an attention implementation the engine can share with training (sdpa or "
+            "flash); with 'eager' the engine would switch the shared config to 'paged|eager' under the training "
+            "forward."
         )

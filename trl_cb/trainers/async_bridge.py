@@ -90,17 +90,17 @@ class AsyncRolloutsMixin(RolloutStateMixin):
     def _cb_async_setup(self) -> None:
         """Called at the end of `__init__`: refuse unsupported setups early and hook weight updates."""
         args = self.args
-        if not getattr(args, "async_generation", False):
+        if not getattr(args, "cb_async_generation", False):
             return
-        if getattr(args, "async_overlap", False) and sharding.is_sharded(self.model, self.accelerator):
+        if getattr(args, "cb_async_overlap", False) and sharding.is_sharded(self.model, self.accelerator):
             raise ValueError(SHARDED_REFUSAL)
-        if not args.rollout_server_urls and sharding.is_sharded(self.model, self.accelerator):
+        if not args.cb_server_urls and sharding.is_sharded(self.model, self.accelerator):
             raise ValueError(
-                "async_generation runs the engine on local, unsharded parameters: use a single process or DDP "
-                "(ZeRO-3 and FSDP shard parameters between steps), or rollout servers (`rollout_server_urls`)."
+                "cb_async_generation runs the engine on local, unsharded parameters: use a single process or DDP "
+                "(ZeRO-3 and FSDP shard parameters between steps), or rollout servers (`cb_server_urls`)."
             )
         if getattr(self, "tools", None):
-            raise ValueError("async_generation does not support tool calling (multi-turn rollouts).")
+            raise ValueError("cb_async_generation does not support tool calling (multi-turn rollouts).")
         self.add_callback(_PauseEngineForOptimizerStep(self))
         self.add_callback(_SaveAsyncState(self))
 
@@ -177,14 +177,14 @@ class AsyncRolloutsMixin(RolloutStateMixin):
         args = self.args
         groups_per_step = args.generation_batch_size // self.accelerator.num_processes // self.num_generations
         bounds = AsyncBounds(
-            prefetch_depth=args.prefetch_depth,
+            prefetch_depth=args.cb_async_prefetch_depth,
             max_staleness=self._cb_max_staleness(),
-            keep_stale=args.async_keep_stale,
+            keep_stale=args.cb_async_keep_stale,
             timeout=args.cb_generation_timeout,
         )
         module = plain_module(self.model_wrapped)
         controller: AsyncRolloutSource
-        if args.rollout_server_urls:
+        if args.cb_server_urls:
             max_new = int(self.generation_config.max_new_tokens)
             cb_config = args.transformers_continuous_batching_config or {}
 
@@ -209,8 +209,8 @@ class AsyncRolloutsMixin(RolloutStateMixin):
             )
             if state.longest_prompt is None:
                 state.longest_prompt = self._cb_scan_prompts(lambda ids: generator.validate_prompts(ids, module))
-            overlap = {"engine_threads": args.async_overlap_engine_threads} if args.async_overlap else {}
-            controller = (OverlapRolloutController if args.async_overlap else AsyncRolloutController)(
+            overlap = {"engine_threads": args.cb_async_overlap_engine_threads} if args.cb_async_overlap else {}
+            controller = (OverlapRolloutController if args.cb_async_overlap else AsyncRolloutController)(
                 generator,
                 module,
                 self._cb_prompt_stream(state.stream_start),
@@ -225,13 +225,13 @@ class AsyncRolloutsMixin(RolloutStateMixin):
         return controller
 
     def _cb_max_staleness(self) -> int:
-        """`args.max_staleness`, or (unset) the bound that drops nothing for this schedule: rollouts are taken once
-        every `steps_per_generation * num_iterations / gradient_accumulation_steps` optimizer steps."""
+        """`args.cb_async_max_staleness`, or (unset) the bound that drops nothing for this schedule: rollouts are
+        taken once every `steps_per_generation * num_iterations / gradient_accumulation_steps` optimizer steps."""
         args = self.args
-        if args.max_staleness is not None:
-            return args.max_staleness
+        if args.cb_async_max_staleness is not None:
+            return args.cb_async_max_staleness
         steps_per_take = args.steps_per_generation * self.num_iterations / args.gradient_accumulation_steps
-        return default_max_staleness(args.prefetch_depth, steps_per_take)
+        return default_max_staleness(args.cb_async_prefetch_depth, steps_per_take)
 
     def _cb_async_take(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Replace the sampler's rows by those of finished groups; keep the groups for `_generate_single_turn`."""
@@ -260,11 +260,11 @@ class AsyncRolloutsMixin(RolloutStateMixin):
         return completion_ids, logprobs
 
     def _cb_async_active(self) -> bool:
-        return bool(getattr(self.args, "async_generation", False) and self.model.training)
+        return bool(getattr(self.args, "cb_async_generation", False) and self.model.training)
 
     def _cb_async_resume(self, resume_from_checkpoint: str | bool | None) -> None:
         """Before `train`: continue the prompt stream from the checkpoint training resumes from."""
-        if getattr(self.args, "async_generation", False) and resume_from_checkpoint:
+        if getattr(self.args, "cb_async_generation", False) and resume_from_checkpoint:
             checkpoint = resume_from_checkpoint
             if isinstance(checkpoint, bool):  # as `Trainer.train` resolves it
                 checkpoint = get_last_checkpoint(self.args.output_dir)

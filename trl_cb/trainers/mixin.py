@@ -2,7 +2,7 @@
 
 Hops (file per hop): prompts -> `ContinuousBatchingGenerator` (rollouts/generator.py) -> completions and sampling
 logprobs -> TRL scores them -> the IS correction weights the policy-gradient term (is_correction.py) -> TRL's loss.
-With `async_generation`, finished groups of an `AsyncRolloutController` replace the per-step generation call
+With `cb_async_generation`, finished groups of an `AsyncRolloutController` replace the per-step generation call
 (async_bridge.py) and go through the same scoring. TRL internals: trl_internals.py.
 """
 
@@ -128,7 +128,7 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
         `rollout_state.sampling_logprobs` (its only writer) for `_cb_score` to hand to the IS correction."""
         if self.rollout_state.async_rollouts.step_groups is not None:
             completion_ids, logprobs = self._cb_async_completions(prompt_ids)
-        elif self.args.rollout_server_urls:  # rollouts from `trl-cb serve` replicas (trainers/remote.py)
+        elif self.args.cb_server_urls:  # rollouts from `trl-cb serve` replicas (trainers/remote.py)
             completion_ids, logprobs = self._cb_remote_generate(prompt_ids)
         else:
             generator = self._cb_get_generator()

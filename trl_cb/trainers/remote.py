@@ -1,8 +1,8 @@
-"""Rollouts from `trl-cb serve` replicas (`rollout_server_urls`): the trainer's side.
+"""Rollouts from `trl-cb serve` replicas (`cb_server_urls`): the trainer's side.
 
 Sync mode invariant: every completion a step trains on was sampled by the weights the trainer holds at that step:
 before the first round of each optimizer step the weights are pushed (one version per push) to every replica, which
-serves them before the round starts. Async mode (`async_generation`): the servers generate ahead while the trainer
+serves them before the round starts. Async mode (`cb_async_generation`): the servers generate ahead while the trainer
 trains (`serving/remote_rollouts.py`, shared by `ScatteredRemoteRollouts`), weights pushed after every optimizer step.
 Either way the client refuses tokens of versions it never pushed, and the sampler-side logprobs feed the IS
 correction as on the local path.
@@ -50,7 +50,7 @@ class RemoteRolloutsMixin(RolloutStateMixin):
         unsent = settings_servers_cannot_apply(self.generation_config.to_dict())
         if unsent:  # refused rather than silently dropped
             raise ValueError(
-                f"rollout_server_urls cannot apply {unsent} (the server samples with temperature, top_p and top_k "
+                f"cb_server_urls cannot apply {unsent} (the server samples with temperature, top_p and top_k "
                 "only); unset them or generate in-process."
             )
 
@@ -59,8 +59,8 @@ class RemoteRolloutsMixin(RolloutStateMixin):
             from ..serving.weight_sync import WeightSender
 
             timeout = args.cb_generation_timeout or 300.0
-            key = args.rollout_server_api_key
-            remote.client = RolloutClient(args.rollout_server_urls, api_key=key, timeout=timeout)
+            key = args.cb_server_api_key
+            remote.client = RolloutClient(args.cb_server_urls, api_key=key, timeout=timeout)
             remote.senders = [WeightSender(url, key, timeout=timeout) for url in remote.client.urls]
             remote.server_dtypes = [sender.server_dtype() for sender in remote.senders]
 

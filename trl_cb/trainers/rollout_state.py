@@ -37,7 +37,7 @@ __all__ = [
 
 @dataclass
 class AsyncRolloutState:
-    """`async_generation` (written by `trainers/async_bridge.py` only)."""
+    """`cb_async_generation` (written by `trainers/async_bridge.py` only)."""
 
     #: The running async rollouts: built at the first training step that needs them, `None` once stopped.
     source: AsyncRolloutSource | None = None
@@ -51,7 +51,7 @@ class AsyncRolloutState:
 
 @dataclass
 class RemoteRolloutState:
-    """`rollout_server_urls` (written by `trainers/remote.py` only). Client and senders live on the main process."""
+    """`cb_server_urls` (written by `trainers/remote.py` only). Client and senders live on the main process."""
 
     connected: bool = False
     client: RolloutClient | None = None

@@ -55,7 +55,7 @@ def test_every_trl_flag_is_accepted(name):
     theirs = {s for a in trl_script.make_parser()._actions for s in a.option_strings}
     ours = {s for a in cli.make_parser(name)._actions for s in a.option_strings}
     assert len(theirs) > 100 and theirs <= ours, sorted(theirs - ours)
-    assert {"--use_transformers_continuous_batching", "--async_generation", "--cb_importance_sampling_mode"} <= ours
+    assert {"--use_transformers_continuous_batching", "--cb_async_generation", "--cb_importance_sampling_mode"} <= ours
 
 
 def test_unknown_flag_fails_clearly_before_loading_anything(capsys):

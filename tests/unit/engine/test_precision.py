@@ -190,7 +190,7 @@ def test_async_generation_samples_low_precision_copies(tokenizer, tmp_path, monk
     """Async keeps one engine across optimizer steps: it samples from bf16 copies applied only while it runs (its KV
     cache is bf16: on the training weights, accelerate's autocast made bf16 keys that an fp32 cache refused), and
     the trainer's forwards and optimizer see the fp32 weights. lr=0: nothing changes across steps."""
-    trainer = _trainer("grpo", tokenizer, tmp_path, bf16=True, async_generation=True, max_steps=2)
+    trainer = _trainer("grpo", tokenizer, tmp_path, bf16=True, cb_async_generation=True, max_steps=2)
     spy = WeightDtypeSpy(q_proj(trainer.model))
     start = snapshot(trainer.model)
     trainer.train()

@@ -125,14 +125,14 @@ class CopyBytesAtStepEnd(TrainerCallback):
 
 
 @pytest.mark.parametrize(
-    ("async_generation", "keep", "kept"),
+    ("cb_async_generation", "keep", "kept"),
     [(False, None, True), (False, False, False), (True, None, True), (True, False, False)],
     ids=["sync-auto", "sync-false", "async-auto", "async-false"],
 )
-def test_trainer_option_reaches_generation_copies(async_generation, keep, kept, tokenizer, tmp_path):
+def test_trainer_option_reaches_generation_copies(cb_async_generation, keep, kept, tokenizer, tmp_path):
     trainer = make_trainer(
         "grpo", tokenizer, tmp_path, bf16=True, max_steps=2, per_device_train_batch_size=4, max_completion_length=8,
-        async_generation=async_generation, cb_keep_generation_weights=keep,
+        cb_async_generation=cb_async_generation, cb_keep_generation_weights=keep,
     )  # fmt: skip
     probe = CopyBytesAtStepEnd()
     probe.trainer = trainer

@@ -170,11 +170,15 @@ def test_async_config_validation():
         return GRPOConfig(output_dir="/tmp/trl_cb_test", report_to=[], use_cpu=True, **kw)
 
     with pytest.raises(ValueError, match="needs use_transformers_continuous_batching"):
-        make(async_generation=True)
+        make(cb_async_generation=True)
     with pytest.raises(ValueError, match="needs cb_importance_sampling_correction=True"):
-        make(async_generation=True, use_transformers_continuous_batching=True, cb_importance_sampling_correction=False)
+        make(
+            cb_async_generation=True,
+            use_transformers_continuous_batching=True,
+            cb_importance_sampling_correction=False,
+        )
     with pytest.raises(ValueError, match=">= 0"):
-        make(async_generation=True, use_transformers_continuous_batching=True, max_staleness=-1)
+        make(cb_async_generation=True, use_transformers_continuous_batching=True, cb_async_max_staleness=-1)
 
 
 def test_async_rejects_eager_attention(model, tokenizer):
@@ -197,7 +201,7 @@ def test_trainer_async_is_exact_without_updates_and_logs_every_metric(kind, sett
     were generated across step boundaries (the engine never runs a forward alongside the trainer's) — also under
     truncating and penalising settings, where the IS compares the sampler's temperature-only logprob."""
     trainer = make_trainer(
-        kind, tokenizer, tmp_path, async_generation=True, max_steps=3, learning_rate=0.0, max_completion_length=16,
+        kind, tokenizer, tmp_path, cb_async_generation=True, max_steps=3, learning_rate=0.0, max_completion_length=16,
         **settings,
     )  # fmt: skip
     trainer.train()
@@ -213,7 +217,9 @@ def test_trainer_async_is_exact_without_updates_and_logs_every_metric(kind, sett
 
 
 def test_trainer_async_learns_with_updates(tokenizer, tmp_path):
-    trainer = make_trainer("grpo", tokenizer, tmp_path, async_generation=True, max_steps=3, max_completion_length=16)
+    trainer = make_trainer(
+        "grpo", tokenizer, tmp_path, cb_async_generation=True, max_steps=3, max_completion_length=16
+    )
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
@@ -352,7 +358,7 @@ def test_trainer_sizes_the_engine_from_the_longest_prompt_and_validates_every_ro
     rows = synthetic_gsm8k(300, seed=5)
     rows[290]["prompt"] = " ".join(["seven plus eight"] * 120)
     long_len = len(tokenizer(rows[290]["prompt"])["input_ids"])
-    trainer = make_trainer("grpo", tokenizer, tmp_path, async_generation=True)
+    trainer = make_trainer("grpo", tokenizer, tmp_path, cb_async_generation=True)
     trainer.train_dataset = Dataset.from_list(rows)
     try:
         ctl = trainer._cb_async_controller()
@@ -372,14 +378,14 @@ def test_trainer_resume_continues_the_prompt_stream(tokenizer, tmp_path):
     (old code: the stream restarted, steps 4-6 replayed the prompts of steps 1-3)."""
     straight: list[list[str]] = []
     trainer = make_trainer(
-        "grpo", tokenizer, tmp_path, async_generation=True, max_steps=6, save_strategy="steps", save_steps=3,
+        "grpo", tokenizer, tmp_path, cb_async_generation=True, max_steps=6, save_strategy="steps", save_steps=3,
         reward=recording_reward(straight), max_completion_length=8,
     )  # fmt: skip
     trainer.train()
     assert len(straight) == 6 and (tmp_path / "checkpoint-3").is_dir()
     resumed: list[list[str]] = []
     trainer = make_trainer(
-        "grpo", tokenizer, tmp_path, async_generation=True, max_steps=6, save_strategy="no",
+        "grpo", tokenizer, tmp_path, cb_async_generation=True, max_steps=6, save_strategy="no",
         reward=recording_reward(resumed), max_completion_length=8,
     )  # fmt: skip
     trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
@@ -394,7 +400,7 @@ def test_default_staleness_drops_nothing_when_taking_every_k_steps(tokenizer, tm
 
     def run(**overrides) -> tuple[int, float]:
         trainer = make_trainer(
-            "grpo", tokenizer, tmp_path, async_generation=True, max_steps=12, steps_per_generation=2,
+            "grpo", tokenizer, tmp_path, cb_async_generation=True, max_steps=12, steps_per_generation=2,
             num_iterations=2, max_completion_length=8, **overrides,
         )  # fmt: skip
         trainer.train()

@@ -201,7 +201,7 @@ def test_view_aliases_parameters_and_owns_config_mode_and_hooks(tokenizer):
 def test_view_refuses_sharded_parameters_naming_the_rollout_server(tokenizer):
     model = sharp_model(tokenizer)
     model.lm_head.weight.ds_id = 0  # what a ZeRO-3 partitioned parameter carries
-    with pytest.raises(ValueError, match="rollout_server_urls"):
+    with pytest.raises(ValueError, match="cb_server_urls"):
         EngineView(model)
 
 
@@ -536,16 +536,16 @@ def test_overlap_config_validation():
     def make(**kw):
         return GRPOConfig(output_dir="/tmp/trl_cb_test", report_to=[], use_cpu=True, **kw)
 
-    with pytest.raises(ValueError, match="async_overlap needs async_generation"):
-        make(use_transformers_continuous_batching=True, async_overlap=True)
+    with pytest.raises(ValueError, match="cb_async_overlap needs cb_async_generation"):
+        make(use_transformers_continuous_batching=True, cb_async_overlap=True)
     with pytest.raises(ValueError, match="rollout servers already"):
         make(
             use_transformers_continuous_batching=True,
-            async_generation=True,
-            async_overlap=True,
-            rollout_server_urls=["http://127.0.0.1:1"],
+            cb_async_generation=True,
+            cb_async_overlap=True,
+            cb_server_urls=["http://127.0.0.1:1"],
         )
-    assert not make().async_overlap
+    assert not make().cb_async_overlap
 
 
 def test_trainer_refuses_sharded_parameters_at_construction_naming_rollout_servers(tokenizer, tmp_path, monkeypatch):
@@ -553,8 +553,8 @@ def test_trainer_refuses_sharded_parameters_at_construction_naming_rollout_serve
     from trl_cb.engine import sharding
 
     monkeypatch.setattr(sharding, "is_sharded", lambda *_: True)  # as under ZeRO-3 / FSDP
-    with pytest.raises(ValueError, match="rollout_server_urls"):
-        make_trainer("grpo", tokenizer, tmp_path, async_generation=True, async_overlap=True)
+    with pytest.raises(ValueError, match="cb_server_urls"):
+        make_trainer("grpo", tokenizer, tmp_path, cb_async_generation=True, cb_async_overlap=True)
 
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
@@ -565,7 +565,7 @@ def test_trainer_overlap_is_exact_without_updates(kind, tokenizer, tmp_path):
     from tests.unit.trainers.test_trainers import make_trainer
 
     trainer = make_trainer(
-        kind, tokenizer, tmp_path, async_generation=True, async_overlap=True, max_steps=3, learning_rate=0.0,
+        kind, tokenizer, tmp_path, cb_async_generation=True, cb_async_overlap=True, max_steps=3, learning_rate=0.0,
         max_completion_length=16,
     )  # fmt: skip
     off_main: list[str] = []
@@ -590,7 +590,13 @@ def test_trainer_overlap_learns_with_updates(tokenizer, tmp_path):
     from tests.unit.trainers.test_trainers import make_trainer
 
     trainer = make_trainer(
-        "grpo", tokenizer, tmp_path, async_generation=True, async_overlap=True, max_steps=3, max_completion_length=16
+        "grpo",
+        tokenizer,
+        tmp_path,
+        cb_async_generation=True,
+        cb_async_overlap=True,
+        max_steps=3,
+        max_completion_length=16,
     )
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()

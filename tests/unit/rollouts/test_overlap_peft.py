@@ -104,7 +104,7 @@ def test_lora_overlap_matches_each_version_and_leaves_the_base_untouched(tokeniz
 
 
 def test_trainer_with_lora_and_overlap_trains_the_adapters_only(tokenizer, tmp_path):
-    """GRPO with `peft_config` and `async_overlap=True`, three optimizer steps: the overlap controller ran on a view
+    """GRPO with `peft_config` and `cb_async_overlap=True`, three optimizer steps: the overlap controller ran on a view
     of the base model with its adapters, the adapters moved, the base weights did not, no engine thread is left."""
     from datasets import Dataset
 
@@ -115,7 +115,7 @@ def test_trainer_with_lora_and_overlap_trains_the_adapters_only(tokenizer, tmp_p
     args = GRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=16,
         max_steps=3, logging_steps=1, learning_rate=1e-2, beta=0.0, report_to=[], save_strategy="no", use_cpu=True,
-        use_transformers_continuous_batching=True, disable_tqdm=True, async_generation=True, async_overlap=True,
+        use_transformers_continuous_batching=True, disable_tqdm=True, cb_async_generation=True, cb_async_overlap=True,
     )  # fmt: skip
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     trainer = GRPOTrainer(

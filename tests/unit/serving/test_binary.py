@@ -181,7 +181,7 @@ class _Trainer(RemoteRolloutsMixin, ImportanceSamplingMixin):
 
     def __init__(self, client: RolloutClient) -> None:
         self.accelerator = SimpleNamespace(num_processes=1, process_index=0, is_main_process=True)
-        self.args = SimpleNamespace(report_to=[], async_generation=False)
+        self.args = SimpleNamespace(report_to=[], cb_async_generation=False)
         self.state = SimpleNamespace(global_step=0)
         self.generation_config = GenerationConfig(max_new_tokens=TOKENS, temperature=1.0)
         remote = self.rollout_state.remote

@@ -168,7 +168,7 @@ def test_pause_holds_requests_and_a_gone_client_cancels_them(server, prompts):
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_async_training_overlaps_with_the_server(server, tokenizer, tmp_path, kind):
-    """async_generation on a server: the trainer pushes weights after every optimizer step while groups stay
+    """cb_async_generation on a server: the trainer pushes weights after every optimizer step while groups stay
     requested ahead; every token's version is one the trainer pushed and within the staleness bound."""
     _, url = server
     trainer = make_trainer(
@@ -176,9 +176,9 @@ def test_async_training_overlaps_with_the_server(server, tokenizer, tmp_path, ki
         tokenizer,
         tmp_path,
         max_steps=3,
-        rollout_server_urls=[url],
-        rollout_server_api_key=KEY,
-        async_generation=True,
+        cb_server_urls=[url],
+        cb_server_api_key=KEY,
+        cb_async_generation=True,
     )
     start = time.monotonic()
     trainer.train()
@@ -211,8 +211,8 @@ def test_async_training_survives_a_killed_replica(server, checkpoint, tokenizer,
                     seen["replicas"] = list(trainer.rollout_state.remote.client.urls)
 
         trainer = make_trainer(
-            "grpo", tokenizer, tmp_path, max_steps=3, rollout_server_urls=[url, second], rollout_server_api_key=KEY,
-            async_generation=True, prefetch_depth=0,
+            "grpo", tokenizer, tmp_path, max_steps=3, cb_server_urls=[url, second], cb_server_api_key=KEY,
+            cb_async_generation=True, cb_async_prefetch_depth=0,
         )  # fmt: skip
         trainer.add_callback(KillAfterFirstStep())
         trainer.train()

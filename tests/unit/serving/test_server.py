@@ -168,7 +168,7 @@ def test_lora_push_serves_the_merged_weights(server, local_model, prompts):
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_trainer_trains_on_server_rollouts(server, tokenizer, tmp_path, kind):
     _, url = server
-    trainer = make_trainer(kind, tokenizer, tmp_path, rollout_server_urls=[url], rollout_server_api_key=KEY)
+    trainer = make_trainer(kind, tokenizer, tmp_path, cb_server_urls=[url], cb_server_api_key=KEY)
     start = time.monotonic()
     trainer.train()
     print(f"\n2-step {kind} on the server: {time.monotonic() - start:.1f} s")
@@ -185,7 +185,7 @@ def test_trainer_trains_on_server_rollouts(server, tokenizer, tmp_path, kind):
 
 def test_settings_the_api_does_not_carry_are_refused(server, tokenizer, tmp_path):
     _, url = server
-    trainer = make_trainer("grpo", tokenizer, tmp_path, rollout_server_urls=[url], repetition_penalty=1.2)
+    trainer = make_trainer("grpo", tokenizer, tmp_path, cb_server_urls=[url], repetition_penalty=1.2)
     with pytest.raises(ValueError, match=r"cannot apply \[.repetition_penalty.\]"):
         trainer.train()
 

@@ -49,7 +49,7 @@ class FakeClient:
 class FakeTrainer(RemoteRolloutsMixin):
     def __init__(self, accelerator: Any) -> None:
         self.accelerator = accelerator
-        self.args = SimpleNamespace(report_to=[], async_generation=False)
+        self.args = SimpleNamespace(report_to=[], cb_async_generation=False)
         self.state = SimpleNamespace(global_step=0)
         self.generation_config = GenerationConfig(max_new_tokens=4)
         remote = self.rollout_state.remote
