@@ -409,7 +409,7 @@ def test_default_staleness_drops_nothing_when_taking_every_k_steps(tokenizer, tm
 
     dropped, staleness = run()
     assert dropped == 0 and staleness > 2, (dropped, staleness)
-    old_dropped, _ = run(max_staleness=2)
+    old_dropped, _ = run(cb_async_max_staleness=2)
     assert old_dropped > 0, "control: with the old bound the same schedule drops groups"
 
 
