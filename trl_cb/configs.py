@@ -128,8 +128,8 @@ class ContinuousBatchingArguments:
         default=None,
         metadata={
             "help": "While the generator lives, make parked OpenMP workers sleep instead of spin: CPU training stays "
-            "fast on a loaded machine, at 5-10% of a quiet step. Process-wide. Unset: on for a CPU model with a "
-            "multi-threaded OpenMP torch, off otherwise."
+            "fast on a loaded machine, at 5 to 10 percent of a quiet step. Process-wide. Unset: on for a CPU model "
+            "with a multi-threaded OpenMP torch, off otherwise."
         },
     )
     cb_async_generation: bool = field(
