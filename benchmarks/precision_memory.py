@@ -14,7 +14,7 @@ Cases (`--cases`):
 - `fp32-fp32`: model in fp32, `bf16=False`: no cast anywhere (reference).
 
 Backends (`--backends`): `generate` (TRL's trainer, flag off), `trl_cb` (sync), `trl_cb_async`
-(`async_generation=True`); the trl_cb ones run once per `--keep` value that applies (`auto`, `false`, `true`;
+(`cb_async_generation=True`); the trl_cb ones run once per `--keep` value that applies (`auto`, `false`, `true`;
 only where a copy is made, i.e. `fp32-bf16`).
 
 Each (case, backend, keep) runs in a fresh subprocess (benchmarks/common.py `run_worker`), so peaks do not mix. In it:
@@ -128,7 +128,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     if backend.startswith("trl_cb"):
         extra["cb_keep_generation_weights"] = {"auto": None, "true": True, "false": False}[spec["keep"]]
     if backend == "trl_cb_async":
-        extra["async_generation"] = True
+        extra["cb_async_generation"] = True
     args = package.GRPOConfig(
         output_dir=spec["output_dir"], per_device_train_batch_size=spec["prompts"] * spec["num_generations"],
         num_generations=spec["num_generations"], max_completion_length=spec["max_completion_length"],
