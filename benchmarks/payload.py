@@ -242,7 +242,7 @@ def serve_fake(port: int) -> None:
 
     made: dict[tuple[int, int, int], Any] = {}  # built once: the fake engine itself costs nothing per request
 
-    def submit(prompts, n, config, on_done=None):
+    def submit(prompts, n, config, on_done=None, watchers=None):  # no watcher: nothing streams here
         tickets = [Ticket(list(p), n, config, on_done=on_done) for p in prompts]
         for seed, ticket in enumerate(tickets):
             key = (n, int(config.max_new_tokens), seed % 64)  # at most 64 distinct groups held: bounded memory

@@ -88,12 +88,25 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     return create_app(
         model,
+        tokenizer=load_tokenizer(path),
         model_name=args.model,
         api_key=args.api_key,
         continuous_batching_config=args.continuous_batching_config,
         max_num_seqs=args.max_num_seqs,
         **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}),
     )
+
+
+def load_tokenizer(path: str) -> Any:
+    """The checkpoint's tokenizer (text prompts and chat on the OpenAI-compatible routes), or None with a warning:
+    then only token-id prompts are served."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        logging.getLogger(__name__).warning("No tokenizer at %s (%s): only token-id prompts are served.", path, exc)
+        return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

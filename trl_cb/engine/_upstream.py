@@ -157,18 +157,24 @@ def add_forked_request(
     num_samples: int,
     max_new_tokens: int,
     processor_kwargs: dict[str, Any] | None = None,
+    streaming: bool = False,
 ) -> list[str]:
     """Submit one prompt whose prefill is shared by `num_samples` sampled continuations; return their request ids.
 
     The engine prefills the prompt once, then forks `num_samples - 1` children that share its full KV blocks (and
     copy its `processor_kwargs`: per-request temperature / top_k / top_p on an engine built with
-    `per_request_processors`).
+    `per_request_processors`). With `streaming`, every step of each sample also puts its output so far (unfinished)
+    on the output queue (the children inherit it); the decode fast path then takes those rows the slow way.
     """
     with _fork_lock:
         manager.num_return_sequences = num_samples
         try:
             rid = manager.add_request(
-                input_ids, request_id=request_id, max_new_tokens=max_new_tokens, **(processor_kwargs or {})
+                input_ids,
+                request_id=request_id,
+                max_new_tokens=max_new_tokens,
+                streaming=streaming,
+                **(processor_kwargs or {}),
             )
         finally:
             manager.num_return_sequences = 1

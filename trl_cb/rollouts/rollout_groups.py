@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -20,7 +20,16 @@ from ..engine import _upstream, _upstream_sampling
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["InFlightGroups", "RolloutGroup", "TokenValues", "as_lists", "oldest_version", "staleness"]
+__all__ = [
+    "InFlightGroups",
+    "PartialSample",
+    "RolloutGroup",
+    "SampleWatcher",
+    "TokenValues",
+    "as_lists",
+    "oldest_version",
+    "staleness",
+]
 
 #: One sequence's per-token values (ids, logprobs or versions): a list (the in-process engine, JSON answers) or a 1-D
 #: tensor (binary answers from rollout servers, `serving/frames.py`: no Python object per token until one is needed).
@@ -64,6 +73,22 @@ def staleness(group: RolloutGroup, policy_version: int) -> int:
     return policy_version - group.oldest_version
 
 
+@dataclass(frozen=True)
+class PartialSample:
+    """One sample of a watched group after one more engine step: everything it has sampled so far (lists)."""
+
+    index: int  # the sample's position in its group
+    token_ids: list[int]
+    logprobs: list[float]
+    policy_logprobs: list[float]
+    versions: list[int]
+
+
+#: Watches a group's samples step by step (`InFlightGroups.submit(watcher=...)`), on the thread that collects results;
+#: returns True to end that sample now, with what it has so far (e.g. a stop string appeared).
+SampleWatcher = Callable[[PartialSample], bool]
+
+
 @dataclass
 class _Pending:
     group: RolloutGroup
@@ -71,6 +96,15 @@ class _Pending:
     # per request: generated-token counts at each weight update while it was in flight, as (count, new version)
     boundaries: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     outputs: dict[str, Any] = field(default_factory=dict)
+    watcher: SampleWatcher | None = None
+
+    def versions(self, rid: str, count: int) -> list[int]:
+        """Per token of request `rid`'s first `count` tokens: the version that sampled it."""
+        versions = [self.group.submitted_version] * count
+        for start, version in self.boundaries.get(rid, []):
+            for i in range(start, count):
+                versions[i] = version
+        return versions
 
 
 class InFlightGroups:
@@ -79,6 +113,8 @@ class InFlightGroups:
     def __init__(self) -> None:
         self.pending: deque[_Pending] = deque()  # submission order
         self.ready: deque[RolloutGroup] = deque()
+        #: Requests a watcher ended before the engine finished them: the caller cancels them in the engine.
+        self.ended_early: list[str] = []
         self._by_request: dict[str, _Pending] = {}
         self._next_id = 0
 
@@ -96,14 +132,23 @@ class InFlightGroups:
         num_samples: int,
         max_new_tokens: int,
         processor_kwargs: dict[str, Any] | None = None,
+        watcher: SampleWatcher | None = None,
     ) -> None:
-        """Fork `group`'s prompt into `num_samples` requests; its samples are filled in when all have finished."""
+        """Fork `group`'s prompt into `num_samples` requests; its samples are filled in when all have finished. With a
+        `watcher`, the engine streams every step of these requests and the watcher sees each (and may end a sample
+        early: its tokens so far are its result, and its request is listed in `ended_early`)."""
         request_id = f"a{self._next_id}"
         self._next_id += 1
         rids = _upstream.add_forked_request(
-            manager, group.prompt_ids, request_id, num_samples, max_new_tokens, processor_kwargs
+            manager,
+            group.prompt_ids,
+            request_id,
+            num_samples,
+            max_new_tokens,
+            processor_kwargs,
+            streaming=watcher is not None,
         )
-        pending = _Pending(group, rids)
+        pending = _Pending(group, rids, watcher=watcher)
         self.pending.append(pending)
         for rid in rids:
             self._by_request[rid] = pending
@@ -150,16 +195,32 @@ class InFlightGroups:
     def clear(self) -> None:
         self.pending.clear()
         self.ready.clear()
+        self.ended_early.clear()
         self._by_request.clear()
 
     def _accept(self, result: Any) -> None:
-        pending = self._by_request.get(result.request_id)
+        rid = result.request_id
+        pending = self._by_request.get(rid)
         if pending is None:  # a discarded (cancelled) group's request
-            logger.debug("Dropping a result for unknown request %s.", result.request_id)
+            logger.debug("Dropping a result for unknown request %s.", rid)
+            return
+        if rid in pending.outputs:  # ended early by its watcher: later steps are not part of the sample
             return
         if _upstream.finished_output(result) is None:
+            if pending.watcher is not None and pending.watcher(self._partial(pending, result)):
+                pending.outputs[rid] = result
+                self.ended_early.append(rid)
             return
-        pending.outputs[result.request_id] = result
+        if pending.watcher is not None:  # the last step, seen like every other one
+            pending.watcher(self._partial(pending, result))
+        pending.outputs[rid] = result
+
+    @staticmethod
+    def _partial(pending: _Pending, output: Any) -> PartialSample:
+        processed, policy = _upstream_sampling.output_logprobs(output)
+        tokens = list(output.generated_tokens)
+        index = pending.request_ids.index(output.request_id)
+        return PartialSample(index, tokens, processed, policy, pending.versions(output.request_id, len(tokens)))
 
     def _finish(self, pending: _Pending) -> RolloutGroup:
         group = pending.group
@@ -167,10 +228,7 @@ class InFlightGroups:
             out = pending.outputs[rid]
             del self._by_request[rid]
             processed, policy = _upstream_sampling.output_logprobs(out)
-            versions = [group.submitted_version] * len(out.generated_tokens)
-            for count, version in pending.boundaries.get(rid, []):
-                for i in range(count, len(versions)):
-                    versions[i] = version
+            versions = pending.versions(rid, len(out.generated_tokens))
             group.completion_ids.append(list(out.generated_tokens))
             group.logprobs.append(processed)
             group.policy_logprobs.append(policy)

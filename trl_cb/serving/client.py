@@ -28,11 +28,11 @@ from urllib3.util.retry import Retry
 from ..errors import RolloutServerError
 from ..rollouts.rollout_groups import TokenValues, as_lists
 from .frames import FRAMES_MEDIA_TYPE, ArrayChoice, FrameError, decode_frame, read_frames
+from .openai_protocol import CompletionAnswer
 from .protocol import (
     MAX_PROMPTS,
     Choice,
     CompletionRequest,
-    CompletionResponse,
     PackedChoices,
     PackedCompletionResponse,
     PackedStreamLine,
@@ -267,7 +267,9 @@ class RolloutClient:
         if unknown:
             raise RolloutServerError(f"completions sampled with weight versions {sorted(unknown)} never pushed")
 
-    def _answer_choices(self, response: requests.Response) -> tuple[list[Choice] | list[ArrayChoice], set[int]]:
+    def _answer_choices(
+        self, response: requests.Response, n: int
+    ) -> tuple[list[Choice] | list[ArrayChoice], set[int]]:
         """A `/v1/completions` answer's choices and every weight version they carry (`ValueError` if malformed)."""
         if self.encoding == "binary":
             frames = list(read_frames(response.iter_content(chunk_size=None)))  # each byte copied once
@@ -277,13 +279,17 @@ class RolloutClient:
             if header.choices is None:
                 raise FrameError("an answer frame without choices")
             return choices, header.choices.versions()
-        answer_type = PackedCompletionResponse if self.encoding == "packed" else CompletionResponse
-        return _choices(answer_type.model_validate_json(response.content).choices)
+        if self.encoding == "json":  # OpenAI's completion object, the RL fields beside it
+            answer = CompletionAnswer.model_validate_json(response.content)
+            return _choices([choice.to_choice(n) for choice in answer.choices])
+        return _choices(PackedCompletionResponse.model_validate_json(response.content).choices)
 
     def _complete(
         self, url: str, prompts: list[list[int]], n: int, sampling: dict[str, Any]
     ) -> list[Choice] | list[ArrayChoice]:
-        body = CompletionRequest(prompt=prompts, n=n, return_token_ids=True, encoding=self.encoding, **sampling)
+        body = CompletionRequest(prompt=prompts, n=n, encoding=self.encoding, **sampling)
+        if self.encoding == "json":  # OpenAI's answer: ask for the logprobs and the RL fields, skip the text
+            body = body.model_copy(update={"logprobs": 0, "return_token_ids": True, "detokenize": False})
         try:
             with self.session.post(
                 url + "/v1/completions", json=body.model_dump(exclude_none=True), timeout=self.timeout, stream=True
@@ -294,7 +300,7 @@ class RolloutClient:
                     raise ValueError(f"{url} refused the request: HTTP {response.status_code} {response.text[:500]}")
                 self._check_media_type(response)
                 try:
-                    choices, versions = self._answer_choices(response)
+                    choices, versions = self._answer_choices(response, n)
                 except ValueError as exc:  # pydantic's ValidationError and `frames.FrameError` too
                     raise RolloutServerError(f"the answer breaks the protocol: {str(exc)[:300]}") from exc
         except requests.RequestException as exc:

@@ -34,7 +34,7 @@ from ..engine import _upstream
 from ..engine.sizing import Workload
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.inflight_update import paused_for_weight_update
-from ..rollouts.rollout_groups import InFlightGroups, RolloutGroup
+from ..rollouts.rollout_groups import InFlightGroups, PartialSample, RolloutGroup
 from .request_settings import engine_settings, only_temperature, warpers_needed
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,8 @@ class Ticket:
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
     on_done: Callable[[Ticket], None] | None = None
+    watcher: Callable[[PartialSample], bool] | None = None  # sees each step of each sample (`SampleWatcher`)
+    watch_error: BaseException | None = None  # what the watcher raised: the group fails with it, the engine goes on
 
     def finish(self, group: RolloutGroup | None = None, error: BaseException | None = None) -> None:
         if self.done.is_set():
@@ -152,10 +154,15 @@ class ServingEngine:
         n: int,
         config: GenerationConfig,
         on_done: Callable[[Ticket], None] | None = None,
+        watchers: list[Callable[[PartialSample], bool]] | None = None,
     ) -> list[Ticket]:
         """Queue each prompt as a group of `n` samples; `on_done(ticket)` runs (on the engine loop) as each ends, in
-        whatever order they finish."""
-        tickets = [Ticket(list(prompt), n, config, on_done=on_done) for prompt in prompts]
+        whatever order they finish; `watchers[i]`, if set, sees every step of prompt i's samples (`Ticket.watcher`)."""
+        watchers = watchers or [None] * len(prompts)
+        tickets = [
+            Ticket(list(prompt), n, config, on_done=on_done, watcher=watcher)
+            for prompt, watcher in zip(prompts, watchers, strict=True)
+        ]
         self._post(lambda: self._waiting.extend(tickets))
         return tickets
 
@@ -238,6 +245,8 @@ class ServingEngine:
 
     def _collect(self) -> None:
         self._groups.collect(self._manager)
+        while self._groups.ended_early:  # samples their watchers ended: stopped in the engine
+            self._manager.cancel_request(self._groups.ended_early.pop())
         while self._groups.ready:
             group = self._groups.ready.popleft()
             ticket: Ticket = group.row
@@ -247,7 +256,7 @@ class ServingEngine:
             if only_temperature(ticket.processor_kwargs, self._vocab):  # one quantity, as without warpers
                 # the same lists (read only from here on): an answer sends them once, found by identity
                 group.policy_logprobs = list(group.logprobs)
-            ticket.finish(group)
+            ticket.finish(group, error=ticket.watch_error)
 
     def _schedule(self) -> None:
         """Move queued groups into the engine while they fit (in `_Waiting.next`'s order); rebuild it (only once
@@ -271,7 +280,8 @@ class ServingEngine:
             self._waiting.admit(ticket)
             max_new = int(ticket.config.max_new_tokens)
             group = RolloutGroup(row=ticket, prompt_ids=ticket.prompt_ids, submitted_version=self.version)
-            self._groups.submit(self._manager, group, ticket.n, max_new, ticket.processor_kwargs)
+            watcher = _guarded(ticket) if ticket.watcher is not None else None
+            self._groups.submit(self._manager, group, ticket.n, max_new, ticket.processor_kwargs, watcher)
 
     def _plan(self, ticket: Ticket) -> tuple[frozenset[str], GenerationConfig, Any]:
         """(warpers, engine config, signature) of `ticket` on the current engine (`_plan_of`, cached)."""
@@ -346,6 +356,20 @@ class ServingEngine:
         if self._manager is not None:
             self._manager = None
             self.generator.close()
+
+
+def _guarded(ticket: Ticket) -> Callable[[PartialSample], bool]:
+    """`ticket.watcher`, with what it raises kept for the ticket (its samples end; the engine loop goes on)."""
+
+    def watch(partial: PartialSample) -> bool:
+        try:
+            return ticket.watch_error is not None or ticket.watcher(partial)
+        except Exception as exc:
+            logger.exception("a request's watcher failed; its group fails")
+            ticket.watch_error = exc
+            return True
+
+    return watch
 
 
 def _plan_of(ticket: Ticket, warpers: frozenset[str] | None, vocab_size: int) -> tuple[Any, GenerationConfig, Any]:

@@ -45,22 +45,8 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-class CompletionRequest(_Strict):
-    """OpenAI `/v1/completions` for token-id prompts; `n` samples per prompt, each sampled with trl_cb's engine."""
-
-    model: str | None = None
-    prompt: list[PromptIds] = Field(min_length=1, max_length=MAX_PROMPTS)
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    max_tokens: int = Field(ge=1, le=MAX_TOKENS)
-    temperature: float = Field(default=1.0, ge=MIN_SAMPLING_TEMPERATURE)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    logprobs: int | None = Field(default=None, ge=0, le=0)  # only the sampled token's logprob is returned
-    return_token_ids: bool = True
-    #: How choices carry their per-token arrays: JSON lists (OpenAI-style clients); `packed` (`PackedChoices`: one
-    #: base64 buffer per field for the whole answer, no per-token JSON on either side); or `binary` (no JSON body at
-    #: all: length-prefixed frames of raw little-endian arrays, `frames.py`, media type `FRAMES_MEDIA_TYPE`).
-    encoding: Literal["json", "packed", "binary"] = "json"
+class SamplingRequest(_Strict):
+    """A request that samples: `GenerationConfig` sampling fields it does not carry are refused (see below)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -77,6 +63,26 @@ class CompletionRequest(_Strict):
                 "top_k); unset them or generate in-process"
             )
         return {k: v for k, v in data.items() if k not in settings}
+
+
+class CompletionRequest(SamplingRequest):
+    """`/v1/completions` for token-id prompts as trl_cb's client sends it; `n` samples per prompt, each sampled with
+    trl_cb's engine. The route reads the OpenAI superset (`openai_protocol.OpenAICompletionRequest`)."""
+
+    model: str | None = None
+    prompt: list[PromptIds] = Field(min_length=1, max_length=MAX_PROMPTS)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    max_tokens: int = Field(ge=1, le=MAX_TOKENS)
+    temperature: float = Field(default=1.0, ge=MIN_SAMPLING_TEMPERATURE)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=0)  # only the sampled token's logprob is returned
+    return_token_ids: bool = True
+    #: How choices carry their per-token arrays: JSON (OpenAI's objects, `openai_answers.py`); `packed`
+    #: (`PackedChoices`: one base64 buffer per field for the whole answer); or `binary` (no JSON body at all:
+    #: length-prefixed frames of raw little-endian arrays, `frames.py`, media type `FRAMES_MEDIA_TYPE`).
+    encoding: Literal["json", "packed", "binary"] = "json"
+    detokenize: bool = True  # JSON answers: false leaves `text` empty (trl_cb's client reads token ids only)
 
 
 class Choice(BaseModel):
@@ -296,7 +302,7 @@ def _decoded(text: str, typecode: str, count: int, name: str) -> array.array:
     return values
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(BaseModel):  # the JSON answer before OpenAI's (`openai_answers.py`): a benchmark's baseline
     id: str
     object: str = "text_completion"
     model: str

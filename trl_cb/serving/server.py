@@ -12,7 +12,6 @@ weights are refused (400 from `/weights/wait`) with the served weights unchanged
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -25,7 +24,7 @@ import torch
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import GenerationConfig
 
 from ..checks.inputs import validate_prompts
@@ -34,13 +33,13 @@ from ..rollouts.rollout_groups import RolloutGroup, oldest_version
 from .engine import ServingEngine, Ticket
 from .frames import FRAMES_MEDIA_TYPE, frame_pieces
 from .middleware import RequestGate
+from .openai_protocol import ChatCompletionRequest, OpenAICompletionRequest
+from .openai_serving import OpenAIServing
 from .protocol import (
     DEFAULT_MAX_BODY_BYTES,
     Choice,
     CompletionRequest,
-    CompletionResponse,
     PackedColumns,
-    PackedCompletionResponse,
     StreamLine,
     WeightsClose,
     WeightsInit,
@@ -49,12 +48,10 @@ from .protocol import (
     WeightsWaitResponse,
     value_runs,
 )
+from .request_flow import RequestFlow
 from .weight_receiver import StaleVersion, WeightReceiver
 
 logger = logging.getLogger(__name__)
-
-#: How often a request waiting for its groups checks that its client is still connected.
-_DISCONNECT_POLL_S = 0.25
 
 
 def create_app(
@@ -65,6 +62,7 @@ def create_app(
     continuous_batching_config: dict[str, Any] | None = None,
     max_num_seqs: int = 256,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    tokenizer: Any = None,
 ) -> FastAPI:
     """An app serving `model` (a transformers causal LM) with trl_cb's engine.
 
@@ -72,6 +70,8 @@ def create_app(
     `pad_token_id`); request fields (`max_tokens`, `temperature`, `top_p`, `top_k`) override them.
     `max_num_seqs`: most sequences generating at once (the engine's cache is sized for them); more requests queue.
     `max_body_bytes`: the largest request body read (413 past it).
+    `tokenizer`: the served model's (text prompts, chat, answers' text: the OpenAI-compatible routes); without one,
+    only token-id prompts are served and answers carry no text.
     """
     defaults = {"eos_token_id": model.generation_config.eos_token_id, "pad_token_id": model.config.pad_token_id}
     defaults.update(generation_defaults or {})
@@ -91,6 +91,7 @@ def create_app(
     app = FastAPI(title="trl_cb rollout server")
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes)  # auth and size, on headers
     app.state.engine = engine
+    openai = OpenAIServing(with_response_parser(tokenizer), model_name, eos_ids)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -143,51 +144,69 @@ def create_app(
             "uptime_s": uptime,
         }
 
-    def start(body: CompletionRequest, on_done: Callable[[Ticket], None]) -> list[Ticket]:
+    def submit(
+        prompts: list[list[int]],
+        n: int,
+        max_tokens: int,
+        sampling: dict[str, Any],
+        on_done: Callable[[Ticket], None],
+        watchers: list[Any] | None = None,
+    ) -> list[Ticket]:
         """Check the request (400 naming the reason) and queue its groups."""
         try:
-            validate_prompts(body.prompt, model, body.max_tokens, continuous_batching_config)
-            config = GenerationConfig(
-                do_sample=True,
-                max_new_tokens=body.max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k,
-                **defaults,
-            )
+            validate_prompts(prompts, model, max_tokens, continuous_batching_config)
+            config = GenerationConfig(do_sample=True, max_new_tokens=max_tokens, **sampling, **defaults)
             generator.checked_generation_config(config)  # refuses settings the engine cannot apply exactly
         except ValueError as exc:
             requests_seen["rejected"] += 1
             raise HTTPException(status_code=400, detail=str(exc)) from exc
-        return engine.submit(body.prompt, body.n, config, on_done=on_done)
+        return engine.submit(prompts, n, config, on_done=on_done, watchers=watchers)
 
-    async def finished(body: CompletionRequest, request: Request) -> AsyncIterator[tuple[int, RolloutGroup]]:
-        """(prompt index, group) as each group ends; a client that disconnects cancels its groups."""
-        loop = asyncio.get_running_loop()
-        ended: asyncio.Queue[Ticket] = asyncio.Queue()
-        tickets = start(body, lambda ticket: loop.call_soon_threadsafe(ended.put_nowait, ticket))
-        index = {id(ticket): i for i, ticket in enumerate(tickets)}
+    def served() -> None:
+        requests_seen["served"] += 1
+
+    def flows(request: Request) -> Callable[..., RequestFlow]:
+        """This request's `RequestFlow` factory (`openai_serving.Flows`)."""
+        return lambda *args: RequestFlow(submit, engine, request, *args, on_end=served)
+
+    def flow(body: CompletionRequest, request: Request) -> RequestFlow:
+        sampling = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k}
+        return flows(request)(body.prompt, body.n, body.max_tokens, sampling)
+
+    def known_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise HTTPException(status_code=404, detail="the requested model is not served here (see /v1/models)")
+
+    def parsed(convert: Callable[[], Any]) -> Any:
+        """A request's prompt conversion (tokenizer, chat template: jinja errors too); 400 naming the reason."""
         try:
-            for _ in tickets:
-                while True:
-                    try:
-                        ticket = await asyncio.wait_for(ended.get(), timeout=_DISCONNECT_POLL_S)
-                        break
-                    except asyncio.TimeoutError:
-                        if await request.is_disconnected():
-                            return
-                if ticket.error is not None:
-                    status = 400 if isinstance(ticket.error, ValueError) else 500
-                    raise HTTPException(status_code=status, detail=f"generation failed: {ticket.error}")
-                yield index[id(ticket)], ticket.group
-        finally:
-            if not all(ticket.done.is_set() for ticket in tickets):
-                engine.cancel(tickets)  # the client went away (or a group failed): stop what still runs
-            requests_seen["served"] += 1
+            return convert()
+        except Exception as exc:
+            requests_seen["rejected"] += 1
+            raise HTTPException(status_code=400, detail=f"cannot build the prompt: {str(exc)[:300]}") from exc
 
-    @app.post("/v1/completions", response_model=CompletionResponse | PackedCompletionResponse)
-    async def completions(body: CompletionRequest, request: Request) -> StreamingResponse:
-        groups = dict([item async for item in finished(body, request)])
+    @app.post("/v1/completions")
+    async def completions(body: OpenAICompletionRequest, request: Request) -> Response:
+        """OpenAI's completions (JSON, or server-sent events with `stream`: `openai_serving.py`), or trl_cb's packed
+        and binary answers (`encoding`)."""
+        known_model(body.model)
+        prompts = await run_in_threadpool(parsed, lambda: body.prompt_ids(tokenizer))
+        if body.encoding == "json":
+            return await openai.completion(flows(request), body, prompts)
+        return await rollout_answer(body.rollout_request(prompts), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI's chat completions: messages through the chat template (`tools` too), or `tokens` as the prompt."""
+        known_model(body.model)
+        prompt = await run_in_threadpool(parsed, lambda: body.prompt_ids(tokenizer))
+        return await openai.chat(flows(request), body, prompt)
+
+    app.add_api_route("/v1/chat/completions/tokens", chat_completions, methods=["POST"])  # prime-rl's token-in path
+
+    async def rollout_answer(body: CompletionRequest, request: Request) -> Response:
+        """trl_cb's own answer to `/v1/completions` (`encoding` packed or binary): every group, then one body."""
+        groups = await flow(body, request).groups()
         if len(groups) < len(body.prompt):  # the client went away: nobody reads this
             raise HTTPException(status_code=499, detail="client disconnected")
 
@@ -213,22 +232,15 @@ def create_app(
             return StreamingResponse(frame(), media_type=FRAMES_MEDIA_TYPE)
 
         async def parts() -> AsyncIterator[bytes]:
-            """The response model's JSON in pieces: each group's choices encoded in a worker thread and sent as it is
-            ready (packed: each group's arrays packed in a worker thread, then the whole answer's buffers encoded in
-            one, sent in 1 MiB pieces), so that no step of a large answer (an encode, a join, a socket write of the
-            whole body) holds the event loop for long."""
+            """The packed answer's JSON in pieces: each group's arrays packed in a worker thread, then the whole
+            answer's buffers encoded in one, sent in 1 MiB pieces, so that no step of a large answer (an encode, a
+            join, a socket write of the whole body) holds the event loop for long."""
             yield json.dumps(head)[:-1].encode() + b', "choices": '
-            if body.encoding == "packed":
-                columns = PackedColumns()
-                for i in range(len(body.prompt)):
-                    columns.extend(await run_in_threadpool(pack_choices, groups[i], i, body, eos_ids))
-                for piece in await run_in_threadpool(columns.json_pieces):
-                    yield piece
-            else:
-                for i in range(len(body.prompt)):
-                    encoded = await run_in_threadpool(encode_choices, groups[i], i, body, eos_ids)
-                    yield (b"[" if i == 0 else b",") + b",".join(encoded)
-                yield b"]"
+            columns = PackedColumns()
+            for i in range(len(body.prompt)):
+                columns.extend(await run_in_threadpool(pack_choices, groups[i], i, body, eos_ids))
+            for piece in await run_in_threadpool(columns.json_pieces):
+                yield piece
             yield b', "usage": ' + json.dumps(usage).encode() + b"}"
 
         return StreamingResponse(parts(), media_type="application/json")
@@ -237,7 +249,7 @@ def create_app(
     async def completions_stream(body: CompletionRequest, request: Request) -> StreamingResponse:
         """One JSON line (binary: one frame) per group (a prompt's `n` choices) as it finishes, in finishing order;
         errors as a line (frame)."""
-        groups = finished(body, request)
+        groups = flow(body, request)
 
         def encode(i: int, group: RolloutGroup) -> bytes:
             if body.encoding == "binary":  # one frame
@@ -250,7 +262,7 @@ def create_app(
 
         async def lines() -> AsyncIterator[str]:
             try:
-                async for i, group in groups:
+                async for _, (i, group) in groups:
                     yield await run_in_threadpool(encode, i, group)  # a `StreamLine` (`PackedStreamLine`)
             except HTTPException as exc:
                 if body.encoding == "binary":
@@ -317,6 +329,22 @@ def create_app(
         return {"status": "closed"}
 
     return app
+
+
+def with_response_parser(tokenizer: Any) -> Any:
+    """`tokenizer`, with TRL's response template for its chat template where it has none and TRL knows one (tool
+    calls in chat answers are then parsed as TRL parses them for training); unchanged otherwise."""
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        return tokenizer
+    if getattr(tokenizer, "response_template", None) is not None or getattr(tokenizer, "response_schema", None):
+        return tokenizer
+    from trl.chat_template_utils import add_response_schema
+
+    try:
+        return add_response_schema(tokenizer)
+    except Exception as exc:  # an unknown template: answers carry the text, tool calls are not parsed out
+        logger.info("No response template for this chat template (%s): tool calls are left in the text.", exc)
+        return tokenizer
 
 
 def _choice_fields(prompt_index: int, k: int, n: int, ids: list[int], eos_ids: set[int]) -> dict[str, Any]:

@@ -30,9 +30,8 @@ def serving(app: Any, host: str, port: int) -> Iterator[str]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 20
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        while not server.started:  # waited for while the thread lives: no clock to race on a loaded machine
+            assert thread.is_alive(), "uvicorn exited during startup"
             time.sleep(0.05)
         yield f"http://{host}:{port}"
     finally:

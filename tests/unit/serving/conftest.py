@@ -5,14 +5,20 @@ stopped at the end of the module, also on failure."""
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import uvicorn
 from transformers import AutoModelForCausalLM
 
 from trl_cb.offline.tiny import tiny_model
 from trl_cb.serving.launch import local_rollout_server
+from trl_cb.serving.weight_sync import free_port
 
 #: |server logprob - local teacher-forced logprob| allowed (fp32, std-0.2 weights): fp32 noise only. The two
 #: processes' matmuls are blocked differently (the server's batches depend on when requests join; the test process
@@ -61,3 +67,21 @@ def server(checkpoint):
 def local_model(checkpoint):
     """The module's checkpoint loaded in this process (fp32, eval): the reference the server must match."""
     return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@contextlib.contextmanager
+def in_process_server(app: Any) -> Iterator[str]:
+    """`app` on uvicorn in a thread of this process (no process start: for tests of the HTTP surface); yields its URL
+    once it serves, waited for while its thread lives (no clock); stopped and its engine closed on exit."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive(), "uvicorn exited during startup"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        app.state.engine.close()

@@ -163,10 +163,10 @@ def test_binary_answers_hold_the_engines_values_exactly(fake):
 
 def test_json_stays_the_default_for_clients_that_do_not_ask(fake):
     url, _ = fake
-    body = {"prompt": [[5] * 8] * 2, "n": N, "max_tokens": TOKENS}
+    body = {"prompt": [[5] * 8] * 2, "n": N, "max_tokens": TOKENS, "return_token_ids": True}
     answer = requests.post(url + "/v1/completions", json=body, timeout=120)
     assert answer.headers["Content-Type"] == "application/json"
-    choices = answer.json()["choices"]
+    choices = answer.json()["choices"]  # OpenAI's completion choices, the RL fields beside them
     assert len(choices) == 2 * N and len(choices[0]["token_ids"]) == TOKENS
     binary = requests.post(url + "/v1/completions", json={**body, "encoding": "binary"}, timeout=120)
     assert binary.headers["Content-Type"] == FRAMES_MEDIA_TYPE

@@ -163,7 +163,7 @@ def test_temperature_below_the_floor_is_refused(server, temperature):
 
 def test_temperature_at_the_floor_samples(server, prompts):
     _, url = server
-    body = {"prompt": [prompts[0]], "max_tokens": 8, "temperature": 0.01, "n": 2}
+    body = {"prompt": [prompts[0]], "max_tokens": 8, "temperature": 0.01, "n": 2, "return_token_ids": True}
     response = requests.post(url + "/v1/completions", json=body, headers=AUTH, timeout=60)
     assert response.status_code == 200
     assert all(len(c["token_ids"]) > 0 for c in response.json()["choices"])
@@ -269,3 +269,98 @@ def test_weight_update_completion_has_its_own_endpoint(server, local_model):
         assert never.status_code == 404
     finally:
         sender.close()
+
+
+# ------------------------------------------------------------------------ the OpenAI-compatible routes (issue 42)
+
+CHAT = {"messages": [{"role": "user", "content": "How many clips?"}], "max_tokens": 4}
+COMPLETIONS, CHAT_PATH, TOKENS_PATH = "/v1/completions", "/v1/chat/completions", "/v1/chat/completions/tokens"
+
+
+@pytest.mark.parametrize("path", [CHAT_PATH, TOKENS_PATH])
+def test_openai_routes_refuse_on_headers(server, path):
+    """Auth before the body (invalid JSON without a key: 401; 100 MB announced: 401 without the key, 413 with it),
+    as on every other route."""
+    _, url = server
+    response = requests.post(url + path, data="{not json", headers={"Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == 401 and "json" not in response.text.lower()
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {100 * 2**20}"
+    assert raw_exchange(url, head, b'{"messages": [')[0] == 401
+    status, body = raw_exchange(url, head + f"\r\nAuthorization: Bearer {KEY}", b'{"messages": [')
+    assert status == 413 and len(body) < 500
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "field"),
+    [
+        (CHAT_PATH, {"messages": [], "max_tokens": 4}, 422, "messages"),
+        (CHAT_PATH, {"messages": [{"role": "wizard", "content": "x"}]}, 422, "role"),
+        (
+            CHAT_PATH,
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            422,
+            "content",
+        ),
+        (CHAT_PATH, {**CHAT, "tool_choice": "required"}, 422, "tool_choice"),
+        (CHAT_PATH, {**CHAT, "logprobs": True, "top_logprobs": 3}, 422, "top_logprobs"),
+        (CHAT_PATH, {**CHAT, "seed": 7}, 422, "seed"),
+        (CHAT_PATH, {**CHAT, "presence_penalty": 0.5}, 422, "presence_penalty"),
+        (CHAT_PATH, {**CHAT, "logit_bias": {"5": 3.0}}, 422, "logit_bias"),
+        (CHAT_PATH, {**CHAT, "response_format": {"type": "json_object"}}, 422, "response_format"),
+        (CHAT_PATH, {**CHAT, "stop": ["x"] * 17}, 422, "stop"),
+        (CHAT_PATH, {**CHAT, "min_p": 0.1}, 422, "min_p"),
+        (CHAT_PATH, {**CHAT, "model": "gpt-4o"}, 404, "model"),
+        (TOKENS_PATH, {"tokens": [5, 10**7], "max_tokens": 4}, 400, "vocabulary"),
+        (TOKENS_PATH, {"tokens": [5, 10**7], "max_tokens": 4, "stream": True}, 400, "vocabulary"),
+        (COMPLETIONS, {"prompt": "hi", "logprobs": 3}, 422, "logprobs"),
+        (COMPLETIONS, {"prompt": "hi", "best_of": 2}, 422, "best_of"),
+        (COMPLETIONS, {"prompt": "hi", "suffix": "x"}, 422, "suffix"),
+        (COMPLETIONS, {"prompt": "hi", "stream_options": {"include_usage": True}}, 422, "stream_options"),
+        (COMPLETIONS, {"prompt": [[5, 6]], "encoding": "binary", "stream": True}, 422, "encoding"),
+        (COMPLETIONS, {"prompt": "hi", "detokenize": False, "stop": "x"}, 422, "stop"),
+        (COMPLETIONS, {"prompt": [[5, 10**7]], "stream": True}, 400, "vocabulary"),
+    ],
+)
+def test_openai_requests_the_server_cannot_honour_are_refused(server, path, body, status, field):
+    """Refused with 4xx naming the field (a stream too: before its first event), never ignored, never echoed (the
+    prompt checks name the one id outside the vocabulary, as on trl_cb's own routes)."""
+    _, url = server
+    response = requests.post(url + path, json=body, headers=AUTH, timeout=30)
+    assert response.status_code == status and field in response.text and len(response.content) < 2000
+    assert "gpt-4o" not in response.text
+    assert requests.get(url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "text", "field"),
+    [
+        (CHAT_PATH, '{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', "temperature"),
+        (CHAT_PATH, '{"messages": [{"role": "user", "content": "x", "weight": Infinity}]}', "messages"),
+        (CHAT_PATH, '{"messages": [{"role": "user", "content": "x"}], "tools": [{"x": NaN}]}', "tools"),
+        (TOKENS_PATH, '{"tokens": [5, NaN], "max_tokens": 4}', "tokens"),
+        (COMPLETIONS, '{"prompt": "x", "top_p": -Infinity}', "top_p"),
+    ],
+)
+def test_openai_non_finite_values_are_422(server, path, text, field):
+    _, url = server
+    headers = {"Content-Type": "application/json", **AUTH}
+    response = requests.post(url + path, data=text, headers=headers, timeout=30)
+    assert response.status_code == 422 and field in response.text
+    assert "NaN" not in response.text and "Infinity" not in response.text
+
+
+def test_openai_long_token_prompt_is_refused_without_echo(server):
+    _, url = server
+    response = requests.post(url + TOKENS_PATH, json={"tokens": [5] * 40_000}, headers=AUTH, timeout=30)
+    assert response.status_code == 422 and "tokens" in response.text
+    assert len(response.content) < 2000 and "5, 5" not in response.text
+
+
+def test_openai_text_routes_answer_on_the_served_tokenizer(server, tokenizer):
+    """The CLI loads the checkpoint's tokenizer: a text prompt and a chat both answer, with text."""
+    _, url = server
+    body = {"prompt": "Natalia sold", "max_tokens": 4, "return_token_ids": True}
+    choice = requests.post(url + COMPLETIONS, json=body, headers=AUTH, timeout=60).json()["choices"][0]
+    assert choice["prompt_token_ids"] == tokenizer.encode("Natalia sold") and isinstance(choice["text"], str)
+    answer = requests.post(url + CHAT_PATH, json=CHAT, headers=AUTH, timeout=60).json()
+    assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["role"] == "assistant"

@@ -49,7 +49,7 @@ def test_mixed_settings_share_one_engine_with_exact_logprobs(server, local_model
     answers: dict[int, dict] = {}
 
     def ask(i: int, temperature: float, top_k: int, top_p: float) -> None:
-        body = {"prompt": prompts[i : i + 2], "n": 2, "max_tokens": 16}
+        body = {"prompt": prompts[i : i + 2], "n": 2, "max_tokens": 16, "logprobs": 0, "return_token_ids": True}
         body.update(temperature=temperature, top_k=top_k, top_p=top_p)
         answers[i] = requests.post(url + "/v1/completions", json=body, headers=AUTH, timeout=120).json()
 
@@ -69,14 +69,15 @@ def test_mixed_settings_share_one_engine_with_exact_logprobs(server, local_model
     for i, (temperature, top_k, top_p) in enumerate(SETTINGS):
         request_controls = []
         for choice in answers[i]["choices"]:
-            prompt, ids = prompts[i + choice["prompt_index"]], choice["token_ids"]
+            prompt, ids = prompts[i + choice["index"] // 2], choice["token_ids"]  # OpenAI's index: prompt * n + k
             own = teacher_forced_logprobs(local_model, prompt, ids, temperature, top_k, top_p)
             policy = teacher_forced_logprobs(local_model, prompt, ids, temperature, 0, 1.0)
-            gaps.append((own - torch.tensor(choice["logprobs"])).abs().max().item())
+            gaps.append((own - torch.tensor(choice["logprobs"]["token_logprobs"])).abs().max().item())
             policy_gaps.append((policy - torch.tensor(choice["policy_logprobs"])).abs().max().item())
             if temperature != 1.0:  # another request's settings would not match
                 plain = teacher_forced_logprobs(local_model, prompt, ids, 1.0, 0, 1.0)
-                request_controls.append((plain - torch.tensor(choice["logprobs"])).abs().max().item())
+                served = torch.tensor(choice["logprobs"]["token_logprobs"])
+                request_controls.append((plain - served).abs().max().item())
         # Per request: would its check catch another request's settings? Per request, not per choice: the samples
         # are unseeded, and one choice whose tokens all sit where T hardly matters can differ by < 0.05 (seen once).
         if request_controls:

@@ -69,8 +69,8 @@ def test_api_key_required(server, headers):
 @pytest.mark.parametrize(
     ("body", "status", "reason"),
     [
-        ({"prompt": [[5, 6]]}, 422, "max_tokens"),
-        ({"prompt": "hello", "max_tokens": 4}, 422, "prompt"),
+        ({"prompt": [[5, 6]], "max_tokens": 0}, 422, "max_tokens"),
+        ({"prompt": [[5, 6]], "max_tokens": 4, "echo": True}, 422, "echo"),
         ({"prompt": [[5, 6]], "max_tokens": 10**6}, 422, "max_tokens"),
         ({"prompt": [[5, 6]] * 5000, "max_tokens": 4}, 422, "prompt"),
         ({"prompt": [[5] * 40_000], "max_tokens": 4}, 422, "prompt"),

@@ -1,0 +1,299 @@
+"""OpenAI's completion and chat-completion bodies as the rollout server reads and answers them (docs/server.md,
+"OpenAI-compatible endpoint"), with the RL fields beside them.
+
+Requests own their conversions (as vLLM's do): `prompt_ids(tokenizer)` (texts, token ids, or messages rendered with
+the served model's chat template and `tools`; chat's `tokens` is the exact prompt, prime-rl's token-in chat) and
+`sampling()` (what the engine applies). OpenAI fields the server cannot honour exactly are refused with 422 naming
+them (`echo`, `suffix`, `best_of` > 1, logprob alternatives, penalties, `logit_bias`, a forced `tool_choice`, a JSON
+`response_format`, `seed`), never ignored; fields that change nothing sampled (`user`, `metadata`) are accepted.
+Every rule of `protocol.py` holds too: unknown fields, non-finite numbers, a temperature under 0.01 -> 422.
+
+Answers (`openai_answers.py`) are OpenAI's objects (`text` / `message`, `logprobs` in OpenAI's shape,
+`finish_reason`, `usage`). With `return_token_ids` (vLLM's name) they carry the RL fields: `prompt_token_ids` and
+`token_ids` (vLLM's convention: both on the choice for completions; the prompt's on the response for chat),
+`policy_logprobs` and `token_weight_versions` per token, `weight_version` (the oldest token's). `logprobs` are the
+sampled distribution's (after temperature, top-k, top-p); `policy_logprobs` the trainer's `log_softmax(logits/T)`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..checks.generation_settings import MIN_SAMPLING_TEMPERATURE
+from .protocol import (
+    MAX_N,
+    MAX_PROMPT_TOKENS,
+    MAX_PROMPTS,
+    MAX_TOKENS,
+    Choice,
+    CompletionRequest,
+    PromptIds,
+    SamplingRequest,
+)
+from .protocol import _Strict as Strict
+
+__all__ = ["AnswerChoice", "ChatCompletionRequest", "ChatMessage", "CompletionAnswer", "OpenAICompletionRequest"]
+
+#: Most stop strings per request, and their longest length (characters).
+MAX_STOPS, MAX_STOP_CHARS = 16, 256
+#: Longest text prompt (characters), checked before it is tokenized.
+MAX_PROMPT_CHARS = 8 * MAX_PROMPT_TOKENS
+MAX_MESSAGES, MAX_TOOLS = 1024, 128
+#: `max_tokens` when a request sets none: OpenAI's 16 for completions; for chat (OpenAI: the rest of the context) a
+#: bounded default, since the engine is sized for what requests may generate.
+DEFAULT_COMPLETION_MAX_TOKENS, DEFAULT_CHAT_MAX_TOKENS = 16, 512
+
+Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Text = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class _OpenAISampling(SamplingRequest):
+    """What both OpenAI requests share: sampling, stop strings, streaming and the RL switches."""
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    temperature: float | None = Field(default=None, ge=MIN_SAMPLING_TEMPERATURE)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM's: 0 or -1 keep every token
+    stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = None
+    seed: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(default=None, max_length=256)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    return_token_ids: bool | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @model_validator(mode="after")
+    def _honoured(self) -> _OpenAISampling:
+        refused = [name for name in ("presence_penalty", "frequency_penalty") if getattr(self, name)]
+        refused += ["logit_bias"] if self.logit_bias else []
+        refused += ["seed"] if self.seed is not None else []
+        if refused:
+            raise ValueError(
+                f"{refused}: not applied by this server (it samples with temperature, top_p and top_k; a per-request "
+                "seed cannot be honoured in a shared continuous batch); unset them"
+            )
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+        return self
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling(self) -> dict[str, Any]:
+        """The engine's sampling settings (OpenAI's defaults: temperature 1, top_p 1; no top-k)."""
+        top_k = self.top_k if self.top_k is not None and self.top_k > 0 else 0
+        temperature = 1.0 if self.temperature is None else self.temperature
+        return {"temperature": temperature, "top_p": 1.0 if self.top_p is None else self.top_p, "top_k": top_k}
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class OpenAICompletionRequest(_OpenAISampling):
+    """`/v1/completions`: OpenAI's body (a text, texts, token ids, lists of token ids), and trl_cb's client's
+    (`protocol.CompletionRequest`, whose `encoding` may ask for the packed or binary answer)."""
+
+    prompt: (
+        Annotated[Text, Field(min_length=1)]
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[PromptIds, Field(min_length=1)]
+        | Annotated[list[PromptIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+    )
+    max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1, le=MAX_TOKENS)
+    logprobs: int | None = Field(default=None, ge=0, le=0)  # the sampled token's only: no alternatives
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1, le=1)
+    add_special_tokens: bool = True
+    encoding: Literal["json", "packed", "binary"] = "json"
+    detokenize: bool = True  # false: no text (`text` empty), for clients that read token ids only
+
+    @model_validator(mode="after")
+    def _completion_honoured(self) -> OpenAICompletionRequest:
+        if self.echo or self.suffix:
+            raise ValueError("echo and suffix are not supported; unset them")
+        if self.encoding != "json" and (self.stream or self.stops() or self.text_prompts()):
+            raise ValueError(f"encoding={self.encoding!r} takes token-id prompts only, without stream or stop")
+        if not self.detokenize and self.stops():
+            raise ValueError("stop strings need the text: unset stop or detokenize=false")
+        return self
+
+    def new_tokens(self) -> int:
+        return DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+
+    def text_prompts(self) -> bool:
+        return isinstance(self.prompt, str) or isinstance(self.prompt[0], str)
+
+    def prompt_ids(self, tokenizer: Any) -> list[list[int]]:
+        """Each prompt as token ids (texts through `tokenizer`: `ValueError` without one)."""
+        if not self.text_prompts():
+            return [list(self.prompt)] if isinstance(self.prompt[0], int) else [list(p) for p in self.prompt]
+        if tokenizer is None:
+            raise ValueError("this server has no tokenizer: send token-id prompts")
+        texts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        return [tokenizer.encode(text, add_special_tokens=self.add_special_tokens) for text in texts]
+
+    def rollout_request(self, prompt_ids: list[list[int]]) -> CompletionRequest:
+        """The same request as trl_cb's own body (the packed and binary answers are built from it)."""
+        fields = dict(prompt=prompt_ids, n=self.n, max_tokens=self.new_tokens(), encoding=self.encoding)
+        return CompletionRequest.model_construct(**fields, **self.sampling(), logprobs=None, return_token_ids=True)
+
+
+class _AnswerLogprobs(BaseModel):
+    token_logprobs: list[float]
+
+
+class AnswerChoice(BaseModel):
+    """What trl_cb's client reads of an OpenAI completion choice (a JSON answer to `logprobs=0`,
+    `return_token_ids=true`)."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: _AnswerLogprobs
+    policy_logprobs: list[float]
+    token_weight_versions: list[int]
+    weight_version: int
+    finish_reason: str | None = None
+
+    def to_choice(self, n: int) -> Choice:
+        """The same sample as trl_cb's `Choice` (sample `index % n` of prompt `index // n`)."""
+        return Choice(
+            index=self.index,
+            prompt_index=self.index // n,
+            token_ids=self.token_ids,
+            logprobs=self.logprobs.token_logprobs,
+            policy_logprobs=self.policy_logprobs,
+            weight_version=self.weight_version,
+            token_weight_versions=self.token_weight_versions,
+            finish_reason=self.finish_reason,
+        )
+
+
+class CompletionAnswer(BaseModel):
+    choices: list[AnswerChoice]
+
+
+def _finite(value: Any, name: str) -> None:
+    """`ValueError` naming `name` for a NaN or infinity anywhere in free-form JSON (messages' extra fields, tool
+    schemas, template kwargs): the typed fields refuse them already."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name}: non-finite numbers are not allowed")
+    if isinstance(value, dict):
+        for item in value.values():
+            _finite(item, name)
+    elif isinstance(value, list):
+        for item in value:
+            _finite(item, name)
+
+
+class _ContentPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class _FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class _ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: _FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """One message of a conversation; fields a chat template may read beyond these pass through."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_ContentPart] | None = None
+    tool_calls: list[_ToolCall] | None = None
+
+    @model_validator(mode="after")
+    def _finite_extras(self) -> ChatMessage:
+        _finite(self.model_extra or {}, "messages")
+        for call in self.tool_calls or []:
+            _finite(call.model_dump(), "messages")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """As chat templates read it: text parts joined, tool-call arguments as objects (TRL's form)."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "".join(part.text for part in self.content)
+        for call in message.get("tool_calls", []):
+            arguments = call["function"].get("arguments")
+            if isinstance(arguments, str):
+                try:
+                    call["function"]["arguments"] = json.loads(arguments or "{}")
+                except json.JSONDecodeError:
+                    pass  # left as the model wrote it
+        return message
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    """`/v1/chat/completions` (and `/v1/chat/completions/tokens`): `messages` rendered with the served model's chat
+    template (`tools` passed to it), or `tokens`, the exact prompt ids (a conversation's previous ids sent back, so a
+    multi-turn trajectory never drifts through re-tokenization)."""
+
+    messages: list[ChatMessage] = Field(default_factory=list, max_length=MAX_MESSAGES)
+    tokens: Annotated[PromptIds, Field(min_length=1)] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
+    parallel_tool_calls: bool | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=0)  # the sampled token's only: no alternatives
+    response_format: dict[Literal["type"], Literal["text"]] | None = None
+    metadata: dict[str, str] | None = None
+    store: Literal[False] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _chat_honoured(self) -> ChatCompletionRequest:
+        if not self.messages and self.tokens is None:
+            raise ValueError("messages (or tokens) must not be empty")
+        _finite(self.tools or [], "tools")
+        _finite(self.chat_template_kwargs or {}, "chat_template_kwargs")
+        return self
+
+    def new_tokens(self) -> int:
+        chosen = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return DEFAULT_CHAT_MAX_TOKENS if chosen is None else chosen
+
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        return None if self.tool_choice == "none" else (self.tools or None)
+
+    def prompt_ids(self, tokenizer: Any) -> list[int]:
+        """`tokens` as sent, else the messages rendered with the chat template (`ValueError` without one)."""
+        if self.tokens is not None:
+            return list(self.tokens)
+        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("this server's tokenizer has no chat template: send `tokens` or use /v1/completions")
+        rendered = tokenizer.apply_chat_template(
+            [message.for_template() for message in self.messages],
+            tools=self.offered_tools(),
+            add_generation_prompt=self.add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            **(self.chat_template_kwargs or {}),
+        )
+        return list(rendered)

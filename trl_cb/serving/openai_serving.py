@@ -1,0 +1,352 @@
+"""The OpenAI-compatible routes' work: a request's prompts become groups on the shared `ServingEngine`, their samples
+are decoded as they arrive (`detokenize.TokenText`), end at a stop string (the engine request is cancelled there),
+and are answered as OpenAI objects (`openai_protocol.py`), whole or as server-sent events.
+
+Invariants: every returned or streamed token is a sampled token with the logprobs and version the engine recorded
+for it (nothing re-tokenized); a sample keeps every token through the one that completed a stop string, while its
+text ends before the stop string (OpenAI; `include_stop_str_in_output` keeps it); a streamed sample's chunks
+concatenate to the whole answer's text, ids and values; a stream never sends text that could still turn out to be
+the start of a stop string. The routes themselves (auth, limits, disconnects) are `server.py`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import HTTPException
+from fastapi.responses import Response, StreamingResponse
+
+from ..rollouts.rollout_groups import PartialSample, RolloutGroup, oldest_version
+from .detokenize import StopMatch, TokenText, find_stop
+from .openai_answers import (
+    DecodedSample,
+    chat_choice,
+    chat_chunk,
+    chat_delta,
+    completion_choice,
+    completion_chunk,
+    dump,
+    response_head,
+    usage,
+)
+from .openai_protocol import ChatCompletionRequest, OpenAICompletionRequest
+from .request_flow import RequestFlow
+
+__all__ = ["EVENT_STREAM", "OpenAIServing", "SampleDecoder"]
+
+#: Server-sent events' media type.
+EVENT_STREAM = "text/event-stream"
+
+#: `flows(prompts, n, max_tokens, sampling, install)`: the server's `RequestFlow` for this request (submitted at once).
+Flows = Callable[..., RequestFlow]
+
+
+class SampleDecoder:
+    """One sample's text as its tokens arrive; a stop string ends it at the token that completes it."""
+
+    def __init__(
+        self, tokenizer: Any, stops: list[str], include_stop: bool, skip_special_tokens: bool, eos_ids: set[int]
+    ) -> None:
+        self.text = TokenText(tokenizer, skip_special_tokens) if tokenizer is not None else None
+        self.stops, self.include_stop, self.eos_ids = stops, include_stop, eos_ids
+        self.ids: list[int] = []
+        self.match: StopMatch | None = None
+        self._searched = 0
+        self._hold = max((len(stop) for stop in stops), default=1) - 1
+
+    def feed(self, token_ids: list[int]) -> list[int]:
+        """Take the sample's tokens so far; return the new ones it keeps (none after a stop string)."""
+        new = []
+        for token in token_ids[len(self.ids) :]:
+            if self.match is not None:
+                break
+            self.ids.append(token)
+            new.append(token)
+            if self.text is not None:
+                self.text.add(token, silent=token in self.eos_ids)  # the EOS that ends the sample is no text
+                if self.stops:
+                    self.match = find_stop(self.text.text, self.stops, self._searched)
+                    self._searched = len(self.text.text)
+        return new
+
+    def visible(self, final: bool) -> str:
+        """The text a client may see now: cut at a stop string; while generating, without the tail that could
+        still be the start of one."""
+        if self.text is None:
+            return ""
+        if final and self.match is None:
+            self.text.finish()
+        full = self.text.text
+        if self.match is not None:
+            return full[: self.match.end if self.include_stop else self.match.start]
+        return full if final else full[: max(0, len(full) - self._hold)]
+
+    def pieces(self, start: int, end: int) -> tuple[list[str], list[int]]:
+        if self.text is None:
+            return [""] * (end - start), [0] * (end - start)
+        return self.text.pieces[start:end], self.text.offsets[start:end]
+
+
+@dataclass
+class _Context:
+    """What answering one request needs besides its body."""
+
+    tokenizer: Any
+    stops: list[str]
+    include_stop: bool
+    skip_special: bool
+    eos_ids: set[int]
+    logprobs: bool
+    rl: bool
+    tools: list[dict[str, Any]] | None = None  # chat: the tools offered (their calls are parsed out of the text)
+
+    def decoder(self) -> SampleDecoder:
+        return SampleDecoder(self.tokenizer, self.stops, self.include_stop, self.skip_special, self.eos_ids)
+
+
+def finished_sample(ctx: _Context, group: RolloutGroup, k: int, prompt: list[int]) -> DecodedSample:
+    """Sample `k` of a finished group, decoded, cut at a stop string, tool calls parsed (chat with tools)."""
+    decoder = ctx.decoder()
+    kept = decoder.feed(list(group.completion_ids[k]))
+    text = decoder.visible(final=True)
+    n = len(kept)
+    pieces, offsets = decoder.pieces(0, n)
+    sample = DecodedSample(
+        token_ids=kept,
+        logprobs=list(group.logprobs[k][:n]),
+        policy_logprobs=list(group.policy_logprobs[k][:n]),
+        versions=list(group.versions[k][:n]),
+        pieces=pieces,
+        offsets=offsets,
+        text=text,
+        content=text,
+        weight_version=oldest_version([group.versions[k][:n]], group.submitted_version),
+    )
+    _finish(ctx, sample, decoder, prompt)
+    return sample
+
+
+def _finish(ctx: _Context, sample: DecodedSample, decoder: SampleDecoder, prompt: list[int]) -> None:
+    """finish_reason / stop_reason, and for chat with tools the parsed message."""
+    if decoder.match is not None:
+        sample.finish_reason, sample.stop_reason = "stop", decoder.match.stop
+    else:
+        ended = bool(decoder.ids) and decoder.ids[-1] in ctx.eos_ids
+        sample.finish_reason = "stop" if ended else "length"
+    if ctx.tools and ctx.tokenizer is not None and decoder.ids:
+        message = _parsed(ctx.tokenizer, decoder.ids, prompt, ctx.tools)
+        if message.get("tool_calls"):
+            sample.tool_calls = message["tool_calls"]
+            sample.content = message.get("content") or None
+            sample.finish_reason = "tool_calls"
+
+
+def _parsed(tokenizer: Any, ids: list[int], prompt: list[int], tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The assistant message in `ids` as TRL parses it for training (`trl.chat_template_utils.parse_response`), tool
+    calls in OpenAI's shape; a tokenizer without a response template parses nothing."""
+    if getattr(tokenizer, "response_template", None) is None and getattr(tokenizer, "response_schema", None) is None:
+        return {}
+    from trl.chat_template_utils import parse_response
+
+    message = parse_response(tokenizer, ids, prefix=prompt, tools=tools)
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", {})
+        arguments = function.get("arguments", {})
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": function.get("name", ""),
+                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+                },
+            }
+        )
+    return {"content": message.get("content"), "tool_calls": calls}
+
+
+class _StreamWatcher:
+    """The engine-side half of a stream (or of a stop-string search): decodes each sample of one prompt step by step,
+    posts what is new (when streaming), and ends a sample at its stop string."""
+
+    def __init__(self, ctx: _Context, prompt_index: int, stream: bool) -> None:
+        self.ctx, self.prompt_index, self.stream = ctx, prompt_index, stream
+        self.post: Callable[[Any], None] | None = None  # set by the request flow before the engine starts
+        self.decoders: dict[int, SampleDecoder] = {}
+        self.sent: dict[int, int] = {}  # per sample: characters of its visible text already sent
+
+    def __call__(self, partial: PartialSample) -> bool:
+        decoder = self._decoder(partial.index)
+        start = len(decoder.ids)
+        new = decoder.feed(partial.token_ids)
+        if self.stream and new and self.post is not None:
+            values = (partial.logprobs, partial.policy_logprobs, partial.versions)
+            self.post(("delta", (self.prompt_index, partial.index, self._delta(partial.index, start, values))))
+        return decoder.match is not None
+
+    def tail(self, k: int, prompt: list[int]) -> DecodedSample:
+        """Sample k's last chunk once its group ended: its held-back text, finish reason and (chat with tools) the
+        parsed message."""
+        decoder = self._decoder(k)
+        sample = self._delta(k, len(decoder.ids), ([], [], []), final=True)
+        _finish(self.ctx, sample, decoder, prompt)
+        if self.ctx.tools and not sample.tool_calls:  # the text was held back for parsing: all of it now
+            sample.content = decoder.visible(final=True) or None
+        return sample
+
+    def _decoder(self, k: int) -> SampleDecoder:
+        if k not in self.decoders:
+            self.decoders[k] = self.ctx.decoder()
+        return self.decoders[k]
+
+    def _delta(self, k: int, start: int, values: tuple[list, list, list], final: bool = False) -> DecodedSample:
+        decoder = self.decoders[k]
+        end = len(decoder.ids)
+        pieces, offsets = decoder.pieces(start, end)
+        visible = decoder.visible(final)
+        text, self.sent[k] = visible[self.sent.get(k, 0) :], len(visible)
+        logprobs, policy, versions = (list(v[start:end]) for v in values)
+        return DecodedSample(
+            token_ids=decoder.ids[start:end],
+            logprobs=logprobs,
+            policy_logprobs=policy,
+            versions=versions,
+            pieces=pieces,
+            offsets=offsets,
+            text=text,
+            content=None if self.ctx.tools else text,  # with tools, the message is parsed at the end
+            weight_version=min(values[2][:end], default=None),
+        )
+
+
+class OpenAIServing:
+    """Answers `/v1/completions` (JSON) and `/v1/chat/completions` on the server's request flows."""
+
+    def __init__(self, tokenizer: Any, model_name: str, eos_ids: set[int]) -> None:
+        self.tokenizer, self.model_name, self.eos_ids = tokenizer, model_name, eos_ids
+
+    def _context(self, body: Any, logprobs: bool, tools: list[dict[str, Any]] | None = None) -> _Context:
+        rl = bool(body.return_token_ids)
+        stops, skip = body.stops(), body.skip_special_tokens
+        return _Context(
+            self.tokenizer, stops, body.include_stop_str_in_output, skip, self.eos_ids, logprobs, rl, tools
+        )
+
+    def _flow(
+        self, flows: Flows, body: Any, ctx: _Context, prompts: list[list[int]]
+    ) -> tuple[RequestFlow, list[_StreamWatcher]]:
+        """The request's flow (submitted now: a bad prompt raises here, before any answer), with a watcher per prompt
+        where the answer streams or has stop strings to find."""
+        watched = bool(body.stream) or bool(ctx.stops and ctx.tokenizer is not None)
+        watchers = [_StreamWatcher(ctx, i, bool(body.stream)) for i in range(len(prompts))] if watched else []
+
+        def install(post: Callable[[Any], None]) -> list:
+            for watcher in watchers:
+                watcher.post = post
+            return watchers or [None] * len(prompts)
+
+        return flows(prompts, body.n, body.new_tokens(), body.sampling(), install), watchers
+
+    async def completion(self, flows: Flows, body: OpenAICompletionRequest, prompts: list[list[int]]) -> Response:
+        """One JSON object, or server-sent events with `stream`."""
+        ctx = self._context(body, logprobs=body.logprobs is not None)
+        head = response_head("text_completion", self.model_name)
+        flow, watchers = self._flow(flows, body, ctx, prompts)
+        if body.stream:
+            events = self._stream(body, ctx, prompts, flow, watchers, head, chat=False)
+            return StreamingResponse(events, media_type=EVENT_STREAM)
+        groups = await _all_groups(flow, len(prompts))
+        samples = [
+            (i, k, finished_sample(ctx, groups[i], k, prompts[i])) for i in sorted(groups) for k in range(body.n)
+        ]
+        choices = [completion_choice(i * body.n + k, s, ctx.logprobs, ctx.rl, prompts[i]) for i, k, s in samples]
+        generated = sum(len(s.token_ids) for _, _, s in samples)
+        body_bytes = dump({**head, "choices": choices, "usage": usage(sum(map(len, prompts)), generated)})
+        return Response(body_bytes, media_type="application/json")
+
+    async def chat(self, flows: Flows, body: ChatCompletionRequest, prompt: list[int]) -> Response:
+        ctx = self._context(body, logprobs=bool(body.logprobs), tools=body.offered_tools())
+        head = response_head("chat.completion", self.model_name)
+        flow, watchers = self._flow(flows, body, ctx, [prompt])
+        if body.stream:
+            events = self._stream(body, ctx, [prompt], flow, watchers, head, chat=True)
+            return StreamingResponse(events, media_type=EVENT_STREAM)
+        groups = await _all_groups(flow, 1)
+        samples = [finished_sample(ctx, groups[0], k, prompt) for k in range(body.n)]
+        answer = {**head, "choices": [chat_choice(k, s, ctx.logprobs, ctx.rl) for k, s in enumerate(samples)]}
+        answer["usage"] = usage(len(prompt), sum(len(s.token_ids) for s in samples))
+        if ctx.rl:
+            answer["prompt_token_ids"] = prompt
+        return Response(dump(answer), media_type="application/json")
+
+    async def _stream(
+        self,
+        body: Any,
+        ctx: _Context,
+        prompts: list[list[int]],
+        flow: RequestFlow,
+        watchers: list[_StreamWatcher],
+        head: dict[str, Any],
+        chat: bool,
+    ) -> AsyncIterator[bytes]:
+        """Server-sent events: a chunk per sample per engine step, a last chunk per sample (the rest of its text,
+        its finish reason), the usage if asked, then `[DONE]`."""
+        n, started, generated = body.n, set(), 0
+        head = {**head, "object": "chat.completion.chunk"} if chat else head
+        try:
+            async for kind, payload in flow:
+                if kind == "delta":
+                    i, k, sample = payload
+                    generated += len(sample.token_ids)
+                    yield _event(_chunk(ctx, head, n, i, k, sample, prompts[i], started, chat))
+                    continue
+                i = payload[0]
+                for k in range(n):
+                    sample = watchers[i].tail(k, prompts[i])
+                    yield _event(_chunk(ctx, head, n, i, k, sample, prompts[i], started, chat))
+        except Exception as exc:  # the request failed after the stream began: said in the stream
+            status = getattr(exc, "status_code", 500)
+            yield _event({"error": {"message": str(getattr(exc, "detail", exc))[:500], "code": status}})
+        else:
+            if body.include_usage():
+                yield _event({**head, "choices": [], "usage": usage(sum(map(len, prompts)), generated)})
+        yield b"data: [DONE]\n\n"
+
+
+def _chunk(
+    ctx: _Context,
+    head: dict[str, Any],
+    n: int,
+    i: int,
+    k: int,
+    sample: DecodedSample,
+    prompt: list[int],
+    started: set[tuple[int, int]],
+    chat: bool,
+) -> dict[str, Any]:
+    """One stream chunk for sample k of prompt i; the first of each sample carries the prompt's ids (RL fields)."""
+    first = (i, k) not in started
+    started.add((i, k))
+    if chat:
+        chunk = chat_chunk(head, [chat_delta(k, sample, ctx.logprobs, ctx.rl, first)])
+        if ctx.rl and first:
+            chunk["prompt_token_ids"] = prompt
+        return chunk
+    choice = completion_choice(i * n + k, sample, ctx.logprobs, ctx.rl, prompt if first else None)
+    return completion_chunk(head, [choice])
+
+
+async def _all_groups(flow: RequestFlow, count: int) -> dict[int, RolloutGroup]:
+    groups = await flow.groups()
+    if len(groups) < count:  # the client went away: nobody reads this
+        raise HTTPException(status_code=499, detail="client disconnected")
+    return groups
+
+
+def _event(body: dict[str, Any]) -> bytes:
+    return b"data: " + dump(body) + b"\n\n"
