@@ -173,6 +173,20 @@ class ContinuousBatchingArguments:
         default=None,
         metadata={"help": "cb_async_overlap on CPU: the engine's intra-op threads (unset: the trainer's)."},
     )
+    cb_async_tool_workers: int = field(
+        default=8,
+        metadata={
+            "help": "Async with tools or environments: samples whose tool calls run at once (worker threads; 1 for "
+            "tools that must not run concurrently). See docs/async.md, 'Multi-turn'."
+        },
+    )
+    cb_async_tool_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "Async with tools: seconds a tool call may take; past it the call answers {'error': ...} and "
+            "counts as a failure, as a raising tool does in TRL. Unset: no limit."
+        },
+    )
     cb_server_urls: list[str] | None = field(
         default=None,
         metadata={
@@ -309,6 +323,11 @@ def _validate_async_fields(args: ContinuousBatchingArguments) -> None:
                 "cb_async_max_staleness and cb_async_prefetch_depth must be >= 0, got "
                 f"{args.cb_async_max_staleness}, {args.cb_async_prefetch_depth}."
             )
+    if args.cb_async_tool_workers < 1 or (args.cb_async_tool_timeout is not None and args.cb_async_tool_timeout <= 0):
+        raise ValueError(
+            "cb_async_tool_workers must be >= 1 and cb_async_tool_timeout > 0 or None, got "
+            f"{args.cb_async_tool_workers}, {args.cb_async_tool_timeout}."
+        )
     if args.cb_async_overlap_engine_threads is not None and args.cb_async_overlap_engine_threads < 1:
         raise ValueError(
             f"cb_async_overlap_engine_threads must be >= 1 or None, got {args.cb_async_overlap_engine_threads}."

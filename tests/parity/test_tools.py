@@ -155,3 +155,51 @@ def test_environment_owns_the_reward(tmp_path, tokenizer):
     assert_same_logs(cb, ref, required=("rewards/MultiplyEnv/mean", "tools/call_frequency"))
     assert cb.logs[0]["rewards/MultiplyEnv/mean"] == 1.0, "each rollout's environment saw multiply(3, 4)"
     assert cb.logs[0]["sampling/sampling_logp_difference/max"] < 1e-4
+
+
+# ------------------------------------------------------------------- async: each sample's loop in the producer
+
+
+ASYNC = {"in_process": {"async_generation": True}, "overlap": {"async_generation": True, "async_overlap": True}}
+
+
+def async_pair(tmp_path, tokenizer, mode: str, setup=None, **trainer_kwargs):
+    """The CB trainer in async mode (`mode`) against TRL's own sync tool loop, with the scripted policy."""
+    trainer_kwargs.setdefault("reward_funcs", finished_reward)
+    trainer_kwargs.setdefault("train_dataset", dataset())
+    model_fn = lambda: scripted_model(tokenizer)  # noqa: E731
+    args = {**ARGS, **ASYNC[mode]}
+    cb = run_cb("grpo", tmp_path, model_fn, args, setup=setup, processing_class=tokenizer, **trainer_kwargs)
+    ref = run_trl("grpo", tmp_path, model_fn, ARGS, processing_class=tokenizer, **trainer_kwargs)
+    return cb, ref
+
+
+@pytest.mark.parametrize("mode", sorted(ASYNC))
+def test_async_tool_calls_match_the_sync_loop(tmp_path, tokenizer, mode):
+    """The producer ran each sample's tool loop (the trainer's scoring sees only the first turn, then the replayed
+    loop): same calls, rewards and metrics as TRL's sync loop; the tool tokens carry placeholder logprobs and are
+    masked from IS (the control without the mask is far off)."""
+    seen: list[dict] = []
+    cb, ref = async_pair(tmp_path, tokenizer, mode, setup=capture_is_inputs(seen), tools=[multiply])
+    assert_same_logs(cb, ref, required=("tools/call_frequency", "tools/failure_frequency", "reward"))
+    entry = cb.logs[0]
+    assert entry["tools/call_frequency"] == 1.0 and entry["rewards/finished_reward/mean"] > 1.0
+    call_ids = tokenizer.convert_tokens_to_ids(["<tool_call>", CALL, "</tool_call>", "<|end|>"])
+    assert cb.completions == [[call_ids] * 4], "TRL's first generation call gets the first turns, nothing more"
+    assert entry["sampling/sampling_logp_difference/max"] < 1e-4
+    (batch,) = seen
+    tool_mask = batch["tool_mask"]
+    assert (tool_mask == 0).any() and torch.all(batch["sampling"][tool_mask == 0] == 0.0)
+    ones = torch.ones_like(batch["old"])
+    assert importance_sampling_stats(ones, batch["old"], batch["sampling"], batch["completion_mask"]).diff_max > 1.0
+
+
+def test_async_tool_failure_and_environment_match_the_sync_loop(tmp_path, tokenizer):
+    """A failing tool answers with its error and counts as a failure (TRL's semantics), never ends the run; an
+    environment's instance (reset at rollout time, replayed at scoring) scores its own rollout."""
+    cb, ref = async_pair(tmp_path / "fail", tokenizer, "in_process", tools=[broken_multiply])
+    assert_same_logs(cb, ref, required=("tools/failure_frequency",))
+    assert cb.logs[0]["tools/failure_frequency"] == 1.0
+    cb, ref = async_pair(tmp_path / "env", tokenizer, "in_process", reward_funcs=None, environment_factory=MultiplyEnv)
+    assert_same_logs(cb, ref, required=("rewards/MultiplyEnv/mean", "tools/call_frequency"))
+    assert cb.logs[0]["rewards/MultiplyEnv/mean"] == 1.0

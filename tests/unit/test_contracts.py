@@ -537,13 +537,13 @@ def test_rloo_old_logps_forward_and_its_readers():
 
 def test_trainers_reach_trl_internals_only_through_one_module():
     """Every TRL private attribute trl_cb's trainers touch goes through trainers/trl_internals.py (pinned by the tests
-    around this one); the other trainer modules only override TRL's three generation/loss hooks."""
+    around this one); the other trainer modules only override TRL's generation, tool-loop and loss hooks."""
     import ast
     from pathlib import Path
 
     import trl_cb.trainers
 
-    overrides = {"_generate_single_turn", "_generate_and_score_completions", "_compute_loss"}
+    overrides = {"_generate_single_turn", "_generate_and_score_completions", "_compute_loss", "_tool_call_loop"}
     offenders = []
     for path in sorted(Path(trl_cb.trainers.__file__).parent.glob("*.py")):
         if path.name == "trl_internals.py":
@@ -1017,3 +1017,26 @@ def test_batch_internals_the_decode_graphs_use(model, tokenizer, monkeypatch):
         assert kwargs["block_table"].dim() == 2
     finally:
         manager.destroy()
+
+
+def test_trl_tool_loop_surface_async_tools_rely_on():
+    """Async multi-turn rollouts (trainers/tool_turns.py) replay TRL's tool loop: `_tool_call_loop` is called from
+    `_generate` with these arguments and returns these seven values; the per-sample tool dicts, the environment pool
+    and the suffix ids are built as `trl_internals` rebuilds them."""
+    assert params(trl.GRPOTrainer._tool_call_loop) == [
+        "self", "prompts", "prompt_ids", "completion_ids", "completions", "logprobs", "images", "multimodal_fields",
+    ]  # fmt: skip
+    loop = inspect.getsource(trl.GRPOTrainer._tool_call_loop)
+    assert (
+        "return tool_mask, completions, completion_ids, logprobs, tool_call_count, tool_failure_count, tool_images"
+        in loop
+    )
+    assert '{"error": str(e)}' in loop and "self._get_tool_suffix_ids(tool_messages)" in loop
+    assert "self.max_tool_calling_iterations" in loop and "asyncio.run_coroutine_threadsafe(" in loop
+    score = inspect.getsource(trl.GRPOTrainer._generate_and_score_completions)
+    assert "pool = self._environment_pool[name]" in score and "environment.reset(**reset_kwargs)" in score
+    assert 'member_name not in ("reset", "get_reward") and not member_name.startswith("_")' in score
+    assert "for tool in self._standalone_tools + methods:" in score
+    assert params(trl.GRPOTrainer._get_tool_suffix_ids) == ["self", "tool_messages"]
+    tokenize = inspect.getsource(trl.GRPOTrainer._tokenize_prompts)
+    assert "tools=self._env_tools[name] or None" in tokenize and "chat_template=self.chat_template" in tokenize

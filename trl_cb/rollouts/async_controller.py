@@ -67,8 +67,8 @@ class LocalEngineBackend(RolloutBackend):
             )
 
     def submit(self, group: RolloutGroup) -> None:
-        max_new = int(self.generator.generation_config.max_new_tokens)
-        self._groups.submit(self.manager, group, self.num_generations, max_new)
+        max_new = group.max_new_tokens or int(self.generator.generation_config.max_new_tokens)
+        self._groups.submit(self.manager, group, group.num_samples or self.num_generations, max_new)
 
     def poll(self, timeout: float) -> list[RolloutGroup]:
         self._groups.collect(self.manager)
@@ -187,15 +187,16 @@ class AsyncRolloutController(AsyncRollouts[EngineBackend]):
     ) -> None:
         backend = EngineBackend(generator, module, options["num_generations"], max_prompt_len)
         super().__init__(backend, prompt_stream, **options)
+        self.engine_backend = backend  # also when a multi-turn backend wraps it (`multi_turn.with_turns`)
         self.generator = generator
         self.module = module
 
     def hold(self) -> None:
         """Pause the engine (reentrant; `engine_hold.py`): it runs only inside `take`."""
-        self.backend.hold.hold()
+        self.engine_backend.hold.hold()
 
     def release(self) -> None:
-        self.backend.hold.release()
+        self.engine_backend.hold.release()
 
 
 def _check_async_safe(module: torch.nn.Module) -> None:

@@ -45,6 +45,9 @@ POLL_SECONDS = 0.05
 class RolloutBackend(ABC):
     """Where groups are generated. The core calls it from the trainer's thread only."""
 
+    #: Whether groups generate while no `take` runs (overlap, servers): then a wrapper may submit from its own thread.
+    generates_between_takes: bool = False
+
     @abstractmethod
     def start(self, capacity_groups: int) -> None:
         """Get ready for up to `capacity_groups` groups in flight (build an engine, start workers)."""

@@ -83,7 +83,8 @@ class TakeMeter:
 
     def finished(self, group: RolloutGroup) -> None:
         """`group` has all its samples (counted once, when its backend reports it)."""
-        self._tokens += sum(len(ids) for ids in group.completion_ids)
+        masks = group.tool_masks  # multi-turn: the model's tokens only
+        self._tokens += sum(map(sum, masks)) if masks else sum(len(ids) for ids in group.completion_ids)
 
     def build(
         self,

@@ -41,6 +41,8 @@ __all__ = ["OverlapEngineBackend", "OverlapRolloutController"]
 class OverlapEngineBackend(LocalEngineBackend):
     """The trainer's CB engine on a view of the training module, running except during optimizer steps."""
 
+    generates_between_takes = True
+
     def __init__(
         self,
         generator: ContinuousBatchingGenerator,

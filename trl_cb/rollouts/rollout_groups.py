@@ -62,6 +62,13 @@ class RolloutGroup:
     policy_logprobs: list[TokenValues] = field(default_factory=list)
     versions: list[TokenValues] = field(default_factory=list)
     submitted_version: int = 0
+    #: Samples to generate (`None`: the backend's G) and the most new tokens each (`None`: the generation config's):
+    #: set for the turns of multi-turn rollouts (`multi_turn.py`).
+    num_samples: int | None = None
+    max_new_tokens: int | None = None
+    #: Multi-turn rollouts only: per sample, 1 for model tokens and 0 for tool tokens, and its `Conversation`.
+    tool_masks: list[list[int]] | None = None
+    conversations: list[Any] | None = None
 
     @property
     def oldest_version(self) -> int:

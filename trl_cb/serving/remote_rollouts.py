@@ -36,6 +36,8 @@ class ServerBackend(RolloutBackend):
     """Rollout servers as a `RolloutBackend` (see the module docstring); finished groups, or the error that ended
     them, reach `poll` through one thread-safe queue."""
 
+    generates_between_takes = True
+
     def __init__(
         self,
         client: RolloutClient,
@@ -88,8 +90,12 @@ class ServerBackend(RolloutBackend):
         the workers raced the submitting thread)."""
         limit = self._batch_limit
         for unsent, pending in zip(self._unsent, self._pending, strict=True):
-            for begin in range(0, len(pending), limit):
-                unsent.put(pending[begin : begin + limit])
+            kinds: dict[tuple[int | None, int | None], list[RolloutGroup]] = {}
+            for group in pending:  # one request asks for one n and max_tokens (multi-turn turns differ in both)
+                kinds.setdefault((group.num_samples, group.max_new_tokens), []).append(group)
+            for same in kinds.values():
+                for begin in range(0, len(same), limit):
+                    unsent.put(same[begin : begin + limit])
             pending.clear()
 
     def poll(self, timeout: float) -> list[RolloutGroup]:
@@ -136,8 +142,11 @@ class ServerBackend(RolloutBackend):
             self._done.put((group, None))
 
         prompts = [group.prompt_ids for group in batch]
+        n, sampling = batch[0].num_samples or self.num_generations, dict(self.sampling)
+        if batch[0].max_new_tokens is not None:
+            sampling["max_tokens"] = batch[0].max_new_tokens
         try:
-            self.client.stream_generate(prompts, self.num_generations, deliver, preferred=index, **self.sampling)
+            self.client.stream_generate(prompts, n, deliver, preferred=index, **sampling)
         except BaseException as exc:  # raised to the trainer by `poll`, once for every group not delivered
             for i, group in enumerate(batch):
                 if i not in delivered:
@@ -169,6 +178,7 @@ class RemoteRolloutController(AsyncRollouts[ServerBackend]):
     ) -> None:
         backend = ServerBackend(client, num_generations, sampling, validate, streams_per_replica)
         super().__init__(backend, prompt_stream, num_generations, groups_per_step, **options)
+        self.server_backend = backend  # also when a multi-turn backend wraps it (`multi_turn.with_turns`)
         self.client = client
 
     def start(self, policy_version: int | None = None) -> None:
@@ -186,4 +196,4 @@ class RemoteRolloutController(AsyncRollouts[ServerBackend]):
     @property
     def num_threads(self) -> int:
         """Worker threads started (`streams_per_replica` x replicas)."""
-        return len(self.backend.workers)
+        return len(self.server_backend.workers)

@@ -9,12 +9,13 @@ the sampler's; a resumed run restarts the stream at the checkpoint's saved posit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from transformers import TrainerCallback
@@ -27,11 +28,13 @@ from ..rollouts.async_controller import AsyncRolloutController
 from ..rollouts.async_core import AsyncBounds, AsyncRolloutSource
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.model_access import plain_module
+from ..rollouts.multi_turn import with_turns
 from ..rollouts.overlap import OverlapRolloutController
 from ..rollouts.prompt_stream import PromptStream
 from ..rollouts.rollout_groups import TokenValues, as_lists
-from . import trl_internals
+from . import tool_turns, trl_internals
 from .rollout_state import RolloutStateMixin
+from .tool_turns import ToolTurns
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +102,11 @@ class AsyncRolloutsMixin(RolloutStateMixin):
                 "cb_async_generation runs the engine on local, unsharded parameters: use a single process or DDP "
                 "(ZeRO-3 and FSDP shard parameters between steps), or rollout servers (`cb_server_urls`)."
             )
-        if getattr(self, "tools", None):
-            raise ValueError("cb_async_generation does not support tool calling (multi-turn rollouts).")
+        if getattr(self, "tools", None) and self.accelerator.num_processes > 1:
+            raise ValueError(
+                "cb_async_generation with tools or environments runs on one process (each sample's tool loop and "
+                "environment live beside the rollout producer); use one process, or sync mode for several."
+            )
         self.add_callback(_PauseEngineForOptimizerStep(self))
         self.add_callback(_SaveAsyncState(self))
 
@@ -144,9 +150,24 @@ class AsyncRolloutsMixin(RolloutStateMixin):
 
         def fetch(index: int) -> tuple[Any, list[int]]:
             row = dataset[index]
-            return row, trl_internals.tokenize_prompts(self, [row["prompt"]])[0]
+            return row, self._cb_tokenize_rows([row])[0]
 
         return PromptStream(len(dataset), self._cb_stream_seed(), fetch, start=start)
+
+    def _cb_tokenize_rows(self, rows: list[dict[str, Any]]) -> list[list[int]]:
+        """The rows' prompt ids as TRL renders them; with tools, each with its own environment's tools (TRL's own
+        tokenizer reads the batch's environments, which a stream item has none of)."""
+        turns = self._cb_turns()
+        if turns is None:
+            return trl_internals.tokenize_prompts(self, [row["prompt"] for row in rows])
+        return [turns.render(turns.prompt_of(row), turns.environment_name(row)) for row in rows]
+
+    def _cb_turns(self) -> ToolTurns | None:
+        """The multi-turn side of async rollouts (tools or environments; built once), else None."""
+        state = self.rollout_state.async_rollouts
+        if state.turns is None and getattr(self, "tools", None):
+            state.turns = ToolTurns(self, self.args.cb_async_tool_timeout)
+        return state.turns
 
     def _cb_scan_prompts(self, validate: Callable[[list[list[int]]], None]) -> int:
         """Tokenize and validate every prompt of `train_dataset` (`validate`: the synchronous checks; the error names
@@ -156,8 +177,7 @@ class AsyncRolloutsMixin(RolloutStateMixin):
         t0 = time.perf_counter()
         longest = 0
         for begin in range(0, len(dataset), _SCAN_BATCH):
-            rows = [dataset[i]["prompt"] for i in range(begin, min(begin + _SCAN_BATCH, len(dataset)))]
-            ids = trl_internals.tokenize_prompts(self, rows)
+            ids = self._cb_tokenize_rows([dataset[i] for i in range(begin, min(begin + _SCAN_BATCH, len(dataset)))])
             try:
                 validate(ids)
             except ValueError as err:
@@ -214,15 +234,25 @@ class AsyncRolloutsMixin(RolloutStateMixin):
                 generator,
                 module,
                 self._cb_prompt_stream(state.stream_start),
-                max_prompt_len=state.longest_prompt,
+                max_prompt_len=state.longest_prompt + self._cb_turn_context(),
                 num_generations=self.num_generations,
                 groups_per_step=groups_per_step,
                 **overlap,
                 **bounds,
             )
+        turns = self._cb_turns()
+        if turns is not None:  # each sample's tool loop runs between its turns (rollouts/multi_turn.py)
+            core = getattr(controller, "controller", controller)  # servers: the main process's core
+            max_turn = int(self.generation_config.max_new_tokens)
+            with_turns(core, turns.open, args.max_completion_length, args.cb_async_tool_workers, max_turn)
         controller.start()
         state.source = controller
         return controller
+
+    def _cb_turn_context(self) -> int:
+        """How much longer than the dataset's prompts a turn's prompt gets: with tools, a later turn's prompt holds
+        the completion so far (at most `max_completion_length`)."""
+        return int(self.args.max_completion_length) if self._cb_turns() is not None else 0
 
     def _cb_max_staleness(self) -> int:
         """`args.cb_async_max_staleness`, or (unset) the bound that drops nothing for this schedule: rollouts are
@@ -252,12 +282,37 @@ class AsyncRolloutsMixin(RolloutStateMixin):
         """The taken groups' completion ids (as lists: TRL decodes and pads them) and policy logprobs (lists, or
         tensors from a rollout server's binary answers: converted only where TRL needs lists, `mixin.py`)."""
         groups, G = self.rollout_state.async_rollouts.step_groups, self.num_generations
+        if groups and groups[0].conversations is not None:  # multi-turn: TRL's first call sees the first turns
+            return tool_turns.first_turns(groups, prompt_ids)
         expected = [g.prompt_ids for g in groups for _ in range(G)]
         if [list(p) for p in prompt_ids] != expected:
-            raise RuntimeError("Async rollouts are out of step with the prompts TRL tokenized (multi-turn?).")
+            raise RuntimeError("Async rollouts are out of step with the prompts TRL tokenized.")
         completion_ids = as_lists([c for g in groups for c in g.completion_ids])
         logprobs = [lp for g in groups for lp in g.policy_logprobs]
         return completion_ids, logprobs
+
+    def _cb_async_tool_loop(self) -> tuple[Any, ...] | None:
+        """What TRL's `_tool_call_loop` returns for the taken groups (their loops ran during the rollout), or None
+        outside an async multi-turn scoring."""
+        groups = self.rollout_state.async_rollouts.step_groups
+        if not groups or groups[0].conversations is None:
+            return None
+        return tool_turns.tool_loop_results(groups)
+
+    @contextlib.contextmanager
+    def _cb_async_replay(self) -> Iterator[None]:
+        """Around TRL's scoring of the taken groups: their environments replayed (`tool_turns.replay_environments`),
+        then given back to the pool."""
+        state = self.rollout_state.async_rollouts
+        groups = state.step_groups
+        if not groups or groups[0].conversations is None:
+            yield
+            return
+        try:
+            with tool_turns.replay_environments(self, groups, self.num_generations):
+                yield
+        finally:
+            state.turns.release([c for group in groups for c in group.conversations])
 
     def _cb_async_active(self) -> bool:
         return bool(getattr(self.args, "cb_async_generation", False) and self.model.training)
@@ -278,3 +333,6 @@ class AsyncRolloutsMixin(RolloutStateMixin):
             state.source.stop()
             state.stream_start = self._cb_async_position()
             state.source = None
+        if state.turns is not None:
+            state.turns.close()
+            state.turns = None

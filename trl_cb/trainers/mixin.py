@@ -158,9 +158,10 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
         if self._cb_async_active():
             inputs = self._cb_async_take(inputs)
         try:
-            output = self._cb_trl_score(
-                lambda: super(ContinuousBatchingTrainerMixin, self)._generate_and_score_completions(inputs)
-            )
+            with self._cb_async_replay():  # multi-turn: the groups' environments, as the rollout left them
+                output = self._cb_trl_score(
+                    lambda: super(ContinuousBatchingTrainerMixin, self)._generate_and_score_completions(inputs)
+                )
         finally:
             state.async_rollouts.step_groups = None
         sampled, state.sampling_logprobs = state.sampling_logprobs, None  # this batch's, consumed here
@@ -206,6 +207,24 @@ class GRPOTrainer(ContinuousBatchingTrainerMixin, trl.GRPOTrainer):
             return completion_ids, as_lists(logprobs)
         # No lists for TRL to pad token by token: `_cb_score` puts the padded (B, T) tensor into the batch instead
         return completion_ids, None
+
+    def _tool_call_loop(
+        self,
+        prompts: list[Any],
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+        completions: list[Any],
+        logprobs: list[list[float]] | None,
+        images: Any,
+        multimodal_fields: dict[str, Any],
+    ) -> tuple[Any, ...]:
+        """TRL's tool loop; in async mode its results, from the loops the rollout producer already ran."""
+        replayed = self._cb_async_tool_loop() if self.args.use_transformers_continuous_batching else None
+        if replayed is not None:
+            return replayed
+        return super()._tool_call_loop(
+            prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
+        )
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         return self._cb_score(inputs)

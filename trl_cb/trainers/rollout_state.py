@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the serving modules need the `serve` extra (requests)
 
     from ..serving.client import RolloutClient
     from ..serving.weight_sync import WeightSender
+    from .tool_turns import ToolTurns
 
 __all__ = [
     "AsyncRolloutState",
@@ -47,6 +48,8 @@ class AsyncRolloutState:
     stream_start: int = 0
     #: The training dataset's longest prompt, in tokens (scanned once; the async engine is sized for it).
     longest_prompt: int | None = None
+    #: With tools or environments: the trainer's side of multi-turn rollouts (built with the source).
+    turns: ToolTurns | None = None
 
 
 @dataclass

