@@ -1040,3 +1040,17 @@ def test_trl_tool_loop_surface_async_tools_rely_on():
     assert params(trl.GRPOTrainer._get_tool_suffix_ids) == ["self", "tool_messages"]
     tokenize = inspect.getsource(trl.GRPOTrainer._tokenize_prompts)
     assert "tools=self._env_tools[name] or None" in tokenize and "chat_template=self.chat_template" in tokenize
+
+
+def test_prefix_cache_surface_the_weight_epochs_wrap():
+    """`engine/_upstream_prefix.py` chains block hashes from the weight epoch: the allocators must call
+    `compute_block_hash` by its module name, and the cache's per-request hooks must keep these signatures."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.generation.continuous_batching.cache_allocators import cache_allocator
+
+    assert params(cache_allocator.compute_block_hash) == ["parent_hash", "tokens"]
+    for method in ("match_prefix_blocks", "mark_complete_blocks"):
+        assert "compute_block_hash(" in inspect.getsource(getattr(cache_allocator.CacheAllocator, method))
+    assert params(cache_allocator.CacheAllocator.mark_complete_blocks)[:2] == ["self", "request_id"]
+    assert params(PagedAttentionCache.search_prefix_match)[:3] == ["self", "request_id", "prompt_ids"]
+    assert params(PagedAttentionCache.free_blocks)[:2] == ["self", "request_id"]

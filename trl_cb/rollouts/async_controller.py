@@ -49,6 +49,8 @@ class LocalEngineBackend(RolloutBackend):
         self.num_generations = num_generations
         self.max_prompt_len = max_prompt_len
         self.manager: _upstream.ContinuousBatchingManager | None = None
+        #: Prompts reuse the KV blocks of earlier ones under the same weights (multi-turn: `multi_turn.with_turns`).
+        self.share_prefixes = False
         self._groups = InFlightGroups()
 
     def workload(self, capacity_groups: int) -> Workload:
@@ -106,7 +108,8 @@ class EngineBackend(LocalEngineBackend):
         with guards.acquired(self.lock), guards.deferred_interrupts():
             self.hold.apply_generation_weights()  # the engine (and its KV cache dtype) is built on these weights
             try:
-                self.manager = self.hold.manager = self.generator.engine_for(self.module, workload)
+                engine = self.generator.engine_for(self.module, workload, share_prefixes=self.share_prefixes)
+                self.manager = self.hold.manager = engine
             except BaseException:
                 self.hold.restore_training_weights()
                 raise

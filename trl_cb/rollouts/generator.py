@@ -31,7 +31,7 @@ from ..checks import inputs
 from ..checks import model as model_checks
 from ..checks.engine_config import cb_kwargs, check_engine_settings
 from ..checks.generation_settings import engine_generation_config
-from ..engine import _upstream, _upstream_sampling, guards
+from ..engine import _upstream, _upstream_prefix, _upstream_sampling, guards
 from ..engine.openmp import guard_helps, hold_polite_waits_while_alive
 from ..engine.sizing import CacheSize, Workload
 from .model_access import ModelAccess, plain_module
@@ -194,16 +194,17 @@ class ContinuousBatchingGenerator:
         inputs.validate_prompts(prompts, module, max_new_tokens, self._pool.cb_kwargs, indices=indices)
 
     def engine_for(
-        self, module: PreTrainedModel, workload: Workload, before_start: Callable[[Any], None] | None = None
+        self,
+        module: PreTrainedModel,
+        workload: Workload,
+        before_start: Callable[[Any], None] | None = None,
+        share_prefixes: bool = False,
     ) -> _upstream.ContinuousBatchingManager:
-        """The running engine for `module`, sized for `workload`, for callers that keep requests in flight across
-        weight updates (async rollouts). Prefix block sharing is turned off: its cache cannot be cleared while
-        requests are in flight, and a shared block computed with old weights must never serve a new prompt.
-        `before_start` runs on the built engine before its thread starts (overlap: the engine's CUDA stream).
-
-        The caller holds `guards.module_lock(module)` whenever the engine may run, and stops it with `close`."""
+        """The running engine for `module` sized for `workload`, for async rollouts (the caller holds the module lock
+        while it may run, stops it with `close`); `before_start` runs before its thread starts. Block sharing only with
+        `share_prefixes`, hashes chained from the weight epoch the caller bumps at each update (`_upstream_prefix`)."""
         with guards.acquired(self._lock, what="this generator"):
-            self._pool.cb_kwargs["allow_block_sharing"] = False
+            self._pool.cb_kwargs["allow_block_sharing"] = share_prefixes and _upstream_prefix.install_epoch_hashes()
             was_training = module.training
             try:
                 engine = self._pool.ensure(module, workload, self.generation_config)

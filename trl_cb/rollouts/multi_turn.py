@@ -26,6 +26,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine import _upstream_prefix
 from .async_core import AsyncRollouts, RolloutBackend
 from .rollout_groups import RolloutGroup
 
@@ -183,6 +184,8 @@ class MultiTurnBackend(RolloutBackend):
     def begin_weight_update(self, new_version: int) -> None:
         with self._lock:
             self.inner.begin_weight_update(new_version)
+            if getattr(self.inner, "share_prefixes", False):  # the engine is paused: later turns recompute
+                _upstream_prefix.bump_weight_epoch()
 
     def end_weight_update(self) -> None:
         with self._lock:
@@ -292,6 +295,8 @@ def with_turns(
     """Make `rollouts` (not started yet) multi-turn: its backend generates each turn, a `MultiTurnBackend` around it
     runs the conversations; versions are the core's."""
     inner = rollouts.backend
+    if hasattr(inner, "share_prefixes"):  # an in-process engine: a turn reuses its earlier turns' KV blocks
+        inner.share_prefixes = True
     turns = MultiTurnBackend(
         inner,
         open_conversation,

@@ -71,7 +71,8 @@ class OverlapEngineBackend(LocalEngineBackend):
             try:
                 adopt = self.stream.adopt if self.stream is not None else None
                 with _intra_op_threads(self.engine_threads):
-                    self.manager = self.generator.engine_for(self.view.module, self.workload(capacity_groups), adopt)
+                    workload, share = self.workload(capacity_groups), self.share_prefixes
+                    self.manager = self.generator.engine_for(self.view.module, workload, adopt, share)
             except BaseException:
                 self._restore_training_weights()
                 raise

@@ -118,6 +118,18 @@ class RemoteRolloutsMixin(RolloutStateMixin):
             completion_ids, logprobs = self._cb_on_main(generate_all)[accelerator.process_index]
         return as_lists(completion_ids), logprobs  # TRL decodes and pads the ids as lists
 
+    def cb_sync_rollout_servers(self) -> int:
+        """For a TRL `rollout_func` that samples from the servers itself (an OpenAI-client environment against
+        `trl-cb serve`, docs/server.md "Training on trajectories from an OpenAI client"): connect, push this step's
+        weights unless pushed already, and return the version the servers now serve (every token the environment
+        gets should carry it: a later one was pushed by someone else, an earlier one is stale). A collective."""
+        remote = self.rollout_state.remote
+        if not remote.connected:
+            self._cb_remote_setup()
+        if remote.pushed_step != self.state.global_step:
+            self._cb_push_weights()
+        return remote.weight_version
+
     def _cb_remote_sampling(self) -> dict[str, Any]:
         """The `/v1/completions` sampling fields of the trainer's generation config."""
         config = self.generation_config

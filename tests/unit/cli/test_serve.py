@@ -6,38 +6,22 @@ what is tested, not process handling (tests/unit/serving covers that).
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import requests
 import torch
-import uvicorn
 
+from tests.unit.serving.conftest import in_process_server
 from trl_cb.cli import serve
 from trl_cb.serving.weight_sync import free_port
 
 KEY = "serve-test-key"
 
 
-@contextlib.contextmanager
-def serving(app: Any, host: str, port: int) -> Iterator[str]:
-    """`app` on uvicorn in a thread at `host:port`, up; stopped (and its generator closed) on exit, also on failure."""
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        while not server.started:  # waited for while the thread lives: no clock to race on a loaded machine
-            assert thread.is_alive(), "uvicorn exited during startup"
-            time.sleep(0.05)
-        yield f"http://{host}:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        app.state.engine.close()
+def serving(app: Any, host: str, port: int) -> Any:
+    """`app` on uvicorn in a thread at `host:port` (conftest's in-process server), stopped on exit."""
+    return in_process_server(app, host, port)
 
 
 @pytest.mark.parametrize(

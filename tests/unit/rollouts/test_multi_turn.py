@@ -1,8 +1,10 @@
 """Multi-turn async rollouts (`rollouts/multi_turn.py`) on the in-process engine, with a scripted conversation that
 answers each turn with fixed "tool" ids: every model token's recorded logprob equals teacher forcing over the full
 trajectory (the tool ids in context) under its recorded version (a turn in flight at an update: the new weights over
-the KV prefix the old ones wrote), fp32, std-0.2 weights. Controls: the same tokens without the tool ids in context,
-and under the other version's weights, miss by far. Tool tokens: mask 0, logprob 0, their neighbour's version."""
+the KV prefix the old ones wrote), fp32, std-0.2 weights, with later turns reusing their earlier turns' KV blocks
+under the same weights (`engine/_upstream_prefix.py`). Controls: the same tokens without the tool ids in context, and
+under the other version's weights, miss by far; blocks kept across updates (no epoch) are caught. Tool tokens: mask
+0, logprob 0, their neighbour's version."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import copy
 import itertools
 
 import torch
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
 from tests.conftest import sampling_config
 from tests.unit.rollouts.test_async import logprobs_of, perturb
@@ -68,11 +71,18 @@ def engine_logprobs(weights, context: list[int], tokens: list[int], versions: li
     return torch.log_softmax(torch.cat(logits), -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].float()
 
 
-def test_every_model_token_matches_teacher_forcing_under_its_version(tokenizer):
+def test_every_model_token_matches_teacher_forcing_under_its_version(tokenizer, monkeypatch):
     """A turn's context is prefilled, then its tokens sampled; an update between two engine steps lands anywhere:
     inside the turn (later tokens: new weights over the KV the old ones wrote), or between the prefill of the
     context and its last position (forked samples: the engine prefills all but the prompt's last token before
-    forking), so the reference tries the context's KV from the first token's version and from the one before."""
+    forking), so for first turns the reference tries the context's KV from the first token's version and from the one
+    before. Later turns reuse their earlier turns' KV blocks (block sharing) under the same weights (counted); that
+    they never reuse blocks across an update is tests/unit/engine/test_prefix_epochs.py's (with its control)."""
+    matched = []
+    search = PagedAttentionCache.search_prefix_match
+    monkeypatch.setattr(
+        PagedAttentionCache, "search_prefix_match", lambda *a: matched.append(search(*a)) or matched[-1]
+    )
     model = tiny_model(tokenizer, init_std=0.2)  # no EOS bias: turns run to their limit, updates land mid-turn
     suffix = tokenizer.encode(" tool says 42.")
     rows = synthetic_gsm8k(20, seed=5)
@@ -108,19 +118,23 @@ def test_every_model_token_matches_teacher_forcing_under_its_version(tokenizer):
                 context, tokens, turn = group.prompt_ids + ids[:start], ids[start:end], versions[start:end]
                 served = logprobs[start:end]
                 first = turn[0]
-                candidates = [engine_logprobs(weights, context, tokens, turn, v) for v in {first, max(first - 1, 0)}]
+                # a forked first turn may be prefilled (all but its last prompt token) before an update; later
+                # turns (one sample each) prefill and sample in one step
+                prefills = {first, max(first - 1, 0)} if n == 0 else {first}
+                candidates = [engine_logprobs(weights, context, tokens, turn, v) for v in prefills]
                 gap = min((c - served).abs().max().item() for c in candidates)
                 gaps.append(gap)
                 updated += len(set(turn)) > 1 or (candidates[0] - served).abs().max().item() > TOL
                 fresh = logprobs_of(weights[first + 1], context, tokens)
                 other_version.append((fresh - served).abs().max().item())
-                if n > 0:  # the tool ids were in context: without them the first token is far off
+                if n > 0:  # the tool ids were in context: without them the same tokens are far off
                     later_turns += 1
                     kept = [t for i, t in enumerate(ids[:start]) if mask[i]]
-                    alone = logprobs_of(weights[first], group.prompt_ids + kept, tokens[:1])
-                    no_tools.append((alone - served[:1]).abs().max().item())
+                    alone = logprobs_of(weights[first], group.prompt_ids + kept, tokens)
+                    no_tools.append((alone - served).abs().max().item())
     print(f"\nmulti-turn vs teacher forcing max|d| = {max(gaps):.2e} over {len(gaps)} turns ({updated} with an update "
           f"inside, {later_turns} after a tool); controls: no tool ids {min(no_tools):.3f}, other version "
           f"{min(other_version):.3f}")  # fmt: skip
+    assert sum(1 for m in matched if m) >= len(groups), "later turns reused their earlier turns' blocks"
     assert later_turns >= len(groups) * 2 and max(gaps) <= TOL
     assert min(no_tools) > 1e-2 and min(other_version) > 1e-2

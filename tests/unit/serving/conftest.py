@@ -70,17 +70,18 @@ def local_model(checkpoint):
 
 
 @contextlib.contextmanager
-def in_process_server(app: Any) -> Iterator[str]:
+def in_process_server(app: Any, host: str = "127.0.0.1", port: int | None = None) -> Iterator[str]:
     """`app` on uvicorn in a thread of this process (no process start: for tests of the HTTP surface); yields its URL
     once it serves, waited for while its thread lives (no clock); stopped and its engine closed on exit."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    port = free_port() if port is None else port
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
         while not server.started:
             assert thread.is_alive(), "uvicorn exited during startup"
             time.sleep(0.02)
-        yield f"http://127.0.0.1:{server.config.port}"
+        yield f"http://{host}:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=30)

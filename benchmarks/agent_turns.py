@@ -1,0 +1,352 @@
+"""Multi-turn (tool-calling) rollouts: async against sync on a long-tailed agent task, and prefix reuse across turns.
+
+    python benchmarks/agent_turns.py                      # both parts, offline, CPU: ~5-8 min on 2 cores
+    python benchmarks/agent_turns.py --part prefix        # turn 2's prefill over a 1,000-token shared prefix
+    python benchmarks/agent_turns.py --part steps --seeds 0 1 2 --steps 24
+    python benchmarks/agent_turns.py --quick              # seconds: schema smoke test
+
+`steps` — the agent task (`trl_cb.offline.agent`): a scripted calculator policy calls the tool, then after each answer
+calls it again with probability p (`--p-again`, 0.7: rounds per sample are geometric, long-tailed); each call takes a
+long-tailed time (`--tool-latency`, lognormal around 40 ms, capped at 0.4 s: an environment's latency). The reward
+is 1 for a rollout that answers right after its first tool answer, so learning means lowering p, and the policy's
+reward is evaluated exactly from the weights after every step: 1 - P(call again | a context ending in `<|resume|>`),
+averaged over held-out contexts (no sampling noise). Backends: `sync` (TRL's tool loop: tools run one sample after
+another, the next turn of all samples together), `async` (in process: each sample's loop in the producer, tools on
+worker threads), `overlap` (async_overlap). Reported per backend: mean step time (steps 2..N), samples to the
+threshold (`--threshold`), and their ratios to sync in the same run.
+
+`prefix` — a small Qwen2 (8 layers x 256), a 1,000-token first turn, its 16-token completion and a tool answer: the
+second turn's request (1 new token) with the first turn's KV blocks reused, against the same request after an epoch
+bump (cold: recomputed), alternating, `--passes` times; process CPU seconds and wall seconds per request. Then the
+decision after a weight update (relative noise `--update-scale` on every weight): the second turn sampled over the
+old weights' blocks ("keep") or recomputed ("recompute", what trl_cb does), each token's logprob against teacher
+forcing under the new weights: the per-token log IS ratio error "keep" would add.
+
+Output: a table on stdout, a JSON file under `--out`, the JSON document as the last stdout line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import DEFAULT_OUT, OUT_HELP, environment, format_table, write_json  # noqa: E402
+
+BACKENDS = {
+    "sync": {},
+    "async": {"async_generation": True},
+    "overlap": {"async_generation": True, "async_overlap": True},
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["steps", "prefix", "all"], default="all")
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"subset of {list(BACKENDS)}")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=24, help="optimizer steps per run")
+    p.add_argument("--prompts-per-step", type=int, default=2)
+    p.add_argument("--num-generations", type=int, default=8)
+    p.add_argument("--p-again", type=float, default=0.7, help="initial chance of another call after a tool answer")
+    p.add_argument("--tool-latency", type=float, default=0.04, help="median seconds per tool call (lognormal)")
+    p.add_argument("--learning-rate", type=float, default=0.01)
+    p.add_argument("--threshold", type=float, default=0.8, help="evaluated reward for samples to threshold")
+    p.add_argument("--passes", type=int, default=5, help="prefix: measurements per case")
+    p.add_argument("--prefix-tokens", type=int, default=1000)
+    p.add_argument("--update-scale", type=float, nargs="+", default=[1e-3, 1e-2], help="prefix: relative noise")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of the schema")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help=OUT_HELP)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seeds, args.steps, args.passes, args.prefix_tokens, args.update_scale = [0], 3, 1, 200, [1e-2]
+    return args
+
+
+# ------------------------------------------------------------------------------------------------ steps part
+
+
+class SlowCalculator:
+    """The calculator with an environment's long-tailed latency (seeded; thread-safe draws)."""
+
+    def __init__(self, median_s: float, seed: int) -> None:
+        self.median_s, self.rng, self.lock = median_s, random.Random(seed), threading.Lock()
+
+    def tool(self) -> Any:
+        import functools
+
+        from trl_cb.offline.agent import calculator
+
+        @functools.wraps(calculator)  # the same name, signature and docstring: TRL's tool schema
+        def slow_calculator(expression: str) -> str:
+            with self.lock:
+                delay = min(0.4, self.median_s * math.exp(self.rng.gauss(0.0, 1.0)))
+            time.sleep(delay)
+            return calculator(expression)
+
+        return slow_calculator
+
+
+def answered_after_one_call(completions: list[list[dict[str, Any]]], **kwargs: Any) -> list[float]:
+    """1 for a rollout whose only tool round was the first."""
+    return [float(sum(m.get("role") == "tool" for m in c) == 1) for c in completions]
+
+
+def eval_contexts(tokenizer: Any, count: int = 8) -> Any:
+    """Held-out contexts ending where the policy chooses between another call and the answer."""
+    import torch
+
+    from trl_cb.offline.agent import CALL
+
+    rows = []
+    for i in range(count):
+        messages = [
+            {"role": "user", "content": f"Ava has {40 + 2 * i} shells and gives half away. How many are left?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": _call(CALL)}]},
+            {"role": "tool", "name": "calculator", "content": str(20 + i)},
+        ]
+        rows.append(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+    return [torch.tensor([list(r)]) for r in rows]
+
+
+def _call(text: str) -> dict[str, Any]:
+    import json
+
+    call = json.loads(text)
+    return {"name": call["name"], "arguments": call["arguments"]}
+
+
+def evaluated_reward(model: Any, tokenizer: Any, contexts: list[Any]) -> float:
+    """1 - P(another call) at the held-out contexts: the policy's expected reward, from its weights."""
+    import torch
+
+    call = tokenizer.convert_tokens_to_ids("<tool_call>")
+    with torch.no_grad():
+        again = [torch.softmax(model(ids).logits[0, -1].float(), -1)[call].item() for ids in contexts]
+    return 1.0 - statistics.fmean(again)
+
+
+def train_run(backend: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from trl_cb import GRPOConfig, GRPOTrainer
+    from trl_cb.offline.agent import agent_tokenizer, scripted_agent
+    from trl_cb.offline.data import synthetic_gsm8k
+
+    tokenizer = agent_tokenizer()
+    model = scripted_agent(tokenizer, p_again=args.p_again, margin=12.0)
+    contexts = eval_contexts(tokenizer)
+    rows = [{"prompt": [{"role": "user", "content": r["prompt"]}]} for r in synthetic_gsm8k(64, seed=seed)]
+    batch = args.prompts_per_step * args.num_generations
+    config = GRPOConfig(
+        output_dir=str(Path(args.out) / "agent-run"), per_device_train_batch_size=batch,
+        num_generations=args.num_generations, max_completion_length=160, max_tool_calling_iterations=8,
+        max_steps=args.steps, logging_steps=1, learning_rate=args.learning_rate, lr_scheduler_type="constant",
+        beta=0.0, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False, seed=seed,
+        use_transformers_continuous_batching=True, **BACKENDS[backend],
+    )  # fmt: skip
+    curve = [evaluated_reward(model, tokenizer, contexts)]
+
+    class Evaluate(TrainerCallback):
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            curve.append(evaluated_reward(model, tokenizer, contexts))
+
+    torch.manual_seed(seed)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=answered_after_one_call, args=config, train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer, tools=[SlowCalculator(args.tool_latency, seed).tool()], callbacks=[Evaluate()],
+    )  # fmt: skip
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    steps = [e["step_time"] for e in logs]
+    return {
+        "backend": backend,
+        "seed": seed,
+        "wall_s": wall,
+        "step_time_s": statistics.fmean(steps[1:] or steps),
+        "evaluated_reward": curve,
+        "samples_to_threshold": samples_to(curve, args.threshold, batch),
+        "tool_calls_per_sample": statistics.fmean(e["tools/call_frequency"] for e in logs),
+        "batch_reward": [e["reward"] for e in logs],
+    }
+
+
+def samples_to(curve: list[float], threshold: float, batch: int) -> float | None:
+    """Samples trained on when the evaluated reward first reaches `threshold` (linear between evaluations)."""
+    for step in range(1, len(curve)):
+        if curve[step] >= threshold:
+            before, after = curve[step - 1], curve[step]
+            frac = (threshold - before) / (after - before) if after > before else 1.0
+            return (step - 1 + frac) * batch
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- prefix part
+
+
+def prefix_part(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import GenerationConfig
+
+    from trl_cb import ContinuousBatchingGenerator
+    from trl_cb.engine import _upstream_prefix
+    from trl_cb.engine.sizing import Workload
+    from trl_cb.offline.data import gsm8k_test
+    from trl_cb.offline.tiny import small_model, tiny_tokenizer
+    from trl_cb.rollouts.inflight_update import paused_for_weight_update
+    from trl_cb.rollouts.rollout_groups import InFlightGroups
+
+    tokenizer = tiny_tokenizer()
+    model = small_model(tokenizer)
+    text = " ".join(r["prompt"] for r in gsm8k_test(200, conversational=False))
+    prefix = tokenizer(text)["input_ids"][: args.prefix_tokens]
+    config = GenerationConfig(
+        do_sample=True, max_new_tokens=16, eos_token_id=None, pad_token_id=tokenizer.pad_token_id
+    )
+    generator = ContinuousBatchingGenerator(model, config)
+    length = args.prefix_tokens + 64
+    # room for more than the requests in flight: finished turns' blocks stay cached (under memory pressure the engine
+    # evicts them, and a turn then prefills cold)
+    manager = generator.engine_for(model, Workload(8, length, 16, 2 * length), share_prefixes=True)
+    groups = InFlightGroups()
+    suffix = tokenizer.encode(" The calculator says 24.")
+    try:
+        first, _ = finish_turn(groups, manager, prefix, 16, 0)
+        second = prefix + first + suffix
+        cases: dict[str, list[tuple[float, float]]] = {"reused": [], "cold": []}
+        for _ in range(args.passes):
+            for case in ("cold", "reused"):
+                if case == "cold":
+                    _upstream_prefix.bump_weight_epoch()  # nothing matches: the whole prompt is prefilled
+                    finish_turn(groups, manager, prefix + first, 1, 0)  # re-hash the first turn for the next "reused"
+                    _upstream_prefix.bump_weight_epoch()
+                cpu, wall = time.process_time(), time.perf_counter()
+                finish_turn(groups, manager, second, 1, 0)
+                cases[case].append((time.process_time() - cpu, time.perf_counter() - wall))
+                if case == "cold":  # the "reused" pass needs the first turn's blocks in the current epoch
+                    finish_turn(groups, manager, prefix + first, 1, 0)
+        ratios = [r[0] / c[0] for r, c in zip(cases["reused"], cases["cold"], strict=True)]
+        decisions = []
+        for scale in args.update_scale:
+            finish_turn(groups, manager, prefix + first, 1, 0)  # the first turn's blocks, current weights
+            reference = copy.deepcopy(model)
+            noise = torch.Generator().manual_seed(3)
+            with paused_for_weight_update(manager, groups, 1):
+                for param in model.parameters():
+                    param.add_(param.abs().mean() * scale * torch.randn(param.shape, generator=noise))
+            reference.load_state_dict(model.state_dict())
+            gaps = {}
+            for decision in ("keep", "recompute"):
+                if decision == "recompute":
+                    _upstream_prefix.bump_weight_epoch()
+                ids, logprobs = finish_turn(groups, manager, second, 16, 1)
+                exact = teacher_forced(reference, second, ids)
+                gaps[decision] = (exact - logprobs).abs()
+            decisions.append({
+                "update_scale": scale,
+                **{f"{d}_mean_abs_log_ratio": g.mean().item() for d, g in gaps.items()},
+                **{f"{d}_max_abs_log_ratio": g.max().item() for d, g in gaps.items()},
+            })  # fmt: skip
+    finally:
+        generator.close()
+    return {
+        "prefix_tokens": len(prefix),
+        "second_turn_tokens": len(second),
+        "cpu_s": {k: [c for c, _ in v] for k, v in cases.items()},
+        "wall_s": {k: [w for _, w in v] for k, v in cases.items()},
+        "cpu_ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
+        "after_update": decisions,
+    }
+
+
+def finish_turn(groups: Any, manager: Any, prompt: list[int], max_new: int, version: int) -> tuple[list[int], Any]:
+    """One request on the running engine, to its end: (ids, processed logprobs)."""
+    import torch
+
+    from trl_cb.rollouts.rollout_groups import RolloutGroup
+
+    group = RolloutGroup(row=object(), prompt_ids=list(prompt), submitted_version=version)
+    groups.submit(manager, group, 1, max_new)
+    while not groups.ready:
+        groups.wait(manager, 0.05)
+        groups.collect(manager)
+    done = groups.ready.popleft()
+    return list(done.completion_ids[0]), torch.tensor(done.logprobs[0])
+
+
+def teacher_forced(model: Any, prompt: list[int], ids: list[int]) -> Any:
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    result: dict[str, Any] = {"benchmark": "agent_turns", "config": vars(args), "env": environment("cpu")}
+    if args.part in ("prefix", "all"):
+        result["prefix"] = prefix = prefix_part(args)
+        print(f"prefix reuse: turn 2 ({prefix['second_turn_tokens']} tokens, {prefix['prefix_tokens']} shared) costs "
+              f"{prefix['cpu_ratio']['median']:.3f}x a cold prefill's CPU time (min {prefix['cpu_ratio']['min']:.3f}, "
+              f"max {prefix['cpu_ratio']['max']:.3f})")  # fmt: skip
+        for d in prefix["after_update"]:
+            print(f"  update x{d['update_scale']}: keep -> mean|log ratio| {d['keep_mean_abs_log_ratio']:.2e} "
+                  f"(max {d['keep_max_abs_log_ratio']:.2e}); recompute -> {d['recompute_mean_abs_log_ratio']:.2e} "
+                  f"(max {d['recompute_max_abs_log_ratio']:.2e})")  # fmt: skip
+    if args.part in ("steps", "all"):
+        runs = [train_run(b, s, args) for s in args.seeds for b in args.backends]
+        result["runs"] = runs
+        result["summary"] = summary = summarize(runs, args.backends)
+        columns = [("backend", "backend"), ("step_time_s", "step s"), ("step_ratio", "x sync"),
+                   ("samples_to_threshold", "samples to threshold"), ("samples_ratio", "x sync"),
+                   ("tool_calls_per_sample", "calls/sample")]  # fmt: skip
+        print(format_table(summary, columns))
+    path = write_json(result, Path(args.out), "agent_turns")
+    print(f"wrote {path}")
+    import json
+
+    print(json.dumps(result))
+    return result
+
+
+def summarize(runs: list[dict[str, Any]], backends: list[str]) -> list[dict[str, Any]]:
+    out = []
+    for backend in backends:
+        mine = [r for r in runs if r["backend"] == backend]
+        reached = [r["samples_to_threshold"] for r in mine if r["samples_to_threshold"] is not None]
+        out.append({
+            "backend": backend,
+            "step_time_s": statistics.fmean(r["step_time_s"] for r in mine),
+            "step_times_s": [r["step_time_s"] for r in mine],
+            "samples_to_threshold": statistics.fmean(reached) if len(reached) == len(mine) else None,
+            "tool_calls_per_sample": statistics.fmean(r["tool_calls_per_sample"] for r in mine),
+        })  # fmt: skip
+    sync = next((s for s in out if s["backend"] == "sync"), out[0])
+    for s in out:
+        s["step_ratio"] = s["step_time_s"] / sync["step_time_s"]
+        both = s["samples_to_threshold"] is not None and sync["samples_to_threshold"]
+        s["samples_ratio"] = s["samples_to_threshold"] / sync["samples_to_threshold"] if both else None
+    return out
+
+
+if __name__ == "__main__":
+    main()
