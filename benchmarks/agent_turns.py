@@ -2,18 +2,19 @@
 
     python benchmarks/agent_turns.py                      # both parts, offline, CPU: ~5-8 min on 2 cores
     python benchmarks/agent_turns.py --part prefix        # turn 2's prefill over a 1,000-token shared prefix
-    python benchmarks/agent_turns.py --part steps --seeds 0 1 2 --steps 24
+    python benchmarks/agent_turns.py --part steps --seeds 0 1 2 --steps 16
     python benchmarks/agent_turns.py --quick              # seconds: schema smoke test
 
 `steps` — the agent task (`trl_cb.offline.agent`): a scripted calculator policy calls the tool, then after each answer
 calls it again with probability p (`--p-again`, 0.7: rounds per sample are geometric, long-tailed); each call takes a
 long-tailed time (`--tool-latency`, lognormal around 40 ms, capped at 0.4 s: an environment's latency). The reward
-is 1 for a rollout that answers right after its first tool answer, so learning means lowering p, and the policy's
-reward is evaluated exactly from the weights after every step: 1 - P(call again | a context ending in `<|resume|>`),
-averaged over held-out contexts (no sampling noise). Backends: `sync` (TRL's tool loop: tools run one sample after
-another, the next turn of all samples together), `async` (in process: each sample's loop in the producer, tools on
-worker threads), `overlap` (async_overlap). Reported per backend: mean step time (steps 2..N), samples to the
-threshold (`--threshold`), and their ratios to sync in the same run.
+is 1 for a rollout that answers right after its first tool answer, so learning means lowering p, and the policy is
+evaluated exactly from its weights after every step: the probability of a rewarded trajectory (one call, its answer,
+the final answer: the product of its model tokens' probabilities) on held-out problems, no sampling noise.
+Backends: `sync` (TRL's tool loop: tools run one sample after another, the next turn of all samples together),
+`async` (in process: each sample's loop in the producer, tools on worker threads), `overlap` (async_overlap).
+Reported per backend: mean step time (steps 2..N), samples to the threshold (`--threshold`), and their ratios to
+sync in the same run.
 
 `prefix` — a small Qwen2 (8 layers x 256), a 1,000-token first turn, its 16-token completion and a tool answer: the
 second turn's request (1 new token) with the first turn's KV blocks reused, against the same request after an epoch
@@ -54,12 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--part", choices=["steps", "prefix", "all"], default="all")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"subset of {list(BACKENDS)}")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--steps", type=int, default=24, help="optimizer steps per run")
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
     p.add_argument("--prompts-per-step", type=int, default=2)
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--p-again", type=float, default=0.7, help="initial chance of another call after a tool answer")
     p.add_argument("--tool-latency", type=float, default=0.04, help="median seconds per tool call (lognormal)")
-    p.add_argument("--learning-rate", type=float, default=0.01)
+    p.add_argument("--learning-rate", type=float, default=0.003)
     p.add_argument("--threshold", type=float, default=0.8, help="evaluated reward for samples to threshold")
     p.add_argument("--passes", type=int, default=5, help="prefix: measurements per case")
     p.add_argument("--prefix-tokens", type=int, default=1000)
@@ -101,40 +102,41 @@ def answered_after_one_call(completions: list[list[dict[str, Any]]], **kwargs: A
     return [float(sum(m.get("role") == "tool" for m in c) == 1) for c in completions]
 
 
-def eval_contexts(tokenizer: Any, count: int = 8) -> Any:
-    """Held-out contexts ending where the policy chooses between another call and the answer."""
+def eval_trajectories(tokenizer: Any, count: int = 8) -> list[tuple[Any, Any]]:
+    """Held-out rewarded trajectories, as the policy would sample them: a problem, one calculator call, the tool's
+    answer, the final answer; each as token ids and the mask of the model's tokens (the tool turn is the
+    environment's)."""
     import torch
 
-    from trl_cb.offline.agent import CALL
+    from trl_cb.offline.agent import ANSWER, CALL
 
-    rows = []
+    token = tokenizer.convert_tokens_to_ids
+    call = [token(t) for t in ("<tool_call>", CALL, "</tool_call>", "<|end|>")]
+    answer = [token(ANSWER), token("<|end|>")]
+    out = []
     for i in range(count):
-        messages = [
-            {"role": "user", "content": f"Ava has {40 + 2 * i} shells and gives half away. How many are left?"},
-            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": _call(CALL)}]},
-            {"role": "tool", "name": "calculator", "content": str(20 + i)},
-        ]
-        rows.append(
-            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        user = [{"role": "user", "content": f"Ava has {40 + 2 * i} shells and gives half away. How many are left?"}]
+        prompt = list(
+            tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=True, return_dict=False)
         )
-    return [torch.tensor([list(r)]) for r in rows]
+        tool = tokenizer.encode(f"<|tool|>{20 + i}<|end|><|resume|>", add_special_tokens=False)
+        ids = prompt + call + tool + answer
+        mask = [0] * len(prompt) + [1] * len(call) + [0] * len(tool) + [1] * len(answer)
+        out.append((torch.tensor([ids]), torch.tensor(mask, dtype=torch.bool)))
+    return out
 
 
-def _call(text: str) -> dict[str, Any]:
-    import json
-
-    call = json.loads(text)
-    return {"name": call["name"], "arguments": call["arguments"]}
-
-
-def evaluated_reward(model: Any, tokenizer: Any, contexts: list[Any]) -> float:
-    """1 - P(another call) at the held-out contexts: the policy's expected reward, from its weights."""
+def evaluated_reward(model: Any, trajectories: list[tuple[Any, Any]]) -> float:
+    """The probability, under the current weights, that the policy produces a rewarded trajectory (one call, then
+    the answer), exactly: the product of its model tokens' probabilities, averaged over held-out problems."""
     import torch
 
-    call = tokenizer.convert_tokens_to_ids("<tool_call>")
+    values = []
     with torch.no_grad():
-        again = [torch.softmax(model(ids).logits[0, -1].float(), -1)[call].item() for ids in contexts]
-    return 1.0 - statistics.fmean(again)
+        for ids, mask in trajectories:
+            logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+            values.append(logprobs[mask[1:]].sum().exp().item())
+    return statistics.fmean(values)
 
 
 def train_run(backend: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -148,7 +150,7 @@ def train_run(backend: str, seed: int, args: argparse.Namespace) -> dict[str, An
 
     tokenizer = agent_tokenizer()
     model = scripted_agent(tokenizer, p_again=args.p_again, margin=12.0)
-    contexts = eval_contexts(tokenizer)
+    trajectories = eval_trajectories(tokenizer)
     rows = [{"prompt": [{"role": "user", "content": r["prompt"]}]} for r in synthetic_gsm8k(64, seed=seed)]
     batch = args.prompts_per_step * args.num_generations
     config = GRPOConfig(
@@ -158,11 +160,11 @@ def train_run(backend: str, seed: int, args: argparse.Namespace) -> dict[str, An
         beta=0.0, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False, seed=seed,
         use_transformers_continuous_batching=True, **BACKENDS[backend],
     )  # fmt: skip
-    curve = [evaluated_reward(model, tokenizer, contexts)]
+    curve = [evaluated_reward(model, trajectories)]
 
     class Evaluate(TrainerCallback):
         def on_step_end(self, *a: Any, **k: Any) -> None:
-            curve.append(evaluated_reward(model, tokenizer, contexts))
+            curve.append(evaluated_reward(model, trajectories))
 
     torch.manual_seed(seed)
     trainer = GRPOTrainer(

@@ -511,3 +511,18 @@ def test_payload_quick(tmp_path):
     assert all(p["health_polls"] > 0 for p in payload["points"] if p["part"] == "http")
     (ctl,) = [p for p in payload["points"] if p["part"] == "controller"]
     assert ctl["rollout_threads"] <= 2 and ctl["trainer_cpu_s_per_step"] > 0  # O(replicas): 2 streams, 1 replica
+
+
+@pytest.mark.slow
+def test_agent_turns_quick(tmp_path):
+    """The multi-turn benchmark's schema: per backend a step time, an evaluated-reward curve and samples to the
+    threshold; the prefix part's CPU times per case and the keep / recompute gaps after an update."""
+    proc = run(str(ROOT / "benchmarks" / "agent_turns.py"), "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert payload["benchmark"] == "agent_turns" and len(list(tmp_path.glob("agent_turns-*.json"))) == 1
+    assert {s["backend"] for s in payload["summary"]} == {"sync", "async", "overlap"}
+    assert all(len(r["evaluated_reward"]) == 4 and r["tool_calls_per_sample"] > 0 for r in payload["runs"])
+    prefix = payload["prefix"]
+    assert set(prefix["cpu_s"]) == {"reused", "cold"} and prefix["cpu_ratio"]["median"] > 0
+    assert {"keep_mean_abs_log_ratio", "recompute_mean_abs_log_ratio"} <= set(prefix["after_update"][0])
