@@ -1047,10 +1047,11 @@ def test_prefix_cache_surface_the_weight_epochs_wrap():
     `compute_block_hash` by its module name, and the cache's per-request hooks must keep these signatures."""
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
     from transformers.generation.continuous_batching.cache_allocators import cache_allocator
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
 
     assert params(cache_allocator.compute_block_hash) == ["parent_hash", "tokens"]
     for method in ("match_prefix_blocks", "mark_complete_blocks"):
         assert "compute_block_hash(" in inspect.getsource(getattr(cache_allocator.CacheAllocator, method))
-    assert params(cache_allocator.CacheAllocator.mark_complete_blocks)[:2] == ["self", "request_id"]
-    assert params(PagedAttentionCache.search_prefix_match)[:3] == ["self", "request_id", "prompt_ids"]
-    assert params(PagedAttentionCache.free_blocks)[:2] == ["self", "request_id"]
+    assert params(PagedAttentionCache.mark_complete_blocks) == ["self", "state", "complete_blocks"]
+    batch = inspect.getsource(ContinuousBatchProcessor.update_batch)
+    assert batch.count("self.cache.mark_complete_blocks(state, future_state.complete_blocks)") == 2

@@ -10,8 +10,8 @@ the epoch a block completes in: a block completed after an update still holds KV
 turn reusing one was 2.6 nats off). Requests in flight keep their blocks (partial rollouts, as before).
 
 Upstream surface (tests/unit/test_contracts.py): `cache_allocator.compute_block_hash(parent_hash, tokens)` called by
-name in `match_prefix_blocks` / `mark_complete_blocks(request_id, ...)`; `PagedAttentionCache.search_prefix_match
-(request_id, prompt_ids)` at each request's (re)start, `PagedAttentionCache.free_blocks(request_id, ...)`.
+name in the allocators' `match_prefix_blocks` / `mark_complete_blocks`; `PagedAttentionCache.mark_complete_blocks
+(state, complete_blocks)`, called for every request of every step; a forked state copies its parent's attributes.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ __all__ = ["bump_weight_epoch", "install_epoch_hashes", "weight_epoch"]
 _upstream_hash = cache_allocator.compute_block_hash
 _lock = threading.Lock()
 _epoch = 0
-_request_epochs: dict[str, int] = {}  # request id -> the epoch it (re)started in
 _marking = threading.local()  # the epoch of the request whose blocks are being hashed (`mark_complete_blocks`)
 _installed = False
-_CHILD = "__child#"  # how upstream names a forked sample's request: f"{parent}__child#{i}"
+#: Where a request's start epoch is kept: an attribute of its `RequestState`, set at its first forward (the step it
+#: was scheduled in, so before any update can land) and copied with the state when it forks its samples.
+_STATE_EPOCH = "_trl_cb_weight_epoch"
 
 
 def weight_epoch() -> int:
@@ -46,7 +47,8 @@ def bump_weight_epoch() -> int:
 
 
 def _epoch_hash(parent_hash: int | None, tokens: list[int]) -> int:
-    # A chain's first block hangs off its request's start epoch; later blocks chain from their parent as upstream's.
+    # A chain's first block hangs off its request's start epoch (a new prompt's: the current one); later blocks chain
+    # from their parent as upstream's do.
     if parent_hash is None:
         parent_hash = getattr(_marking, "epoch", None)
         parent_hash = _epoch if parent_hash is None else parent_hash
@@ -61,31 +63,15 @@ def install_epoch_hashes() -> bool:
         if _installed:
             return True
         _installed = True
-    search, free = PagedAttentionCache.search_prefix_match, PagedAttentionCache.free_blocks
-    mark = cache_allocator.CacheAllocator.mark_complete_blocks
+    mark = PagedAttentionCache.mark_complete_blocks
 
-    def search_prefix_match(self: Any, request_id: str, prompt_ids: list[int]) -> int:
-        _request_epochs[request_id] = _epoch  # the request (re)starts: its blocks chain from now
-        return search(self, request_id, prompt_ids)
-
-    def free_blocks(self: Any, request_id: str, *args: Any, **kwargs: Any) -> None:
-        if _CHILD not in request_id:  # a parent may finish before its children mark their blocks: kept for them
-            _request_epochs.setdefault(request_id, _epoch)
-        else:
-            _request_epochs.pop(request_id, None)
-        free(self, request_id, *args, **kwargs)
-
-    def mark_complete_blocks(self: Any, request_id: str, *args: Any, **kwargs: Any) -> None:
-        # A forked sample started with its parent (`_upstream.add_forked_request`'s ids): it shares its parent's epoch
-        parent = request_id.split(_CHILD, 1)[0]
-        _marking.epoch = _request_epochs.get(request_id, _request_epochs.get(parent, _epoch))
+    def mark_complete_blocks(self: Any, state: Any, complete_blocks: Any) -> None:
+        _marking.epoch = state.__dict__.setdefault(_STATE_EPOCH, _epoch)
         try:
-            mark(self, request_id, *args, **kwargs)
+            mark(self, state, complete_blocks)
         finally:
             _marking.epoch = None
 
     cache_allocator.compute_block_hash = _epoch_hash
-    PagedAttentionCache.search_prefix_match = search_prefix_match
-    PagedAttentionCache.free_blocks = free_blocks
-    cache_allocator.CacheAllocator.mark_complete_blocks = mark_complete_blocks
+    PagedAttentionCache.mark_complete_blocks = mark_complete_blocks
     return True
