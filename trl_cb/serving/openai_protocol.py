@@ -36,7 +36,14 @@ from .protocol import (
 )
 from .protocol import _Strict as Strict
 
-__all__ = ["AnswerChoice", "ChatCompletionRequest", "ChatMessage", "CompletionAnswer", "OpenAICompletionRequest"]
+__all__ = [
+    "AnswerChoice",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionAnswer",
+    "OpenAICompletionRequest",
+    "TokenizeRequest",
+]
 
 #: Most stop strings per request, and their longest length (characters).
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
@@ -297,3 +304,32 @@ class ChatCompletionRequest(_OpenAISampling):
             **(self.chat_template_kwargs or {}),
         )
         return list(rendered)
+
+
+class TokenizeRequest(Strict):
+    """`/tokenize` (vLLM's): a text, or messages through the chat template (with `tools`), as the server would render
+    them for generation; clients that send conversations back as ids (`tokens`) build the next turn's with it."""
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(default=None, max_length=MAX_MESSAGES)
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        _finite(self.tools or [], "tools")
+        _finite(self.chat_template_kwargs or {}, "chat_template_kwargs")
+        return self
+
+    def ids(self, tokenizer: Any) -> list[int]:
+        if tokenizer is None:
+            raise ValueError("this server has no tokenizer")
+        if self.prompt is not None:
+            return list(tokenizer.encode(self.prompt, add_special_tokens=self.add_special_tokens))
+        fields = ("messages", "tools", "chat_template_kwargs", "add_generation_prompt")
+        return ChatCompletionRequest(**{name: getattr(self, name) for name in fields}).prompt_ids(tokenizer)

@@ -33,7 +33,7 @@ from ..rollouts.rollout_groups import RolloutGroup, oldest_version
 from .engine import ServingEngine, Ticket
 from .frames import FRAMES_MEDIA_TYPE, frame_pieces
 from .middleware import RequestGate
-from .openai_protocol import ChatCompletionRequest, OpenAICompletionRequest
+from .openai_protocol import ChatCompletionRequest, OpenAICompletionRequest, TokenizeRequest
 from .openai_serving import OpenAIServing
 from .protocol import (
     DEFAULT_MAX_BODY_BYTES,
@@ -203,6 +203,14 @@ def create_app(
         return await openai.chat(flows(request), body, prompt)
 
     app.add_api_route("/v1/chat/completions/tokens", chat_completions, methods=["POST"])  # prime-rl's token-in path
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's `/tokenize`: a text, or messages as the chat template renders them for generation."""
+        known_model(body.model)
+        ids = await run_in_threadpool(parsed, lambda: body.ids(tokenizer))
+        limit = getattr(model.config, "max_position_embeddings", None)
+        return {"count": len(ids), "max_model_len": limit, "tokens": ids}
 
     async def rollout_answer(body: CompletionRequest, request: Request) -> Response:
         """trl_cb's own answer to `/v1/completions` (`encoding` packed or binary): every group, then one body."""

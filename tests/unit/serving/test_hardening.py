@@ -277,7 +277,7 @@ CHAT = {"messages": [{"role": "user", "content": "How many clips?"}], "max_token
 COMPLETIONS, CHAT_PATH, TOKENS_PATH = "/v1/completions", "/v1/chat/completions", "/v1/chat/completions/tokens"
 
 
-@pytest.mark.parametrize("path", [CHAT_PATH, TOKENS_PATH])
+@pytest.mark.parametrize("path", [CHAT_PATH, TOKENS_PATH, "/tokenize"])
 def test_openai_routes_refuse_on_headers(server, path):
     """Auth before the body (invalid JSON without a key: 401; 100 MB announced: 401 without the key, 413 with it),
     as on every other route."""
@@ -319,6 +319,7 @@ def test_openai_routes_refuse_on_headers(server, path):
         (COMPLETIONS, {"prompt": [[5, 6]], "encoding": "binary", "stream": True}, 422, "encoding"),
         (COMPLETIONS, {"prompt": "hi", "detokenize": False, "stop": "x"}, 422, "stop"),
         (COMPLETIONS, {"prompt": [[5, 10**7]], "stream": True}, 400, "vocabulary"),
+        ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 422, "exactly one"),
     ],
 )
 def test_openai_requests_the_server_cannot_honour_are_refused(server, path, body, status, field):
@@ -339,6 +340,7 @@ def test_openai_requests_the_server_cannot_honour_are_refused(server, path, body
         (CHAT_PATH, '{"messages": [{"role": "user", "content": "x"}], "tools": [{"x": NaN}]}', "tools"),
         (TOKENS_PATH, '{"tokens": [5, NaN], "max_tokens": 4}', "tokens"),
         (COMPLETIONS, '{"prompt": "x", "top_p": -Infinity}', "top_p"),
+        ("/tokenize", '{"messages": [{"role": "user", "content": "x"}], "tools": [{"x": NaN}]}', "tools"),
     ],
 )
 def test_openai_non_finite_values_are_422(server, path, text, field):

@@ -246,6 +246,9 @@ def test_chat_tool_call_two_turns_and_token_in(scripted):
 
     turn1 = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
     rendered = second.model_extra["prompt_token_ids"]
+    body = {"model": "scripted", "messages": history, "tools": [MULTIPLY]}
+    tokenized = requests.post(url + "/tokenize", json=body, headers=AUTH, timeout=60).json()
+    assert tokenized["tokens"] == rendered and tokenized["count"] == len(rendered)  # vLLM's /tokenize, the same ids
     assert rendered[: len(turn1)] == turn1  # the template preserves the prefix: suffix = the tool turn
     tokens = turn1 + rendered[len(turn1) :]
     body = {"model": "scripted", "messages": history, "tokens": tokens, "max_tokens": 16, "return_token_ids": True}
