@@ -169,12 +169,9 @@ def add_forked_request(
     with _fork_lock:
         manager.num_return_sequences = num_samples
         try:
+            stream = {"streaming": True} if streaming else {}  # the call as before unless a caller watches steps
             rid = manager.add_request(
-                input_ids,
-                request_id=request_id,
-                max_new_tokens=max_new_tokens,
-                streaming=streaming,
-                **(processor_kwargs or {}),
+                input_ids, request_id=request_id, max_new_tokens=max_new_tokens, **stream, **(processor_kwargs or {})
             )
         finally:
             manager.num_return_sequences = 1
