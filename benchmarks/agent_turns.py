@@ -12,7 +12,7 @@ is 1 for a rollout that answers right after its first tool answer, so learning m
 evaluated exactly from its weights after every step: the probability of a rewarded trajectory (one call, its answer,
 the final answer: the product of its model tokens' probabilities) on held-out problems, no sampling noise.
 Backends: `sync` (TRL's tool loop: tools run one sample after another, the next turn of all samples together),
-`async` (in process: each sample's loop in the producer, tools on worker threads), `overlap` (async_overlap).
+`async` (in process: each sample's loop in the producer, tools on worker threads), `overlap` (cb_async_overlap).
 Reported per backend: mean step time (steps 2..N), samples to the threshold (`--threshold`), and their ratios to
 sync in the same run.
 
@@ -45,8 +45,8 @@ from common import DEFAULT_OUT, OUT_HELP, environment, format_table, write_json 
 
 BACKENDS = {
     "sync": {},
-    "async": {"async_generation": True},
-    "overlap": {"async_generation": True, "async_overlap": True},
+    "async": {"cb_async_generation": True},
+    "overlap": {"cb_async_generation": True, "cb_async_overlap": True},
 }
 
 

@@ -10,7 +10,7 @@ A real model (needs the hub; the tokenizer's chat template must support tools, e
         --num_examples 2000 --output_dir runs/agent --per_device_train_batch_size 16 --num_generations 8 \
         --max_completion_length 512 --max_tool_calling_iterations 4 --learning_rate 1e-6
 
-Sync mode for comparison: --async_generation false. On rollout servers: --rollout_server_urls http://HOST:PORT.
+Sync mode for comparison: --cb_async_generation false. On rollout servers: --cb_server_urls http://HOST:PORT.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from trl_cb.offline.data import GSM8KScriptArguments, load_prompts
 
 DEFAULTS = dict(
     use_transformers_continuous_batching=True,
-    async_generation=True,
+    cb_async_generation=True,
     per_device_train_batch_size=8,
     num_generations=4,
     max_completion_length=96,

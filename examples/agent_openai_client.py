@@ -13,7 +13,7 @@ tokens), and `env_mask` (0 for tool tokens: out of the loss and of the IS weight
 Offline (CPU, ~1 min): starts a local server on the scripted calculator agent (`trl_cb.offline.agent`):
     python examples/agent_openai_client.py --output_dir /tmp/bridge --max_steps 2
 
-Against running servers: --rollout_server_urls http://HOST:8000 --rollout_server_api_key KEY --model_name_or_path M
+Against running servers: --cb_server_urls http://HOST:8000 --cb_server_api_key KEY --model_name_or_path M
 """
 
 from __future__ import annotations
@@ -131,14 +131,14 @@ def main(script_args: GSM8KScriptArguments, training_args: GRPOConfig) -> None:
     rows = load_prompts(script_args, seed=training_args.seed)
     with ExitStack() as stack:
         tokenizer, model, name = None, script_args.model_name_or_path, script_args.model_name_or_path
-        if not training_args.rollout_server_urls:  # offline: a local server on the scripted calculator agent
+        if not training_args.cb_server_urls:  # offline: a local server on the scripted calculator agent
             tokenizer, directory = agent_tokenizer(), stack.enter_context(tempfile.TemporaryDirectory())
             model = scripted_agent(tokenizer, p_again=0.3, margin=8.0)  # ~15% of tokens off-script: real sampling
             model.save_pretrained(directory)
             tokenizer.save_pretrained(directory)
             server = stack.enter_context(local_rollout_server(directory, threads=1))
-            training_args.rollout_server_urls, name = [server.url], directory
-        url, key = training_args.rollout_server_urls[0], training_args.rollout_server_api_key
+            training_args.cb_server_urls, name = [server.url], directory
+        url, key = training_args.cb_server_urls[0], training_args.cb_server_api_key
         trainer = GRPOTrainer(
             model=model, reward_funcs=final_answer_reward, args=training_args, train_dataset=Dataset.from_list(rows),
             processing_class=tokenizer, rollout_func=openai_rollouts(url, key, name),

@@ -160,7 +160,10 @@ def test_environment_owns_the_reward(tmp_path, tokenizer):
 # ------------------------------------------------------------------- async: each sample's loop in the producer
 
 
-ASYNC = {"in_process": {"async_generation": True}, "overlap": {"async_generation": True, "async_overlap": True}}
+ASYNC = {
+    "in_process": {"cb_async_generation": True},
+    "overlap": {"cb_async_generation": True, "cb_async_overlap": True},
+}
 
 
 def async_pair(tmp_path, tokenizer, mode: str, setup=None, **trainer_kwargs):

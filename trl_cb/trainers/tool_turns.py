@@ -5,7 +5,7 @@ Why per sample: TRL 1.16's `GRPOTrainer._tool_call_loop` runs every sample's too
 so a batch waits for its slowest tool and longest turn. Here each sample's `ToolConversation` runs the same steps on a
 worker thread while others generate. TRL's semantics, kept (tests/parity/test_tools.py compares): turns parsed with
 `parse_response`; calls in order, sync tools then async ones on TRL's event loop; an exception, unknown tool or
-unsupported call type (or a call past `async_tool_timeout`) answers `{"error": ...}` and counts as a failure; results
+unsupported call type (or a call past `cb_async_tool_timeout`) answers `{"error": ...}`, counted as a failure; results
 appended as `_get_tool_suffix_ids` renders them, dropped (the sample ends) if they would pass `max_completion_length`
 or the model's positions; at most `max_tool_calling_iterations` rounds; environments pooled, reset per sample with its
 row, their first observation joined to the prompt.

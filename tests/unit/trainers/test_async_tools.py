@@ -1,5 +1,5 @@
 """Async multi-turn training beyond parity (tests/parity/test_tools.py holds the comparisons with TRL's sync loop):
-a tool that hangs is answered with an error after `async_tool_timeout` and counted as a failure (the run goes on), a
+a tool that hangs is answered with an error after `cb_async_tool_timeout` and counted as a failure (the run goes on), a
 scripted policy trains with moving weights against a rollout server (turns on the server, tools in the trainer), and
 the settings are validated."""
 
@@ -38,7 +38,7 @@ def trainer(tmp_path: Path, tokenizer, tools: list, **overrides) -> GRPOTrainer:
     args = dict(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=32,
         max_steps=1, logging_steps=1, learning_rate=0.0, report_to=[], save_strategy="no", use_cpu=True,
-        disable_tqdm=True, bf16=False, use_transformers_continuous_batching=True, async_generation=True,
+        disable_tqdm=True, bf16=False, use_transformers_continuous_batching=True, cb_async_generation=True,
     )  # fmt: skip
     args.update(overrides)
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} times 4?"}]} for i in range(4)])
@@ -49,11 +49,11 @@ def trainer(tmp_path: Path, tokenizer, tools: list, **overrides) -> GRPOTrainer:
 
 
 def test_a_hanging_tool_times_out_as_a_failure(tmp_path):
-    """Every sample's call hangs: past `async_tool_timeout` it answers {'error': ...}, counted as a failure as TRL
+    """Every sample's call hangs: past `cb_async_tool_timeout` it answers {'error': ...}, counted as a failure as TRL
     counts a raising tool; the samples end as with any failed call and the step completes."""
     RELEASE.clear()
     try:
-        run = trainer(tmp_path, chat_tokenizer(), [hanging_multiply], async_tool_timeout=0.5)
+        run = trainer(tmp_path, chat_tokenizer(), [hanging_multiply], cb_async_tool_timeout=0.5)
         run.train()
     finally:
         RELEASE.set()
@@ -61,7 +61,7 @@ def test_a_hanging_tool_times_out_as_a_failure(tmp_path):
     assert entry["tools/call_frequency"] == 1.0 and entry["tools/failure_frequency"] == 1.0
 
 
-@pytest.mark.parametrize(("field", "value"), [("async_tool_workers", 0), ("async_tool_timeout", 0.0)])
+@pytest.mark.parametrize(("field", "value"), [("cb_async_tool_workers", 0), ("cb_async_tool_timeout", 0.0)])
 def test_tool_settings_are_validated(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):
         GRPOConfig(output_dir=str(tmp_path), report_to=[], **{field: value})
@@ -77,8 +77,8 @@ def test_async_tools_train_against_a_rollout_server(tmp_path):
     tokenizer.save_pretrained(checkpoint)
     with running_server(str(checkpoint), "--api-key", KEY) as (_, url):
         run = trainer(
-            tmp_path / "out", tokenizer, [multiply], max_steps=3, learning_rate=1e-4, rollout_server_urls=[url],
-            rollout_server_api_key=KEY,
+            tmp_path / "out", tokenizer, [multiply], max_steps=3, learning_rate=1e-4, cb_server_urls=[url],
+            cb_server_api_key=KEY,
         )  # fmt: skip
         run.train()
     logs = [e for e in run.state.log_history if "loss" in e]
