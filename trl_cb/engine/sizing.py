@@ -39,8 +39,8 @@ class Workload:
     max_prompt_len: int
     max_new_tokens: int
     prefill_tokens: int  # tokens of the unique prompts (forked samples share their prompt's prefill)
-    #: Prompts the requests are forked from (their G samples share the prompt's full pages); None: every request its
-    #: own prompt (a server's requests).
+    #: Prompts the requests are forked from (their G samples share the prompt's full pages). None: an open workload
+    #: (a server's: requests arrive on their own, each with its own prompt, and the engine may be asked for more).
     num_prompts: int | None = None
 
     def union(self, other: Workload) -> Workload:

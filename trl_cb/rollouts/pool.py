@@ -83,7 +83,7 @@ class EnginePool:
             self.stop()
             engine = None
         if engine is not None and engine.signature == signature:
-            if engine.size.holds(self.cache_size(module, workload)):
+            if engine.size.holds(self.cache_size(module, workload, self._block_tables(module, generation_config))):
                 return engine
             workload = workload.union(engine.workload)
             logger.info(
@@ -98,15 +98,29 @@ class EnginePool:
         self.num_builds += 1
         return self.engine
 
-    def cache_size(self, module: PreTrainedModel, workload: Workload) -> CacheSize:
-        """The cache geometry for `workload`: the user's settings where given, else sized from the workload."""
+    def cache_size(self, module: PreTrainedModel, workload: Workload, block_tables: bool = False) -> CacheSize:
+        """The cache geometry for `workload`: the user's settings where given, else sized from the workload.
+
+        A prompt's full pages are counted once for its samples only where decode steps read the cache through block
+        tables (`block_tables`) and blocks are shared: transformers' scheduler caps every other step at the cache's
+        size in key reads (each row reading its shared pages again), so a cache sized for shared pages would make rows
+        wait a step there (tests/unit/engine/test_sizing.py: same samples as a cache 4x larger)."""
         page_size = self.cb_kwargs.get("page_size") or default_page_size(module.device, module.dtype)
-        sized = size_cache(workload, page_size, module.device, self.cb_kwargs.get("allow_block_sharing", True))
+        shared = block_tables and self.cb_kwargs.get("allow_block_sharing", True)
+        sized = size_cache(workload, page_size, module.device, shared)
         return CacheSize(
             page_size=page_size,
             num_blocks=self.cb_kwargs.get("num_blocks") or sized.num_blocks,
             max_batch_tokens=self.cb_kwargs.get("max_batch_tokens") or sized.max_batch_tokens,
         )
+
+    def _block_tables(self, module: PreTrainedModel, generation_config: GenerationConfig) -> bool:
+        """Whether an engine built now would run its decode steps through block tables (with decode graphs; not for
+        models with other layers than full attention)."""
+        needs_history = request_processor_settings(generation_config).needs_history
+        if not self.decode_graphs(module, needs_history) or not decode_graphs.backend_available(module.device):
+            return False
+        return set(_upstream.engine_layer_groups(module.config.get_text_config())) == {"full_attention"}
 
     def decode_graphs(self, module: PreTrainedModel, needs_history: bool = False) -> bool:
         """Whether the engine runs its decode steps as accelerator graphs (`engine/decode_graphs.py`).
@@ -168,7 +182,11 @@ class EnginePool:
             kwargs.update(SYNCHRONOUS_ENGINE)
         graphs = self.decode_graphs(module, needs_history=settings.needs_history)
         kwargs["use_cuda_graph"] = False  # transformers' own graphs stay off: trl_cb's run the decode steps
-        size = self.cache_size(module, workload)
+        size = self.cache_size(module, workload, self._block_tables(module, generation_config))
+        if workload.num_prompts is not None and "num_blocks" not in self.cb_kwargs:
+            # The cache holds every request of this workload at its longest: transformers' safety margin (no new
+            # prefill while under 10% of the cache is free) would only make the last prompts of a round wait.
+            kwargs.setdefault("safety_margin", 0.0)
         kwargs.update(
             page_size=size.page_size,
             num_blocks=size.num_blocks,

@@ -58,17 +58,18 @@ def test_union_only_grows():
 
 @pytest.mark.parametrize(
     ("page", "prompt_len", "new", "samples"),
-    [(8, 7, 9, 4), (8, 16, 8, 3), (16, 17, 23, 4), (8, 23, 1, 8), (8, 25, 15, 1)],
+    [(8, 7, 9, 4), (8, 16, 8, 3), (16, 17, 23, 4), (8, 23, 1, 8), (8, 25, 15, 1), (32, 128, 24, 2)],
 )
 @pytest.mark.parametrize(
     ("graphs", "sharing"), [(False, True), (True, True), (False, False)], ids=["cpu", "block-tables", "no-sharing"]
 )
-def test_the_sized_cache_never_offloads_a_request(
+def test_the_sized_cache_holds_every_request_at_once(
     tokenizer, monkeypatch, page, prompt_len, new, samples, graphs, sharing
 ):
     """Every request runs to its limit (EOS never sampled), forked from prompts whose length ends mid-page, on a page
-    or just past one: the workload-sized cache holds them all at once; transformers would offload a request to the
-    CPU (`OffloadingManager.offload_requests`) if it did not."""
+    or just past one: the workload-sized cache holds them all at once. Nothing is offloaded to the CPU
+    (`OffloadingManager.offload_requests`), and no row ever waits a step for room (the scheduler caps a step's key
+    reads at the cache's size): the seeded samples equal those of a cache four times as large."""
     from transformers.generation.continuous_batching.offloading_manager import OffloadingManager
 
     from tests.conftest import sampling_config
@@ -90,8 +91,22 @@ def test_the_sized_cache_never_offloads_a_request(
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, len(tokenizer), (prompt_len,), generator=g).tolist() for _ in range(3)]
     cfg = sampling_config(tokenizer, max_new_tokens=new)
-    with ContinuousBatchingGenerator(model, cfg, {"page_size": page, "allow_block_sharing": sharing}) as gen:
-        result = gen.generate(prompts, num_generations=samples)
-        exact = size_cache(Workload(3 * samples, prompt_len, new, 3 * prompt_len, 3), page, shared_prompts=sharing)
-        assert gen.cache_size.num_blocks == exact.num_blocks, "the test must run at the exact size"
-    assert [len(c) for c in result.completion_ids] == [new] * (3 * samples)
+    runs, exact_blocks = [], 0
+    for scale in (1, 4):
+        engine = {"page_size": page, "allow_block_sharing": sharing}
+        with ContinuousBatchingGenerator(model, cfg, engine) as gen:
+            if scale > 1:
+                gen._pool.cb_kwargs["num_blocks"] = scale * exact_blocks
+            torch.manual_seed(0)
+            result = gen.generate(prompts, num_generations=samples)
+            if scale == 1:
+                exact_blocks = gen.cache_size.num_blocks
+                shared = graphs and sharing
+                workload = Workload(3 * samples, prompt_len, new, 3 * prompt_len, 3)
+                assert exact_blocks == size_cache(workload, page, shared_prompts=shared).num_blocks
+        assert [len(c) for c in result.completion_ids] == [new] * (3 * samples)
+        runs.append((result.completion_ids, result.logprobs))
+    (ids, logprobs), (ids_large, logprobs_large) = runs
+    assert ids == ids_large, "rows waited for room in the exactly sized cache: other samples"
+    gap = max(abs(a - b) for x, y in zip(logprobs, logprobs_large) for a, b in zip(x, y))
+    assert gap < 1e-5  # the same tokens from the same logits (a batch laid out otherwise sums in another order)
