@@ -9,7 +9,8 @@ upstream's and the features' pure builders and assigns it once; feature modules 
 `prepare_batch_update`: (processed, policy) logprob pairs > upstream; `schedule_batch`: steady decode batch > upstream;
 `prepare_batch_tensors`: steady decode advance > read rows by tensor ops (`_upstream_cache`) > upstream;
 `update_batch`: steady rows inline > forks copied field by field (`_upstream_fork`) > upstream; `cache.update` (5.24):
-one-gather reads and block-table marks > upstream; `_run_generation_loop`: a context for the loop (`run_loop_in`).
+one-gather reads and block-table marks > upstream; `_run_generation_loop`: a context for the loop (`run_loop_in`);
+process-wide, on the classes: block hashes chained from the weight epoch (`install_epoch_hashes`, `_upstream_prefix`).
 The mask placeholder: a 4D `attention_mask` short-circuits transformers' mask builders, which `varlen_attention`'s
 engine forwards never read (~0.1 ms of a 1.5 ms step). Upstream surface: tests/unit/test_contracts.py.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,12 +28,19 @@ import torch
 from transformers import PreTrainedModel
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 
-from . import _upstream_cache, _upstream_decode, _upstream_fork, openmp
+from . import _upstream_cache, _upstream_decode, _upstream_fork, _upstream_prefix, openmp
 from . import _upstream_sampling as _sampling
 from . import decode_graphs as _graphs
 from .policy_logprobs import PolicyLogprobRecorder
 
-__all__ = ["LOOP_ATTRIBUTE", "adopt_compute_stream", "install", "placeholder_mask", "run_loop_in"]
+__all__ = [
+    "LOOP_ATTRIBUTE",
+    "adopt_compute_stream",
+    "install",
+    "install_epoch_hashes",
+    "placeholder_mask",
+    "run_loop_in",
+]
 
 
 @dataclass
@@ -91,6 +100,29 @@ def install(manager: ContinuousBatchingManager, model: PreTrainedModel, features
     if cache_update is not None:
         _upstream_cache.drop_paged_cache_from_outputs(model)
         cache.update = cache_update
+
+
+_epoch_lock = threading.Lock()
+_epoch_hashes = False
+
+
+def install_epoch_hashes() -> bool:
+    """Chain the block hashes of this process's engines from the weight epoch (`_upstream_prefix`): transformers'
+    `compute_block_hash` and `PagedAttentionCache.mark_complete_blocks`, on the classes, once (idempotent;
+    process-wide, which is safe for every engine: an epoch only ever makes fewer blocks match). Returns True (block
+    sharing may be on)."""
+    global _epoch_hashes
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.generation.continuous_batching.cache_allocators import cache_allocator
+
+    with _epoch_lock:
+        if not _epoch_hashes:
+            cache_allocator.compute_block_hash = _upstream_prefix.epoch_hash
+            PagedAttentionCache.mark_complete_blocks = _upstream_prefix.with_start_epoch(
+                PagedAttentionCache.mark_complete_blocks
+            )
+            _epoch_hashes = True
+    return True
 
 
 def placeholder_mask(device: torch.device) -> torch.Tensor:

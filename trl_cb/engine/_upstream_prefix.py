@@ -9,7 +9,8 @@ without sharing. Here every hash chain starts from the epoch its request (a fork
 the epoch a block completes in: a block completed after an update still holds KV the old weights wrote (measured: a
 turn reusing one was 2.6 nats off). Requests in flight keep their blocks (partial rollouts, as before).
 
-Upstream surface (tests/unit/test_contracts.py): `cache_allocator.compute_block_hash(parent_hash, tokens)` called by
+`_upstream_patches.install_epoch_hashes` puts both on transformers' classes (process-wide, once). Upstream surface
+(tests/unit/test_contracts.py): `cache_allocator.compute_block_hash(parent_hash, tokens)` called by
 name in the allocators' `match_prefix_blocks` / `mark_complete_blocks`; `PagedAttentionCache.mark_complete_blocks
 (state, complete_blocks)`, called for every request of every step; a forked state copies its parent's attributes.
 """
@@ -17,18 +18,17 @@ name in the allocators' `match_prefix_blocks` / `mark_complete_blocks`; `PagedAt
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
-from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.generation.continuous_batching.cache_allocators import cache_allocator
 
-__all__ = ["bump_weight_epoch", "install_epoch_hashes", "weight_epoch"]
+__all__ = ["bump_weight_epoch", "epoch_hash", "weight_epoch", "with_start_epoch"]
 
 _upstream_hash = cache_allocator.compute_block_hash
 _lock = threading.Lock()
 _epoch = 0
 _marking = threading.local()  # the epoch of the request whose blocks are being hashed (`mark_complete_blocks`)
-_installed = False
 #: Where a request's start epoch is kept: an attribute of its `RequestState`, set at its first forward (the step it
 #: was scheduled in, so before any update can land) and copied with the state when it forks its samples.
 _STATE_EPOCH = "_trl_cb_weight_epoch"
@@ -46,24 +46,18 @@ def bump_weight_epoch() -> int:
         return _epoch
 
 
-def _epoch_hash(parent_hash: int | None, tokens: list[int]) -> int:
-    # A chain's first block hangs off its request's start epoch (a new prompt's: the current one); later blocks chain
-    # from their parent as upstream's do.
+def epoch_hash(parent_hash: int | None, tokens: list[int]) -> int:
+    """`compute_block_hash` with a chain's first block hung off its request's start epoch (a new prompt's: the current
+    one); later blocks chain from their parent as upstream's do."""
     if parent_hash is None:
         parent_hash = getattr(_marking, "epoch", None)
         parent_hash = _epoch if parent_hash is None else parent_hash
     return _upstream_hash(parent_hash, tokens)
 
 
-def install_epoch_hashes() -> bool:
-    """Chain the block hashes of this process's engines from the weight epoch (idempotent; process-wide: an epoch
-    only ever makes fewer blocks match, which is safe for every engine). Returns True (block sharing may be on)."""
-    global _installed
-    with _lock:
-        if _installed:
-            return True
-        _installed = True
-    mark = PagedAttentionCache.mark_complete_blocks
+def with_start_epoch(mark: Callable[[Any, Any, Any], None]) -> Callable[[Any, Any, Any], None]:
+    """`PagedAttentionCache.mark_complete_blocks` hashing a request's blocks from the epoch it started in (kept on its
+    state at its first forward, copied to its forked samples)."""
 
     def mark_complete_blocks(self: Any, state: Any, complete_blocks: Any) -> None:
         _marking.epoch = state.__dict__.setdefault(_STATE_EPOCH, _epoch)
@@ -72,6 +66,4 @@ def install_epoch_hashes() -> bool:
         finally:
             _marking.epoch = None
 
-    cache_allocator.compute_block_hash = _epoch_hash
-    PagedAttentionCache.mark_complete_blocks = mark_complete_blocks
-    return True
+    return mark_complete_blocks

@@ -31,7 +31,7 @@ from ..checks import inputs
 from ..checks import model as model_checks
 from ..checks.engine_config import cb_kwargs, check_engine_settings
 from ..checks.generation_settings import engine_generation_config
-from ..engine import _upstream, _upstream_prefix, _upstream_sampling, guards
+from ..engine import _upstream, _upstream_patches, _upstream_sampling, guards
 from ..engine.openmp import guard_helps, hold_polite_waits_while_alive
 from ..engine.sizing import CacheSize, Workload
 from .model_access import ModelAccess, plain_module
@@ -204,7 +204,7 @@ class ContinuousBatchingGenerator:
         while it may run, stops it with `close`); `before_start` runs before its thread starts. Block sharing only with
         `share_prefixes`, hashes chained from the weight epoch the caller bumps at each update (`_upstream_prefix`)."""
         with guards.acquired(self._lock, what="this generator"):
-            self._pool.cb_kwargs["allow_block_sharing"] = share_prefixes and _upstream_prefix.install_epoch_hashes()
+            self._pool.cb_kwargs["allow_block_sharing"] = share_prefixes and _upstream_patches.install_epoch_hashes()
             was_training = module.training
             try:
                 engine = self._pool.ensure(module, workload, self.generation_config)

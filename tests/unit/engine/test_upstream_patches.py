@@ -23,7 +23,8 @@ PACKAGE = Path(trl_cb.__file__).parent
 #: The engine methods trl_cb changes (model runner, IOs, scheduler, batch processor, cache, manager).
 ENGINE_METHODS = {
     "compute_batch", "_sample", "maybe_pad_inputs", "prepare_batch_update", "schedule_batch",
-    "prepare_batch_tensors", "update_batch", "update", "_run_generation_loop",
+    "prepare_batch_tensors", "update_batch", "update", "_run_generation_loop", "mark_complete_blocks",
+    "compute_block_hash",
 }  # fmt: skip
 #: (module, method): swapped for the duration of one call and restored in a `finally`, not a patch.
 TEMPORARY_SWAPS = {
