@@ -137,6 +137,47 @@ SUPPORTED: list[Arch] = [
     ),
 ]
 
+#: Recurrent-layer sizes of the hybrid families, at the tiny shape (their defaults are full-size: a tiny Falcon-H1
+#: with 128 Mamba heads of state 256 takes seconds per forward), with chunk sizes below the prompts so prefills scan
+#: several chunks, and positions for the 1,500-token prompts of tests/unit/engine/test_hybrid_engine.py.
+_LINEAR: dict[str, Any] = dict(
+    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+    max_position_embeddings=2048,
+)  # fmt: skip
+_MAMBA: dict[str, Any] = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=32)
+
+#: Hybrid families: attention layers beside recurrent ones (Gated DeltaNet, Mamba-2, short convolutions), served with
+#: per-sequence state slots (trl_cb/engine/recurrent_state.py; tests/unit/engine/test_hybrid_engine.py).
+HYBRID: list[Arch] = [
+    Arch("qwen3_5_text", "Gated DeltaNet x3 + full attention (Qwen3.5 / 3.6 layout)", _LINEAR),
+    Arch("qwen3_next", "Gated DeltaNet x3 + gated attention, MoE", dict(num_experts=4, **_MOE, **_LINEAR)),
+    Arch(
+        "lfm2",
+        "short convolutions + attention",
+        dict(layer_types=["conv", "full_attention", "conv", "full_attention"], max_position_embeddings=2048),
+    ),
+    Arch(
+        "granitemoehybrid",
+        "Mamba-2 + attention, MoE",
+        dict(layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=4, **_MAMBA),
+    ),
+    Arch("falcon_h1", "attention and Mamba-2 in parallel in every layer", dict(mamba_d_ssm=128, **_MAMBA)),
+    Arch(
+        "nemotron_h",
+        "Mamba-2, attention, MoE-only and MLP-only layers",
+        dict(
+            mamba_num_heads=8,
+            mamba_head_dim=16,
+            ssm_state_size=16,
+            n_groups=1,
+            chunk_size=32,
+            n_routed_experts=4,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=32,
+        ),
+    ),
+]
+
 #: Families the engine cannot serve, with a fragment of the reason `trl_cb.compat` must give.
 REFUSED: list[tuple[Arch, str]] = [
     (Arch("deepseek_v3", "multi-head latent attention (MLA)", _MLA), "multi-head latent attention"),
@@ -147,18 +188,6 @@ REFUSED: list[tuple[Arch, str]] = [
         ),
         "per-layer head sizes",
     ),
-    (Arch("qwen3_next", "linear attention hybrid", dict(num_experts=4, **_MOE)), "linear_attention"),
-    (Arch("qwen3_5_text", "linear attention hybrid"), "linear_attention"),
-    (
-        Arch("granitemoehybrid", "mamba hybrid", dict(layer_types=["mamba", "attention", "mamba", "attention"])),
-        "linear_attention",
-    ),
-    (Arch("falcon_h1", "parallel attention + mamba"), "hybrid"),
-    (
-        Arch("lfm2", "convolution hybrid", dict(layer_types=["conv", "full_attention", "conv", "full_attention"])),
-        "conv",
-    ),
-    (Arch("nemotron_h", "mamba hybrid"), "linear_attention"),
     (Arch("llama4_text", "chunked attention"), "chunked"),
     (Arch("gemma3_text", "bidirectional attention", dict(use_bidirectional_attention=True)), "bidirectional"),
     (Arch("bloom", "ALiBi, attention outside the interface", attn_impl="eager"), "attention interface"),
@@ -180,13 +209,19 @@ def tiny_config(arch: Arch, vocab_size: int, special_ids: dict[str, int] | None 
 
 
 def tiny_arch_model(
-    arch: Arch, vocab_size: int, special_ids: dict[str, int] | None = None, seed: int = 0
+    arch: Arch,
+    vocab_size: int,
+    special_ids: dict[str, int] | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> PreTrainedModel:
-    """A random fp32 instance of `arch` (std `INIT_STD`), eval mode, with the family's attention implementation."""
+    """A random instance of `arch` (std `INIT_STD`; fp32 unless `dtype`), eval mode, with the family's attention
+    implementation. In float64 MoE experts run eagerly (the grouped-matmul kernel takes no float64)."""
     config = tiny_config(arch, vocab_size, special_ids)
+    kwargs = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=arch.attn_impl)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=arch.attn_impl, **kwargs)
     for key, value in (special_ids or {}).items():
         setattr(model.generation_config, key, value)
-    return model.float().eval()
+    return model.to(dtype).eval()

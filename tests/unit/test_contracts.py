@@ -454,7 +454,9 @@ def test_engine_cache_layout_we_check_models_against():
     assert _upstream.engine_layer_groups(qwen) == {"full_attention": [0, 1]}
     mistral = MistralConfig(num_hidden_layers=2, sliding_window=8)  # no layer_types: all sliding
     assert _upstream.engine_layer_groups(mistral) == {"sliding_attention": [0, 1]}
-    qwen.layer_types = ["full_attention", "linear_attention"]
+    qwen.layer_types = ["full_attention", "linear_attention"]  # a hybrid: its recurrent layer has no key slots
+    assert _upstream.engine_layer_groups(qwen) == {"full_attention": [0]}
+    qwen.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(ValueError, match="Invalid layer type"):
         _upstream.engine_layer_groups(qwen)
 
@@ -1055,3 +1057,61 @@ def test_prefix_cache_surface_the_weight_epochs_wrap():
     assert params(PagedAttentionCache.mark_complete_blocks) == ["self", "state", "complete_blocks"]
     batch = inspect.getsource(ContinuousBatchProcessor.update_batch)
     assert batch.count("self.cache.mark_complete_blocks(state, future_state.complete_blocks)") == 2
+
+
+def test_recurrent_layer_surface_hybrid_models_rely_on():
+    """`engine/_upstream_recurrent*.py`: the paged cache and the config resolution look `group_layers_by_attn_type`
+    up by module global at call time (`attention_only_cache` swaps it while an engine is built); the cache methods
+    a slot's lifetime follows; a `Cache` of `LinearAttentionLayer`s hands a mixer the states put in its dicts and
+    updates them in place (the stepper reads them back after the call); the engine kwargs a mixer never gets."""
+    from transformers.cache_utils import Cache, LinearAttentionLayer
+    from transformers.generation.continuous_batching import PagedAttentionCache
+    from transformers.generation.continuous_batching import cache as cb_cache
+    from transformers.generation.continuous_batching import initialization as cb_initialization
+    from transformers.generation.continuous_batching.input_outputs import PagedAttentionArgs
+    from transformers.generation.continuous_batching.requests import FutureRequestState
+
+    assert "group_layers_by_attn_type" in PagedAttentionCache.__init__.__code__.co_names
+    assert "group_layers_by_attn_type" in cb_initialization.ensure_decode_fast_path_is_available.__code__.co_names
+    assert callable(cb_cache.group_layers_by_attn_type) and "full_attention" in cb_cache.ATTN_TYPE_TO_ALLOCATOR
+    assert params(PagedAttentionCache.free_blocks)[1:] == ["request_id", "no_cache"]
+    assert params(PagedAttentionCache.free_all_requests)[1:] == ["clear_ledgers"]
+    assert params(PagedAttentionCache.prepare_fork_request)[1:] == ["src_state", "dst_req_ids", "copy_src_and_dst"]
+    assert "query_length" in FutureRequestState.__slots__ and "state" in FutureRequestState.__slots__
+    assert {"cu_seq_lens_q", "read_index", "write_index", "cache", "block_table"} <= set(
+        PagedAttentionArgs.__annotations__
+    )
+
+    layer = LinearAttentionLayer(number_of_states=4)
+    for name in ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
+                 "is_recurrent_states_initialized", "conv_kernel_size"):  # fmt: skip
+        assert set(getattr(layer, name)) == {0, 1, 2, 3}, name
+    conv, state = torch.zeros(2, 3, 4), torch.zeros(2, 1, 2, 2)
+    layer.conv_states[0], layer.recurrent_states[0] = conv, state
+    layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
+    layer.has_previous_state[0], layer.conv_kernel_size[0] = True, 4
+    cache = Cache(layers=[layer, layer])
+    assert cache.get_conv_state(1) is conv and cache.get_recurrent_state(1) is state and not cache.is_recording_past(1)
+    full = cache.update_conv_state(torch.ones(2, 3, 1), 1, conv_kernel_size=4)
+    assert full.shape == (2, 3, 5) and conv[..., -1].eq(1).all(), "conv window no longer updated in place"
+    cache.update_recurrent_state(torch.full((2, 1, 2, 2), 5.0), 1)
+    assert layer.recurrent_states[0] is state and state.eq(5).all(), "recurrent state no longer copied in place"
+    fresh = LinearAttentionLayer()
+    Cache(layers=[fresh]).update_conv_state(torch.ones(1, 3, 2), 0, conv_kernel_size=4)
+    assert fresh.is_conv_states_initialized[0] and fresh.conv_states[0].shape == (1, 3, 4), "no lazy init"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next", "lfm2", "granitemoehybrid", "falcon_h1"])
+def test_each_hybrid_family_has_one_mixer_per_recurrent_layer(model_type, tokenizer):
+    """Each served hybrid family's token mixers read their state through `get_conv_state` / `get_recurrent_state`
+    (how `mixer_modules` finds them) and take the cache as `cache=`, with `hidden_states` first."""
+    from tests.model_zoo import HYBRID, tiny_arch_model
+    from trl_cb.engine import _upstream_recurrent
+
+    model = tiny_arch_model(next(a for a in HYBRID if a.model_type == model_type), len(tokenizer))
+    config = model.config.get_text_config()
+    mixers = _upstream_recurrent.mixer_modules(model, config)
+    assert sorted(mixers) == _upstream_recurrent.recurrent_layers(config) != []
+    for module in mixers.values():
+        names = params(type(module).forward)
+        assert names[1] == "hidden_states" and "cache" in names, (type(module).__name__, names)

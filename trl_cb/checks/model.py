@@ -25,6 +25,7 @@ import torch
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
 from ..engine import _upstream, sharding
+from ..engine import _upstream_recurrent as _recurrent
 from ..engine import varlen_attention as attention
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,15 @@ _LAYER_TYPE_NAMES = {
     "moe": "MLP-only layers",
     "mlp": "MLP-only layers",
 }
+#: Hybrid families whose own cached decoding differs from their full forward (the engine reproduces the former, the
+#: trainer computes the latter): measured on tiny random instances (tests/unit/engine/test_hybrid_engine.py).
+_INEXACT_DECODE = {
+    "nemotron_h": (
+        "its single-token Mamba-2 step (transformers' cached decoding, its own generate() included) differs from "
+        "its full forward by ~3e-3 nats (measured, transformers 5.24): the engine would sample from the former, "
+        "the trainer scores with the latter"
+    ),
+}
 #: Config fields giving a key or value head size that may differ from `head_dim` (the only size the engine uses).
 _HEAD_SIZE_FIELDS = ("qk_head_dim", "v_head_dim", "global_head_dim", "swa_head_dim")
 
@@ -106,7 +116,7 @@ def config_problems(config: PretrainedConfig) -> list[str]:
     cfg = text_config(config)
     problems: list[str] = []
     layer_types = _get(cfg, "layer_types", None) or []
-    unsupported = sorted(set(layer_types) - _upstream.engine_attention_layer_types())
+    unsupported = sorted(set(layer_types) - _upstream.engine_attention_layer_types() - _recurrent.SERVED_LAYER_TYPES)
     if unsupported:
         kinds = ", ".join(
             f"{t!r} ({_LAYER_TYPE_NAMES[t]})" if t in _LAYER_TYPE_NAMES else repr(t) for t in unsupported
@@ -114,6 +124,8 @@ def config_problems(config: PretrainedConfig) -> list[str]:
         problems.append(
             f"layer types {kinds}: the engine caches only {sorted(_upstream.engine_attention_layer_types())} layers"
         )
+    if _model_type(cfg) in _INEXACT_DECODE:
+        problems.append(_INEXACT_DECODE[_model_type(cfg)])
     try:
         kv_heads, head_dim = _upstream.engine_cache_geometry(cfg)
     except (RuntimeError, ValueError, AttributeError) as err:  # e.g. Gemma-4: head_dim is a per-layer attribute
@@ -225,7 +237,8 @@ def probe_problems(model: PreTrainedModel, num_tokens: int = 6) -> list[str]:
             problems.append(f"{call.module} calls attention without a layer_idx; the engine caches by layer index")
             continue
         by_layer.setdefault(call.layer_idx, []).append(call)
-    missing = [i for i in range(num_layers) if i not in by_layer]
+    attention_free = set(_recurrent.attention_free_layers(cfg))  # recurrent / MLP-only: no keys to cache
+    missing = [i for i in range(num_layers) if i not in by_layer and i not in attention_free]
     if not calls:
         problems.append(
             "no layer calls transformers' attention interface (the model computes attention itself, as BLOOM, "
@@ -234,8 +247,15 @@ def probe_problems(model: PreTrainedModel, num_tokens: int = 6) -> list[str]:
     elif missing:
         problems.append(
             f"layers {_ranges(missing)} of {num_layers} never call attention (linear-attention / state-space / "
-            "convolution layers): the engine has no cache for their state"
+            "convolution layers not typed as such in `layer_types`): the engine has no cache for their state"
         )
+    attending = sorted(attention_free & set(by_layer))
+    if attending:
+        problems.append(
+            f"layers {_ranges(attending)} call attention although `layer_types` says they do not: the engine "
+            "allocates no keys for them"
+        )
+    problems.extend(_recurrent.serving_problems(model, cfg))
     for layer, layer_calls in sorted(by_layer.items()):
         if len(layer_calls) > 1:
             problems.append(f"layer {layer} calls attention {len(layer_calls)} times; the engine caches one per layer")

@@ -29,7 +29,7 @@ from transformers.generation.continuous_batching import ContinuousBatchingManage
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from ..errors import EngineDiedError, GenerationError
-from . import _upstream_cache, cuda_kernels
+from . import _upstream_cache, _upstream_recurrent, cuda_kernels
 from . import _upstream_patches as _patches
 from . import _upstream_sampling as _sampling
 from . import decode_graphs as _graphs
@@ -94,7 +94,8 @@ def create_manager(
         # constructor accepts only its own names: build from `sdpa` (what ATTENTION_NAME runs outside an engine).
         model.set_attn_implementation("sdpa")
     try:
-        with torch.random.fork_rng(devices=devices):
+        # A hybrid model's cache is built for its attention layers; its recurrent layers keep states beside it.
+        with torch.random.fork_rng(devices=devices), _upstream_recurrent.attention_only_cache():
             manager = model.init_continuous_batching(
                 generation_config=generation_config, continuous_batching_config=cb_config, workload_hints=hints
             )
@@ -102,6 +103,7 @@ def create_manager(
                 manager, model, generation_config, request_processors, record_policy_logprobs
             )
             _choose_attention(manager, model)  # before warmup builds the batch processor (no dense mask)
+            _upstream_recurrent.check_engine_settings(manager, model, decode_graphs)
             if attn_before == attention.ATTENTION_NAME:
                 manager._original_attn_impl = attn_before  # after this engine's rounds, the other engine's again
             backend = _graphs.backend_for(model.device) if decode_graphs else None
@@ -113,8 +115,9 @@ def create_manager(
                 logger.info("Sliding-window layers read no block table: decode steps run eagerly, without graphs.")
             manager.warmup()
             choose_cuda_kernel(manager, model)
-            features = _patches.Features(attention.ATTENTION_NAME, recorder, backend if block_tables else None)
-            _patches.install(manager, model, features)
+            stepper = _upstream_recurrent.new_stepper(manager, model)  # a hybrid's recurrent layers, else None
+            graphs = backend if block_tables else None
+            _patches.install(manager, model, _patches.Features(attention.ATTENTION_NAME, recorder, graphs, stepper))
     except BaseException:
         if attention_implementation(model) != attn_before:
             model.set_attn_implementation(attn_before)
@@ -365,14 +368,15 @@ def inflight_generated_lengths(manager: ContinuousBatchingManager) -> dict[str, 
 
 
 def engine_layer_groups(text_config: Any) -> dict[str, list[int]]:
-    """Layer indices per attention type, exactly as the engine groups them for its cache allocators.
+    """Layer indices per attention type, exactly as the engine groups them for its cache allocators (recurrent and
+    MLP-only layers of a hybrid model left out: `_upstream_recurrent.attention_layer_groups`).
 
     Raises `ValueError` ("Invalid layer type: ...") for a layer type the engine has no cache allocator for. A config
     without `layer_types` is all sliding when it sets `sliding_window`, else all full attention.
     """
     from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
 
-    return group_layers_by_attn_type(text_config)
+    return _upstream_recurrent.attention_layer_groups(text_config, group_layers_by_attn_type)
 
 
 def engine_attention_layer_types() -> frozenset[str]:

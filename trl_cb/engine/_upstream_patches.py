@@ -4,7 +4,9 @@ Why one module: several features change the same method (three wrap `compute_bat
 their correctness (the graph innermost: whatever else a step does runs outside it). `install` builds each method from
 upstream's and the features' pure builders and assigns it once; feature modules never assign to an engine object
 (tests/unit/engine/test_upstream_patches.py). Composed, outermost first (`>`):
-`compute_batch`: step threads (CPU) > mask placeholder > decode graphs or eager (`decode_graphs`) > upstream;
+`compute_batch`: step threads (CPU) > mask placeholder > a hybrid's step plan (`_upstream_recurrent`) > decode graphs
+or eager (`decode_graphs`) > upstream; `cache.free_blocks` / `free_all_requests` / `prepare_fork_request`: a
+hybrid's state slots freed and forked with the KV blocks > upstream;
 `_sample`: policy-logprob recorder > race sampler or upstream; `maybe_pad_inputs`: decode padding (`decode_graphs`);
 `prepare_batch_update`: (processed, policy) logprob pairs > upstream; `schedule_batch`: steady decode batch > upstream;
 `prepare_batch_tensors`: steady decode advance > read rows by tensor ops (`_upstream_cache`) > upstream;
@@ -28,7 +30,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 
-from . import _upstream_cache, _upstream_decode, _upstream_fork, _upstream_prefix, openmp
+from . import _upstream_cache, _upstream_decode, _upstream_fork, _upstream_prefix, _upstream_recurrent, openmp
 from . import _upstream_sampling as _sampling
 from . import decode_graphs as _graphs
 from .policy_logprobs import PolicyLogprobRecorder
@@ -50,6 +52,8 @@ class Features:
     attention_name: str  # trl_cb's attention implementation (`varlen_attention.ATTENTION_NAME`)
     recorder: PolicyLogprobRecorder | None = None  # record the trainer-comparable logprob of each sampled token
     graphs_backend: _graphs.GraphBackend | None = None  # run block-table decode steps as graphs on this backend
+    #: a hybrid model's recurrent layers: each step planned onto their state slots (never with graphs)
+    recurrent: _upstream_recurrent.RecurrentStepper | None = None
 
 
 def install(manager: ContinuousBatchingManager, model: PreTrainedModel, features: Features) -> None:
@@ -81,6 +85,8 @@ def install(manager: ContinuousBatchingManager, model: PreTrainedModel, features
             runner, ios, manager.continuous_batching_config.max_requests_per_batch
         )
         compute = _graphs.graphed_compute(runner, ios, graphs, compute)
+    if features.recurrent is not None:  # the step's rows mapped to their state slots, right around the forward
+        compute = _upstream_recurrent.with_step_plan(features.recurrent, ios, compute)
     compute = _with_placeholder_mask(compute, model, features.attention_name)
     compute = _with_step_threads(compute, model)
 
@@ -94,6 +100,12 @@ def install(manager: ContinuousBatchingManager, model: PreTrainedModel, features
     if _upstream_decode.fast_path_fits(processor):
         schedule, prepare, update = _upstream_decode.with_fast_path(processor, schedule, prepare, update)
     scheduler.schedule_batch, ios.prepare_batch_tensors, processor.update_batch = schedule, prepare, update
+
+    # PagedAttentionCache.free_blocks / free_all_requests / prepare_fork_request: a recurrent state slot lives as
+    # long as its sequence's KV blocks
+    if features.recurrent is not None:
+        lifetimes = _upstream_recurrent.with_slot_lifetimes(cache, features.recurrent.slots)
+        cache.free_blocks, cache.free_all_requests, cache.prepare_fork_request = lifetimes
 
     # PagedAttentionCache.update (5.24): the model's layers write the cache
     cache_update = _upstream_cache.with_direct_reads(cache, model, features.attention_name, cache.update)

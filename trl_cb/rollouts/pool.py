@@ -24,6 +24,7 @@ from ..checks.generation_settings import (
     without_trl_cb_fields,
 )
 from ..engine import _upstream, _upstream_sampling, decode_graphs
+from ..engine._upstream_recurrent import RECURRENT_STATE_NEEDS_SYNC, recurrent_layers
 from ..engine.request_processors import (
     HISTORY_NEEDS_SYNC,
     POLICY_LOGPROBS_NEED_SYNC,
@@ -127,12 +128,17 @@ class EnginePool:
 
         The user's `use_cuda_graph` where set (a `(varlen, decode)` pair: its decode half), else on wherever the device
         has graphs (CUDA). Off, or refused when asked for explicitly, where a graph would replay stale state: weights
-        gathered or copied per round (`stable_weights`), or per-request history processors (`needs_history`)."""
+        gathered or copied per round (`stable_weights`), per-request history processors (`needs_history`), a hybrid
+        model's recurrent layers (their state slots are mapped to the rows on the host each step)."""
         asked = self.cb_kwargs.get("use_cuda_graph")
         if isinstance(asked, (tuple, list)):
             asked = bool(asked[-1])
+        hybrid = bool(recurrent_layers(module.config.get_text_config()))  # states stepped on the host: no graphs
         if asked is None:
-            return decode_graphs.backend_available(module.device) and self.stable_weights and not needs_history
+            available = decode_graphs.backend_available(module.device) and self.stable_weights
+            return available and not needs_history and not hybrid
+        if asked and hybrid:
+            require_synchronous_engine({"use_cuda_graph": True}, RECURRENT_STATE_NEEDS_SYNC)
         if asked and not self.stable_weights:
             raise ValueError(
                 "use_cuda_graph=True needs the weights at the same addresses every round, but they are gathered "

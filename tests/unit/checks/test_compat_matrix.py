@@ -220,9 +220,9 @@ def test_trainer_refuses_at_construction(kind, tokenizer, special_ids, tmp_path)
 
 def test_trainer_refuses_a_named_model_before_loading_weights(tokenizer, tmp_path):
     """Only config.json exists: had the trainer tried to load weights, it would fail with a different error."""
-    arch = next(a for a, _ in REFUSED if a.model_type == "qwen3_next")
+    arch = next(a for a, _ in REFUSED if a.model_type == "deepseek_v3")
     tiny_config(arch, len(tokenizer)).save_pretrained(tmp_path / "model")
-    with pytest.raises(UnsupportedModelError, match="linear_attention"):
+    with pytest.raises(UnsupportedModelError, match="multi-head latent attention"):
         GRPOTrainer(model=str(tmp_path / "model"), reward_funcs=_reward, args=_trainer_args("grpo", tmp_path),
                     train_dataset=_dataset(), processing_class=tokenizer)  # fmt: skip
 

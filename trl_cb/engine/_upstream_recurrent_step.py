@@ -1,0 +1,187 @@
+"""One engine step of a hybrid model's recurrent layers: the step plan, and each mixer call split by it.
+
+`RecurrentStepper.plan_step` runs before the engine's forward: it reads the batch's requests (past and query lengths,
+in the order of the packed tokens) and maps each to its state slot (`recurrent_state.RecurrentStateSlots`). In the
+forward, `run` hands the packed tokens to the model's own mixer module per sequence: the rows that advance one token
+from a state run as one batch (their states read from the slots, advanced by the layer's single-token path, written
+back), every prefill chunk runs alone (from no state when its sequence starts, from its slot when it continues one).
+The mixer gets the cache object it expects: a transformers `Cache` whose layer is a `LinearAttentionLayer` holding
+those states; no layer maths is re-implemented here.
+Invariant: a sequence with a past never runs from a zero state (`plan_step` raises instead).
+Upstream surface (tests/unit/test_contracts.py): `FutureRequestState.query_length`, `state.position_offset` already
+advanced past the step's tokens; `Cache(layers=...)`; `LinearAttentionLayer`'s `conv_states` / `recurrent_states` /
+`has_previous_state` / `is_*_initialized` / `conv_kernel_size` dicts keyed by state index; the engine's forward kwargs
+(`PagedAttentionArgs`), which a mixer never gets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, LinearAttentionLayer
+from transformers.generation.continuous_batching.input_outputs import PagedAttentionArgs
+
+from .recurrent_state import RecurrentStateSlots, StateKey
+
+__all__ = ["CACHE_KWARGS", "RecurrentStepper"]
+
+#: The engine's forward kwargs: never handed on to a mixer, which runs one sequence (or one batch of rows) at a time.
+_ENGINE_KWARGS = frozenset(PagedAttentionArgs.__annotations__) | {"logits_to_keep", "logits_processor_args"}
+#: The cache kwarg names a mixer may take (transformers 5.24 renamed `cache_params` / `past_key_values` to `cache`).
+CACHE_KWARGS = ("cache", "cache_params", "past_key_values")
+#: State indices a step cache offers (Qwen3.5 / Mamba use index 0; a few experimental models use up to 2).
+_STATE_INDICES = 4
+
+
+@dataclass
+class _Run:
+    """A request whose tokens run alone through a mixer: a prefill chunk (from no state when `fresh`)."""
+
+    slot: int
+    start: int  # its first token in the packed batch
+    end: int
+    fresh: bool
+
+
+@dataclass
+class _StepPlan:
+    """Where each request of one forward sits in the packed tokens and which slot holds its state."""
+
+    num_tokens: int
+    decode_slots: torch.Tensor | None  # (R,) int64: rows advancing one token from their slot's state
+    decode_tokens: torch.Tensor | None  # (R,) int64 packed positions of those rows; None when they are 0..R-1
+    runs: list[_Run]
+
+
+class RecurrentStepper:
+    """One engine's recurrent layers: the slots, the current step's plan, and a mixer call split by that plan."""
+
+    def __init__(self, num_layers: int, slots: RecurrentStateSlots | None = None) -> None:
+        self.num_layers = num_layers
+        self.slots = slots if slots is not None else RecurrentStateSlots()
+        self._plan: _StepPlan | None = None
+
+    # ------------------------------------------------------------------------------------- bookkeeping, per step
+
+    def plan_step(self, requests: Sequence[Any]) -> None:
+        """Map the step's requests (`FutureRequestState`s in packed order, `position_offset` already advanced past
+        this step's tokens) to slots. A request at position 0 claims a slot and starts from no state; one that goes
+        on must hold a slot (`RuntimeError` otherwise: never a zero state for a sequence with a past)."""
+        decode_slots: list[int] = []
+        decode_tokens: list[int] = []
+        runs: list[_Run] = []
+        start = 0
+        for future in requests:
+            state, length = future.state, future.query_length
+            past = state.position_offset - length
+            if past == 0:
+                runs.append(_Run(self.slots.claim(state.request_id), start, start + length, fresh=True))
+            else:
+                slot = self.slots.slot(state.request_id)
+                if slot is None:
+                    raise RuntimeError(
+                        f"Request {state.request_id} resumes at position {past} but holds no recurrent state: its "
+                        "state was lost (a prefix-cache hit or a CPU offload, which a hybrid model's engine refuses)"
+                    )
+                if length == 1:
+                    decode_slots.append(slot)
+                    decode_tokens.append(start)
+                else:
+                    runs.append(_Run(slot, start, start + length, fresh=False))
+            start += length
+        in_order = decode_tokens == list(range(len(decode_tokens)))
+        self._plan = _StepPlan(
+            num_tokens=start,
+            decode_slots=torch.tensor(decode_slots, dtype=torch.int64) if decode_slots else None,
+            decode_tokens=None if in_order else torch.tensor(decode_tokens, dtype=torch.int64),
+            runs=runs,
+        )
+
+    def end_step(self) -> None:
+        self._plan = None
+
+    # ---------------------------------------------------------------------------------------- one mixer call
+
+    def run(self, module: torch.nn.Module, forward: Callable[..., torch.Tensor], args: tuple, kwargs: dict) -> Any:
+        """`module`'s output for the packed batch: its original `forward` run per the step's plan."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("A recurrent layer ran in an engine forward without a step plan")
+        hidden = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]  # (1, T, H)
+        if len(args) > 1 or (args and "hidden_states" in kwargs):
+            raise TypeError(f"{type(module).__name__}: only hidden_states may be passed positionally")
+        if hidden.shape[0] != 1 or hidden.shape[1] != plan.num_tokens:
+            raise RuntimeError(f"Packed hidden states {tuple(hidden.shape)} do not match the plan's tokens")
+        call_kwargs = {k: v for k, v in kwargs.items() if k not in _ENGINE_KWARGS and k not in CACHE_KWARGS}
+        if "attention_mask" in call_kwargs:
+            call_kwargs["attention_mask"] = None  # packed, unpadded sequences: nothing to mask out of the state
+        layer = module.layer_idx
+        out: torch.Tensor | None = None
+        if plan.decode_slots is not None:
+            slots, tokens = plan.decode_slots, plan.decode_tokens
+            rows = hidden[0, : len(slots)] if tokens is None else hidden[0, tokens.to(hidden.device)]  # (R, H)
+            result = self._call(module, forward, rows[:, None], layer, slots, call_kwargs, fresh=False)  # (R, 1, H')
+            if tokens is None and not plan.runs:
+                return result.reshape(1, len(slots), -1)
+            out = result.new_empty((1, plan.num_tokens, result.shape[-1]))
+            if tokens is None:
+                out[0, : len(slots)] = result[:, 0]
+            else:
+                out[0, tokens.to(out.device)] = result[:, 0]
+        for run in plan.runs:
+            slot = torch.tensor([run.slot], dtype=torch.int64)
+            result = self._call(module, forward, hidden[:, run.start : run.end], layer, slot, call_kwargs, run.fresh)
+            if out is None:
+                out = result.new_empty((1, plan.num_tokens, result.shape[-1]))
+            out[:, run.start : run.end] = result
+        return out
+
+    def _call(
+        self,
+        module: torch.nn.Module,
+        forward: Callable[..., torch.Tensor],
+        hidden: torch.Tensor,  # (B, L, H)
+        layer: int,
+        slots: torch.Tensor,  # (B,) int64
+        kwargs: dict,
+        fresh: bool,
+    ) -> torch.Tensor:
+        """One call of the model's own mixer on `hidden`, its states read from and written back to `slots`."""
+        state_layer = LinearAttentionLayer(number_of_states=_STATE_INDICES)
+        if not fresh:
+            states = self.slots.read(layer, slots)
+            if not states:
+                raise RuntimeError(f"Layer {layer} has no stored state for rows that go on from one")
+            _load(state_layer, states)
+        step_cache = Cache(layers=[state_layer] * self.num_layers)
+        result = forward(module, hidden, cache=step_cache, **kwargs)
+        self.slots.write(layer, slots, _stored(state_layer))
+        return result
+
+
+def _load(layer: LinearAttentionLayer, states: dict[StateKey, torch.Tensor]) -> None:
+    """Put `states` (read from the slots) in `layer` as a cache that has seen the sequence's past."""
+    for (kind, index), value in states.items():
+        if kind == "conv":
+            layer.conv_states[index] = value
+            layer.is_conv_states_initialized[index] = True
+            layer.conv_kernel_size[index] = value.shape[-1]
+        else:
+            layer.recurrent_states[index] = value
+            layer.is_recurrent_states_initialized[index] = True
+        layer.has_previous_state[index] = True
+        layer.dtype, layer.device = value.dtype, value.device
+
+
+def _stored(layer: LinearAttentionLayer) -> dict[StateKey, torch.Tensor]:
+    """The states `layer` holds after a mixer call: what the slots keep."""
+    states: dict[StateKey, torch.Tensor] = {}
+    for index in range(layer.number_of_states):
+        if layer.is_conv_states_initialized[index]:
+            states[("conv", index)] = layer.conv_states[index]
+        if layer.is_recurrent_states_initialized[index]:
+            states[("recurrent", index)] = layer.recurrent_states[index]
+    return states
