@@ -24,11 +24,15 @@ from typing import Any
 #: `benchmarks/results/`; maintainers record them there with `--out benchmarks/results` (docs/benchmarks.md).
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "runs" / "benchmarks"
 OUT_HELP = "directory for the result files (default: runs/benchmarks/, git-ignored; cited results: benchmarks/results)"
-#: Random-init CPU presets (offline): `tiny` (64 wide, 2 layers) and `small` (256 wide, 8 layers; offline/tiny.py).
-CPU_PRESETS = ("tiny", "small")
+#: Random-init CPU presets (offline): `tiny` (64 wide, 2 layers), `small` (256 wide, 8 layers) and `tiny-qwen3.5`
+#: (64 wide, Qwen3.5's hybrid layout: 3 Gated DeltaNet layers + 1 full-attention layer; offline/tiny.py).
+CPU_PRESETS = ("tiny", "small", "tiny-qwen3.5")
+#: Presets with recurrent layers (trl_cb keeps their state per sequence; transformers' own CB engine, which TRL's
+#: native call uses, refuses them: "Invalid layer type: linear_attention").
+HYBRID_PRESETS = ("tiny-qwen3.5", "qwen3.5-0.8b-random")
 #: EOS logit bias per random preset (`--eos-logit-bias` default): long-tailed completion lengths on GSM8K-style
 #: prompts (tiny at 4.0: p50 ~30, p90 ~90 tokens). `small`'s deeper stack needs more for a similar tail.
-EOS_BIAS = {"tiny": 4.0, "small": 6.0, "llama-1b-random": 4.0}
+EOS_BIAS = {"tiny": 4.0, "small": 6.0, "tiny-qwen3.5": 4.0, "llama-1b-random": 4.0, "qwen3.5-0.8b-random": 4.0}
 
 
 def cpu_preset(name: str, eos_logit_bias: float | None, dtype: Any = None) -> tuple[Any, Any]:
@@ -40,8 +44,41 @@ def cpu_preset(name: str, eos_logit_bias: float | None, dtype: Any = None) -> tu
     if name not in CPU_PRESETS:
         raise ValueError(f"unknown CPU preset {name!r}; choose from {CPU_PRESETS}")
     tokenizer = tiny_tokenizer()
-    build = tiny_model if name == "tiny" else small_model
-    return build(tokenizer, eos_logit_bias=eos_logit_bias, dtype=dtype or torch.float32), tokenizer
+    kwargs = {"eos_logit_bias": eos_logit_bias, "dtype": dtype or torch.float32}
+    if name == "tiny-qwen3.5":
+        return tiny_model(tokenizer, architecture="qwen3_5", num_layers=4, **kwargs), tokenizer
+    return (tiny_model if name == "tiny" else small_model)(tokenizer, **kwargs), tokenizer
+
+
+def qwen3_5_08b_random(dtype: Any, device: Any, eos_logit_bias: float | None) -> tuple[Any, Any]:
+    """(model, tokenizer): Qwen3.5-0.8B's text layout at full size, random init (no hub), on `device`, eval mode.
+
+    24 layers of 1,024 (18 Gated DeltaNet, every 4th full attention with 8 query / 2 KV heads of 256), MLP 3,584,
+    the tied 248,320-entry vocabulary; the Gated DeltaNet heads (16 key, 16 value, 128 wide) are this preset's
+    assumption. The local tokenizer covers the first 4,096 ids; the LM head is untied so that `eos_logit_bias`
+    (None: plain init) moves the EOS row only (as `llama_1b_random`).
+    """
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from trl_cb.offline.tiny import bias_eos, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(vocab_size=4096)
+    config = Qwen3_5TextConfig(
+        vocab_size=248_320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=8192, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3_5ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=dtype)
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    if eos_logit_bias is not None:
+        bias_eos(model, tokenizer.eos_token_id, eos_logit_bias)
+    for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        setattr(model.generation_config, key, getattr(tokenizer, key))
+    return model.eval(), tokenizer
 
 
 def llama_1b_random(dtype: Any, device: Any, eos_logit_bias: float | None) -> tuple[Any, Any]:

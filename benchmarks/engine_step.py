@@ -6,6 +6,8 @@ step's time goes.
     python benchmarks/engine_step.py --models null --rows 32 512 --variant one_thread:OMP_NUM_THREADS=1
     python benchmarks/engine_step.py --models llama-1b --device cuda --rows 32 128 512 1024 --max-new-tokens 128
     python benchmarks/engine_step.py --models null tiny --rows 32 128 512 --profile-steps   # + CPU per step kind
+    python benchmarks/engine_step.py --models tiny-qwen3.5 --rows 32 128   # Qwen3.5's hybrid layout (recurrent state)
+    python benchmarks/engine_step.py --models qwen3.5-0.8b --device cuda --rows 32 128 512
 
 Workload: `rows / --samples-per-prompt` random prompts of `--prompt-len` tokens, each sampled `--samples-per-prompt`
 times (TRL repeats each prompt G times), no length tail: EOS is never sampled (`_model`, `--logit-scale`) so every
@@ -13,9 +15,11 @@ completion runs to `--max-new-tokens` (checked: a worker raises otherwise). Samp
 top_p 1 (no logits processor on either side), fp32 on CPU (bf16 with `--device cuda`).
 
 Models (random init, offline): `null` (1 layer x 32 wide: a forward costs next to nothing, so a step is framework
-cost), `tiny` (2 x 64) and `small` (8 x 256) from `benchmarks/common.py`; `llama-1b` (Llama-3.2-1B at full size,
-its 128,256-entry vocabulary, `common.llama_1b_random`) for a GPU. On a GPU the phase timers measure host time (the
-kernels run asynchronously; a step's wall time is synchronized), which is what decides a decode step there.
+cost), `tiny` (2 x 64), `small` (8 x 256) and `tiny-qwen3.5` (4 x 64, Qwen3.5's 3:1 Gated DeltaNet / attention
+layout) from `benchmarks/common.py`; `llama-1b` (Llama-3.2-1B at full size, its 128,256-entry vocabulary,
+`common.llama_1b_random`) and `qwen3.5-0.8b` (Qwen3.5-0.8B's text layout, `common.qwen3_5_08b_random`) for a GPU.
+On a GPU the phase timers measure host time (the kernels run asynchronously; a step's wall time is synchronized),
+which is what decides a decode step there.
 
 Backends, each (model, rows, backend) point in its own subprocess (`common.run_worker`), the backends interleaved
 point by point so that load drift hits them alike:
@@ -59,8 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_profile  # noqa: E402
 from common import DEFAULT_OUT, OUT_HELP, environment, format_table, run_worker, write_json  # noqa: E402
 
-MODELS = ("null", "tiny", "small", "llama-1b")
-CPU_MODELS = MODELS[:3]
+MODELS = ("null", "tiny", "small", "llama-1b", "tiny-qwen3.5", "qwen3.5-0.8b")
+CPU_MODELS = MODELS[:3]  # the default sweep (tiny-qwen3.5 on request)
 BACKENDS = ("generate", "trl_cb")
 TRL_CB_PHASES = ("scheduling", "sampling", "attention", "attention_planning", "forward", "bookkeeping", "other")
 GENERATE_PHASES = ("sampling", "attention", "forward", "other")
@@ -74,7 +78,7 @@ def _model(name: str, logit_scale: float, device: str = "cpu", dtype: str = "flo
     other rows are scaled so that the logits' spread is `logit_scale` (max logit ~3 x that over 512 tokens): P(EOS)
     ~ exp(-3 x logit_scale) per token. A step's cost does not depend on how peaked the distribution is."""
     import torch
-    from common import cpu_preset, llama_1b_random
+    from common import cpu_preset, llama_1b_random, qwen3_5_08b_random
 
     from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
 
@@ -83,6 +87,8 @@ def _model(name: str, logit_scale: float, device: str = "cpu", dtype: str = "flo
         model = tiny_model(tokenizer, hidden_size=32, num_layers=1)
     elif name == "llama-1b":
         model, tokenizer = llama_1b_random(getattr(torch, dtype), device, None)
+    elif name == "qwen3.5-0.8b":
+        model, tokenizer = qwen3_5_08b_random(getattr(torch, dtype), device, None)
     else:
         model, tokenizer = cpu_preset(name, None)
     model.to(device=device, dtype=getattr(torch, dtype))

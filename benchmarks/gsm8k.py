@@ -4,6 +4,7 @@
     python benchmarks/gsm8k.py --quick                        # seconds, for smoke tests
     python benchmarks/gsm8k.py --model small --num-generations 32 64   # 8 layers x 256 wide, CPU: compute-heavier
     python benchmarks/gsm8k.py --model llama-1b-random --device cuda --max-new-tokens 2048 --num-generations 8 32 64
+    python benchmarks/gsm8k.py --model tiny-qwen3.5     # Qwen3.5's hybrid layout (qwen3.5-0.8b-random: GPU size)
     python benchmarks/gsm8k.py --model Qwen/Qwen2.5-0.5B-Instruct --data-file gsm8k/test.jsonl --device cuda
 
 Prompts: the GSM8K test split shipped with trl_cb (`offline.data.gsm8k_test`, a seeded sample), chat-formatted when
@@ -12,7 +13,8 @@ the tokenizer has a chat template; `--data-file` / `--dataset` replace it.
 Backends (same prompts, same sampling settings, `top_k` set explicitly because `generate()` adds top_k=50 if unset):
 - `generate`: left-padded `model.generate`, as TRL's default path calls it (one padded batch of P x N rows).
 - `trl_native`: `model.generate_batch` as TRL's built-in CB path calls it: a fresh manager every round,
-  `max_memory_percent=0.5`, no cache sizing, no logprobs.
+  `max_memory_percent=0.5`, no cache sizing, no logprobs. Left out for the hybrid presets (`HYBRID_PRESETS`):
+  transformers' engine refuses their linear-attention layers.
 - `trl_cb`: trl_cb's `ContinuousBatchingGenerator` (persistent, workload-sized, prefill shared per prompt, logprobs).
 
 Workloads: the long-tailed sweep over `--num-generations` (the preset's EOS bias: completion lengths spread out, and
@@ -40,6 +42,7 @@ from common import (  # noqa: E402
     CPU_PRESETS,
     DEFAULT_OUT,
     EOS_BIAS,
+    HYBRID_PRESETS,
     OUT_HELP,
     cpu_preset,
     environment,
@@ -47,13 +50,14 @@ from common import (  # noqa: E402
     llama_1b_random,
     peak_rss_bytes,
     percentile,
+    qwen3_5_08b_random,
     run_worker,
     summarize,
     write_json,
 )
 
 BACKENDS = ("generate", "trl_native", "trl_cb")
-PRESETS = (*CPU_PRESETS, "llama-1b-random")
+PRESETS = (*CPU_PRESETS, "llama-1b-random", "qwen3.5-0.8b-random")
 
 
 # ------------------------------------------------------------------------------------------------------ worker
@@ -70,6 +74,8 @@ def _load_model(spec: dict[str, Any]) -> tuple[Any, Any]:
         model, tokenizer = cpu_preset(name, spec["eos_logit_bias"], dtype)
     elif name == "llama-1b-random":
         model, tokenizer = llama_1b_random(dtype, device, spec["eos_logit_bias"])
+    elif name == "qwen3.5-0.8b-random":
+        model, tokenizer = qwen3_5_08b_random(dtype, device, spec["eos_logit_bias"])
     else:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation="sdpa")
@@ -211,6 +217,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.backends) - set(BACKENDS))
     if unknown:
         p.error(f"unknown backend(s) {unknown}; choose from {list(BACKENDS)}")
+    if args.model in HYBRID_PRESETS and "trl_native" in args.backends:
+        print(f"{args.model}: trl_native left out (transformers' own CB engine refuses linear-attention layers)")
+        args.backends = [b for b in args.backends if b != "trl_native"]
     for name, value in (("--prompts-per-round", args.prompts_per_round), ("--max-new-tokens", args.max_new_tokens),
                         ("--repeats", args.repeats)):  # fmt: skip
         if value <= 0:

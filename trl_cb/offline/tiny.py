@@ -22,6 +22,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
 )
 
 from .data import corpus_for_tokenizer
@@ -83,13 +85,28 @@ def tiny_model(
     `init_std`: standard deviation of the random weights (transformers' `initializer_range`, 0.02 by default). At
     0.02 next-token distributions are nearly uniform, so a logprob comparison on them proves little; tests that
     compare logprobs use 0.2 (distributions far from uniform).
+
+    `architecture="qwen3_5"`: Qwen3.5's hybrid layout, three Gated DeltaNet layers then one full-attention layer
+    (`num_layers` a multiple of 4), linear-attention heads of 16 (as many value heads as query heads, half as many
+    key heads).
     """
-    if architecture not in ("qwen2", "llama"):
-        raise ValueError(f"architecture must be 'qwen2' or 'llama', got {architecture!r}")
-    config_cls, model_cls = (
-        (Qwen2Config, Qwen2ForCausalLM) if architecture == "qwen2" else (LlamaConfig, LlamaForCausalLM)
-    )
+    classes = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen3_5": (Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+    }
+    if architecture not in classes:
+        raise ValueError(f"architecture must be one of {sorted(classes)}, got {architecture!r}")
+    config_cls, model_cls = classes[architecture]
     heads = num_attention_heads or max(2, hidden_size // 16)
+    extra = {}
+    if architecture == "qwen3_5":
+        if num_layers % 4:
+            raise ValueError(f"the qwen3_5 layout repeats 3 linear-attention + 1 full-attention layers: {num_layers=}")
+        extra = dict(
+            head_dim=hidden_size // heads, linear_num_value_heads=heads, linear_num_key_heads=max(1, heads // 2),
+            linear_key_head_dim=16, linear_value_head_dim=16,
+        )  # fmt: skip
     config = config_cls(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -102,6 +119,7 @@ def tiny_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
+        **extra,
     )
     if init_std is not None:
         config.initializer_range = init_std
