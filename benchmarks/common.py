@@ -58,10 +58,9 @@ def qwen3_5_08b_random(dtype: Any, device: Any, eos_logit_bias: float | None) ->
     assumption. The local tokenizer covers the first 4,096 ids; the LM head is untied so that `eos_logit_bias`
     (None: plain init) moves the EOS row only (as `llama_1b_random`).
     """
-    import torch
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5TextConfig
 
-    from trl_cb.offline.tiny import bias_eos, tiny_tokenizer
+    from trl_cb.offline.tiny import tiny_tokenizer
 
     tokenizer = tiny_tokenizer(vocab_size=4096)
     config = Qwen3_5TextConfig(
@@ -70,15 +69,7 @@ def qwen3_5_08b_random(dtype: Any, device: Any, eos_logit_bias: float | None) ->
         linear_key_head_dim=128, linear_value_head_dim=128, max_position_embeddings=8192, tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3_5ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=dtype)
-        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
-    if eos_logit_bias is not None:
-        bias_eos(model, tokenizer.eos_token_id, eos_logit_bias)
-    for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
-        setattr(model.generation_config, key, getattr(tokenizer, key))
-    return model.eval(), tokenizer
+    return _random_full_size(config, tokenizer, dtype, device, eos_logit_bias)
 
 
 def llama_1b_random(dtype: Any, device: Any, eos_logit_bias: float | None) -> tuple[Any, Any]:
@@ -88,10 +79,9 @@ def llama_1b_random(dtype: Any, device: Any, eos_logit_bias: float | None) -> tu
     tokenizer covers the first 4,096 ids (prompts, EOS, pad). The LM head is untied from the embedding so that
     `eos_logit_bias` (None: plain init) moves the EOS row only.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
-    from trl_cb.offline.tiny import bias_eos, tiny_tokenizer
+    from trl_cb.offline.tiny import tiny_tokenizer
 
     tokenizer = tiny_tokenizer(vocab_size=4096)
     config = LlamaConfig(
@@ -100,6 +90,16 @@ def llama_1b_random(dtype: Any, device: Any, eos_logit_bias: float | None) -> tu
         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
+    return _random_full_size(config, tokenizer, dtype, device, eos_logit_bias)
+
+
+def _random_full_size(config: Any, tokenizer: Any, dtype: Any, device: Any, eos_logit_bias: float | None) -> tuple:
+    """(model, tokenizer): `config` random-init (seed 0) on `device`, LM head untied, EOS biased, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trl_cb.offline.tiny import bias_eos
+
     torch.manual_seed(0)
     with torch.device(device):  # random init where the model runs: seconds on a GPU, not a minute on a CPU
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)

@@ -38,6 +38,7 @@ class StepTrace:
 
     segments: dict[str, list[Segment]] = field(default_factory=lambda: defaultdict(list))
     steps: list[list[tuple[str, int, int]]] = field(default_factory=list)  # per step: (request id, past, length)
+    prompts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # request id -> its prompt
     version: int = 0  # weights version the next steps run with (bumped by the test around a weight update)
     on_step: Callable[[int], None] | None = None  # called on the engine thread before each step's forward
 
@@ -54,6 +55,7 @@ class StepTrace:
                 past = future.state.position_offset - future.query_length
                 rid = future.state.request_id
                 trace.segments[rid].append(Segment(past, future.query_length, trace.version, step))
+                trace.prompts.setdefault(rid, tuple(future.state.initial_tokens))
                 rows.append((rid, past, future.query_length))
             trace.steps.append(rows)
             plan_step(stepper, requests)
@@ -64,6 +66,19 @@ class StepTrace:
     def clear(self) -> None:
         self.segments.clear()
         self.steps.clear()
+        self.prompts.clear()
+
+    def group_request_ids(self, prompt: Sequence[int], completions: Sequence[Sequence[int]]) -> list[str]:
+        """The request ids of one prompt's samples (source first, then its forks, the engine's order), found by the
+        prompt and by each sample's length: for groups submitted by other code than the generator (async rollouts)."""
+        for rid, seen in self.prompts.items():
+            ids = [rid] + [f"{rid}__child#{i}" for i in range(len(completions) - 1)]
+            if "__child#" in rid or seen != tuple(prompt) or any(i not in self.segments for i in ids):
+                continue
+            ends = [sum(s.length for s in self.of(i)) for i in ids]
+            if ends == [len(prompt) + len(c) - 1 for c in completions]:
+                return ids
+        raise AssertionError(f"no traced request has this prompt and these lengths: {[len(c) for c in completions]}")
 
     def of(self, request_id: str) -> list[Segment]:
         """A sequence's segments from its first token: a forked sample's are its source's up to the fork, then its

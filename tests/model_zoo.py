@@ -163,20 +163,33 @@ HYBRID: list[Arch] = [
     ),
     Arch("falcon_h1", "attention and Mamba-2 in parallel in every layer", dict(mamba_d_ssm=128, **_MAMBA)),
     Arch(
-        "nemotron_h",
-        "Mamba-2, attention, MoE-only and MLP-only layers",
-        dict(
-            mamba_num_heads=8,
-            mamba_head_dim=16,
-            ssm_state_size=16,
-            n_groups=1,
-            chunk_size=32,
-            n_routed_experts=4,
-            moe_intermediate_size=32,
-            moe_shared_expert_intermediate_size=32,
-        ),
+        "qwen3_5_moe_text",
+        "Gated DeltaNet x3 + attention, MoE (Qwen3.6 layout)",
+        dict(num_experts=4, shared_expert_intermediate_size=32, **_MOE, **_LINEAR),
     ),
+    Arch(
+        "jamba",
+        "Mamba-1 + attention, MoE every 2nd layer",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            mamba_d_state=8,
+            mamba_dt_rank=8,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            use_mamba_kernels=False,
+        ),  # fmt: skip
+    ),
+    Arch("olmo_hybrid", "Gated DeltaNet + attention", _LINEAR),
+    Arch("lfm3", "short convolutions + attention"),
 ]
+#: NemotronH's tiny instance (refused: its decode step is not its forward's; tests/unit/engine/test_hybrid_engine.py).
+_NEMOTRON_H: dict[str, Any] = dict(
+    mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=32, n_routed_experts=4,
+    moe_intermediate_size=32, moe_shared_expert_intermediate_size=32,
+)  # fmt: skip
 
 #: Families the engine cannot serve, with a fragment of the reason `trl_cb.compat` must give.
 REFUSED: list[tuple[Arch, str]] = [
@@ -188,6 +201,9 @@ REFUSED: list[tuple[Arch, str]] = [
         ),
         "per-layer head sizes",
     ),
+    (Arch("nemotron_h", "Mamba-2 + attention + MoE / MLP-only layers", _NEMOTRON_H), "single-token"),
+    (Arch("bamba", "Mamba-2 + attention", dict(attn_layer_indices=[1, 3], **_MAMBA)), "single-token"),
+    (Arch("zaya", "convolutional attention (CCA) with a recurrent value state"), "not yet measured exact"),
     (Arch("llama4_text", "chunked attention"), "chunked"),
     (Arch("gemma3_text", "bidirectional attention", dict(use_bidirectional_attention=True)), "bidirectional"),
     (Arch("bloom", "ALiBi, attention outside the interface", attn_impl="eager"), "attention interface"),

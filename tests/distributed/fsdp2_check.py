@@ -52,11 +52,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--report", required=True)
     parser.add_argument("--bf16", choices=["cast", "mp"], default=None)
+    parser.add_argument("--architecture", default="qwen2", choices=["qwen2", "qwen3_5"], help="qwen3_5: hybrid")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     tokenizer = tiny_tokenizer()
-    model = tiny_model(tokenizer, eos_logit_bias=4.0)
+    layers = 4 if args.architecture == "qwen3_5" else 2  # Qwen3.5's layout: 3 Gated DeltaNet + 1 attention layer
+    model = tiny_model(tokenizer, architecture=args.architecture, num_layers=layers, eos_logit_bias=4.0)
     policy = {}
     if args.bf16 == "mp":  # accelerate's FSDP2 policy for mixed_precision="bf16" (utils/dataclasses.py)
         bf16 = torch.bfloat16
@@ -67,7 +69,7 @@ def main() -> None:
     # The trainer's forward: fp32 (no flag), autocast (bf16 with fp32 shards), or the policy's own cast (mp).
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16 == "cast")
     seen: list[torch.dtype] = []
-    q_proj = model.model.layers[0].self_attn.q_proj
+    q_proj = next(layer.self_attn.q_proj for layer in model.model.layers if hasattr(layer, "self_attn"))
     q_proj.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))  # read right after each round
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in synthetic_gsm8k(3, seed=10 + rank)]
     cfg = GenerationConfig(

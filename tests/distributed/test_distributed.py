@@ -92,14 +92,16 @@ def _assert_zero3_rounds(report: dict, generation_dtype: str) -> None:
         ("ddp.yaml", "grpo", True, "MULTI_CPU", False),
         ("zero3.yaml", "grpo", True, "DEEPSPEED", True),
     ],
-    ids=["ddp-grpo", "zero3-grpo", "zero3-rloo", "ddp-grpo-lora", "zero3-grpo-lora"],
+    ids=["ddp-grpo", "zero3-grpo", "zero3-rloo-qwen3_5", "ddp-grpo-lora", "zero3-grpo-lora"],
 )
-def test_trainer_two_processes(config, trainer, lora, expected_type, shards, tmp_path):
+def test_trainer_two_processes(config, trainer, lora, expected_type, shards, tmp_path, request):
+    """zero3-rloo runs Qwen3.5's hybrid layout (Gated DeltaNet + attention): its mixers read gathered weights too."""
     if "zero" in config:
         pytest.importorskip("deepspeed")
     if lora:
         pytest.importorskip("peft")
-    reports = _accelerate(config, tmp_path, "--trainer", trainer, *(["--lora"] if lora else []))
+    hybrid = ["--architecture", "qwen3_5"] if request.node.callspec.id.endswith("qwen3_5") else []
+    reports = _accelerate(config, tmp_path, "--trainer", trainer, *(["--lora"] if lora else []), *hybrid)
     for r in reports:
         assert r["world_size"] == 2 and r["distributed_type"].endswith(expected_type)
         assert len(r["logs"]) == 2, "two training steps"
@@ -144,11 +146,16 @@ def test_zero3_bf16_two_processes(tmp_path):
         assert r["num_trainable_changed"] > r["num_trainable"] // 2, r
 
 
-@pytest.mark.parametrize("bf16", [None, "cast", "mp"], ids=["fp32", "bf16-cast", "bf16-mixed-precision-policy"])
-def test_fsdp2_adapter_two_processes(bf16, tmp_path):
+@pytest.mark.parametrize(
+    ("bf16", "architecture"),
+    [(None, "qwen2"), ("cast", "qwen2"), ("mp", "qwen2"), (None, "qwen3_5")],
+    ids=["fp32", "bf16-cast", "bf16-mixed-precision-policy", "fp32-qwen3_5"],
+)
+def test_fsdp2_adapter_two_processes(bf16, architecture, tmp_path):
+    """fp32-qwen3_5: Qwen3.5's hybrid layout, its Gated DeltaNet mixers reading the unsharded parameters."""
     launcher = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
     cmd = [launcher, "--nproc_per_node", "2", *distinct_port("--master_port"), str(HERE / "fsdp2_check.py"),
-           "--report", str(tmp_path)]  # fmt: skip
+           "--report", str(tmp_path), "--architecture", architecture]  # fmt: skip
     for r in _launch(cmd + (["--bf16", bf16] if bf16 else []), tmp_path):
         assert r["world_size"] == 2 and r["engine_builds"] == 1 and r["sharded_at_end"]
         for step in r["rounds"]:  # step 1 follows an optimizer step: fresh weights

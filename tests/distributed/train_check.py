@@ -144,6 +144,7 @@ def main() -> None:
     parser.add_argument("--trainer", default="grpo", choices=["grpo", "rloo"])
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--bf16", action="store_true", help="TRL's bf16=True on an fp32-loaded model")
+    parser.add_argument("--architecture", default="qwen2", choices=["qwen2", "qwen3_5"], help="qwen3_5: hybrid")
     args = parser.parse_args()
 
     import trl_cb
@@ -160,7 +161,8 @@ def main() -> None:
         use_transformers_continuous_batching=True, top_k=0, top_p=1.0,
     )  # fmt: skip
     tokenizer = tiny_tokenizer()
-    model = tiny_model(tokenizer, eos_logit_bias=4.0)
+    layers = 4 if args.architecture == "qwen3_5" else 2  # Qwen3.5's layout: 3 Gated DeltaNet + 1 attention layer
+    model = tiny_model(tokenizer, architecture=args.architecture, num_layers=layers, eos_logit_bias=4.0)
     peft_config = None
     if args.lora:
         from peft import LoraConfig

@@ -39,6 +39,8 @@ def make_trainer(
     eos_logit_bias: float | None = 4.0,
     reward=length_reward,
     init_std: float | None = None,
+    architecture: str = "qwen2",
+    num_layers: int = 2,
     **overrides,
 ):
     config_cls, trainer_cls = PAIRS[kind]
@@ -61,7 +63,9 @@ def make_trainer(
     kwargs.update(overrides)
     args = config_cls(**kwargs)
     dataset = Dataset.from_list(synthetic_gsm8k(16, seed=5))
-    model = tiny_model(tokenizer, eos_logit_bias=eos_logit_bias, init_std=init_std)
+    model = tiny_model(
+        tokenizer, architecture=architecture, num_layers=num_layers, eos_logit_bias=eos_logit_bias, init_std=init_std
+    )
     return trainer_cls(model=model, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer)
 
 

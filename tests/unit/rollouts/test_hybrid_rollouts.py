@@ -1,0 +1,103 @@
+"""Hybrid models (Qwen3.5 layout: Gated DeltaNet + attention) through trl_cb's rollout paths: an async weight update
+mid-request (the state written by the old weights is kept, as its KV is), GRPO / RLOO training sync, async and with
+overlap (TRL's own trainers through trl_cb), per exactness check in tests/hybrid_reference.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+
+import pytest
+import torch
+
+from tests.conftest import sampling_config
+from tests.hybrid_reference import StepTrace, replay_logprobs
+from tests.model_zoo import HYBRID, tiny_arch_model
+from tests.unit.trainers.test_trainers import make_trainer
+from trl_cb import ContinuousBatchingGenerator
+from trl_cb.engine import _upstream
+from trl_cb.offline.data import synthetic_gsm8k
+from trl_cb.rollouts.async_controller import AsyncRolloutController
+
+QWEN3_5 = next(a for a in HYBRID if a.model_type == "qwen3_5_text")
+#: The fp32 trainer against the fp32 engine: Gated DeltaNet's chunked (training) and recurrent (decode) kernels differ
+#: by up to ~2e-4 nats on these sharp tiny weights, transformers' own generate() as much (tests/unit/engine/
+#: test_hybrid_engine.py); a structural error moves logprobs by > 0.1.
+FP32_HYBRID_TOL = 1e-3
+
+
+def perturb(model: torch.nn.Module, scale: float = 0.05) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn_like(p))
+
+
+def test_async_weight_update_mid_request_keeps_the_state_the_old_weights_wrote(tokenizer, monkeypatch):
+    """Async rollouts, weights updated while requests are mid-generation (float64): every token equals the cached
+    computation with the old weights up to the update and the new weights after it, on the recurrent state (and KV)
+    the old weights wrote. Control: the new weights recomputing the prefix miss by > 1e-3."""
+    model = tiny_arch_model(QWEN3_5, len(tokenizer), dtype=torch.float64)  # no EOS bias: completions run to the end
+    trace = StepTrace().install(monkeypatch)
+    rows = synthetic_gsm8k(40, seed=4)
+    stream = ((r, tokenizer(r["prompt"])["input_ids"]) for r in itertools.cycle(rows))
+    gen = ContinuousBatchingGenerator(
+        model, sampling_config(tokenizer, max_new_tokens=24), continuous_batching_config={"max_requests_per_batch": 4}
+    )
+    options = dict(num_generations=2, groups_per_step=2, prefetch_depth=2, max_staleness=1)
+    ctl = AsyncRolloutController(gen, model, stream, max_prompt_len=64, **options)
+    ctl.start()
+    try:
+        ctl.take(2)  # leaves prefetched groups in flight
+        deadline = time.monotonic() + 120
+        while not any(_upstream.inflight_generated_lengths(ctl.backend.manager).values()):
+            assert time.monotonic() < deadline, "no request started decoding"
+            with ctl.backend.hold.running():
+                time.sleep(0.002)
+        old = copy.deepcopy(model)
+        with ctl.weight_update():
+            perturb(model)
+            trace.version = 1  # every step from here runs the new weights
+        straddling = []
+        for _ in range(2):
+            groups, _ = ctl.take(2)
+            straddling += [(g, i) for g in groups for i, v in enumerate(g.versions) if v[0] == 0 and v[-1] == 1]
+    finally:
+        ctl.stop()
+    assert straddling, "no completion straddled the update"
+    gaps, new_prefix = [], []
+    for g, i in straddling:
+        rid = trace.group_request_ids(g.prompt_ids, g.completion_ids)[i]
+        sequence, recorded = g.prompt_ids + g.completion_ids[i], torch.tensor(g.logprobs[i], dtype=torch.float64)
+        segments = trace.of(rid)
+        assert {s.version for s in segments} == {0, 1}
+        switch = g.versions[i].index(1)  # the first token sampled by the new weights
+        reference = replay_logprobs({0: old, 1: model}, segments, sequence, len(g.prompt_ids), 1.0)
+        gaps.append((reference - recorded).abs().max().item())
+        recomputed = replay_logprobs({0: model, 1: model}, segments, sequence, len(g.prompt_ids), 1.0)
+        new_prefix.append((recomputed[switch:] - recorded[switch:]).abs().max().item())
+    print(f"\n[hybrid] async update mid-request: {len(gaps)} straddling, max {max(gaps):.1e}, "
+          f"new weights over a recomputed prefix {min(new_prefix):.1e}")  # fmt: skip
+    assert max(gaps) <= 1e-5 and min(new_prefix) > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("kind", "settings"),
+    [("grpo", {}), ("rloo", {}), ("grpo", {"async_generation": True}), ("grpo", {"async_generation": True,
+                                                                                 "async_overlap": True})],
+    ids=["grpo", "rloo", "grpo-async", "grpo-overlap"],
+)  # fmt: skip
+def test_trainers_on_a_hybrid_model_sample_what_they_train(kind, settings, tokenizer, tmp_path):
+    """TRL's GRPO / RLOO through trl_cb on Qwen3.5's layout (std 0.2), sync, async and overlapped with training:
+    lr=0, so every logged sampling/training gap is the fp32 kernel gap only."""
+    trainer = make_trainer(
+        kind, tokenizer, tmp_path, init_std=0.2, architecture="qwen3_5", num_layers=4, max_steps=2,
+        learning_rate=0.0, max_completion_length=16, **settings,
+    )  # fmt: skip
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(logs) == 2
+    worst = max(e["sampling/sampling_logp_difference/max"] for e in logs)
+    print(f"\n[hybrid] {kind} {settings}: sampling_logp_difference/max {worst:.1e}")
+    assert worst <= FP32_HYBRID_TOL
