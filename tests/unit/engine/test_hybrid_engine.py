@@ -191,8 +191,14 @@ def test_fp32_gap_to_teacher_forcing_is_the_models_own(tokenizer, special_ids, t
 
 
 def test_engine_settings_that_cannot_keep_states_are_refused(tokenizer, special_ids):
-    """CPU offloading (it restores keys, not states)."""
+    """Accelerator graphs (the step plan is built on the host): off by default, refused when asked for; CPU
+    offloading (it restores keys, not states)."""
+    from trl_cb.rollouts.pool import EnginePool
+
     model = hybrid_model(BY_TYPE["qwen3_5_text"], tokenizer, special_ids, dtype=torch.float32)
+    with pytest.raises(ValueError, match="state slot"):  # trl_cb's decode graphs, asked for explicitly
+        EnginePool({"use_cuda_graph": True}).decode_graphs(model)
+    assert EnginePool({}).decode_graphs(model) is False  # and off by default
     gen = ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=4), {"cpu_offload_space": 1.0})
     with gen, pytest.raises(ValueError, match="cpu_offload_space"):
         gen.generate([[5, 6, 7]], num_generations=1)

@@ -1,6 +1,6 @@
 """Hybrid models (Qwen3.5 layout: Gated DeltaNet + attention) through trl_cb's rollout paths: an async weight update
-mid-request (the state written by the old weights is kept, as its KV is), GRPO / RLOO training sync, async and with
-overlap (TRL's own trainers through trl_cb), per exactness check in tests/hybrid_reference.py.
+mid-request (the state written by the old weights is kept, as its KV is; checked against tests/hybrid_reference.py),
+GRPO async and overlapped with training, and TRL's GRPO / RLOO on the class TRL's own tests use.
 """
 
 from __future__ import annotations
@@ -82,22 +82,55 @@ def test_async_weight_update_mid_request_keeps_the_state_the_old_weights_wrote(t
     assert max(gaps) <= 1e-5 and min(new_prefix) > 1e-3
 
 
-@pytest.mark.parametrize(
-    ("kind", "settings"),
-    [("grpo", {}), ("rloo", {}), ("grpo", {"async_generation": True}), ("grpo", {"async_generation": True,
-                                                                                 "async_overlap": True})],
-    ids=["grpo", "rloo", "grpo-async", "grpo-overlap"],
-)  # fmt: skip
-def test_trainers_on_a_hybrid_model_sample_what_they_train(kind, settings, tokenizer, tmp_path):
-    """TRL's GRPO / RLOO through trl_cb on Qwen3.5's layout (std 0.2), sync, async and overlapped with training:
-    lr=0, so every logged sampling/training gap is the fp32 kernel gap only."""
+ASYNC = {"async_generation": True}
+
+
+@pytest.mark.parametrize("settings", [ASYNC, {**ASYNC, "async_overlap": True}], ids=["async", "overlap"])
+def test_async_trainers_on_a_hybrid_model_sample_what_they_train(settings, tokenizer, tmp_path):
+    """GRPO through trl_cb on Qwen3.5's layout (std 0.2), async and overlapped with training (sync GRPO / RLOO: the
+    test below): lr=0, so every logged sampling/training gap is the fp32 kernel gap only."""
     trainer = make_trainer(
-        kind, tokenizer, tmp_path, init_std=0.2, architecture="qwen3_5", num_layers=4, max_steps=2,
+        "grpo", tokenizer, tmp_path, init_std=0.2, architecture="qwen3_5", num_layers=4, max_steps=2,
         learning_rate=0.0, max_completion_length=16, **settings,
     )  # fmt: skip
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     assert len(logs) == 2
     worst = max(e["sampling/sampling_logp_difference/max"] for e in logs)
-    print(f"\n[hybrid] {kind} {settings}: sampling_logp_difference/max {worst:.1e}")
+    print(f"\n[hybrid] grpo {settings}: sampling_logp_difference/max {worst:.1e}")
     assert worst <= FP32_HYBRID_TOL
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_trl_tiny_qwen3_5_vlm_class_trains_through_trl_cb(kind, tokenizer, tmp_path):
+    """TRL's own GRPO / RLOO tests use `tiny-Qwen3_5ForConditionalGeneration` (hub, with images: not offline, and the
+    engine serves text); the same class built from a config, text-only, trains through trl_cb as those tests check:
+    a loss is logged and the language model's parameters move, with the sampling gap at fp32 noise."""
+    from datasets import Dataset
+    from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
+
+    from tests.model_zoo import _LINEAR
+    from tests.unit.trainers.test_trainers import PAIRS
+
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=len(tokenizer), initializer_range=0.2,
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **_LINEAR)  # fmt: skip
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision))
+    config_cls, trainer_cls = PAIRS[kind]
+    args = config_cls(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_completion_length=12,
+        max_steps=2, logging_steps=1, learning_rate=0.1, beta=0.0, bf16=False, report_to=[], save_strategy="no",
+        use_cpu=True, use_transformers_continuous_batching=True, disable_tqdm=True, top_k=0, top_p=1.0,
+    )  # fmt: skip
+    trainer = trainer_cls(model=model, reward_funcs=lambda completions, **_: [len(c) / 50 for c in completions],
+                          args=args, train_dataset=Dataset.from_list(synthetic_gsm8k(8, seed=5)),
+                          processing_class=tokenizer)  # fmt: skip
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "visual" not in n}
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert trainer.state.log_history[-1]["train_loss"] is not None and len(logs) == 2
+    assert logs[0]["sampling/sampling_logp_difference/max"] <= FP32_HYBRID_TOL  # before the first update
+    moved = [n for n, p in before.items() if not torch.equal(p, trainer.model.get_parameter(n))]
+    assert len(moved) > len(before) // 2, f"only {len(moved)} of {len(before)} language-model parameters moved"
