@@ -39,6 +39,8 @@ class StepTrace:
     segments: dict[str, list[Segment]] = field(default_factory=lambda: defaultdict(list))
     steps: list[list[tuple[str, int, int]]] = field(default_factory=list)  # per step: (request id, past, length)
     prompts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # request id -> its prompt
+    #: per step with decode rows: whether they ran on views of consecutive slots (else gathered and scattered)
+    decode_on_views: list[bool] = field(default_factory=list)
     version: int = 0  # weights version the next steps run with (bumped by the test around a weight update)
     on_step: Callable[[int], None] | None = None  # called on the engine thread before each step's forward
 
@@ -59,6 +61,8 @@ class StepTrace:
                 rows.append((rid, past, future.query_length))
             trace.steps.append(rows)
             plan_step(stepper, requests)
+            if stepper._plan.decode_slots is not None:
+                trace.decode_on_views.append(stepper._plan.decode_span is not None)
 
         monkeypatch.setattr(_upstream_recurrent.RecurrentStepper, "plan_step", recording_plan_step)
         return self
@@ -67,6 +71,7 @@ class StepTrace:
         self.segments.clear()
         self.steps.clear()
         self.prompts.clear()
+        self.decode_on_views.clear()
 
     def group_request_ids(self, prompt: Sequence[int], completions: Sequence[Sequence[int]]) -> list[str]:
         """The request ids of one prompt's samples (source first, then its forks, the engine's order), found by the

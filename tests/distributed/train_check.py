@@ -77,20 +77,30 @@ class EngineReads:
     """What the CB engine's forwards read during a generation round: a forward pre-hook on every module holding
     parameters records, once per round, each parameter's shape and its max |difference| from `reference` (the
     parameters gathered independently before the round, cast to the generation dtype). A parameter not whole when any
-    forward of the round starts fails that forward at once, with its name."""
+    forward of the round starts fails that forward at once, with its name. A hybrid's token mixers read some of their
+    children's weights directly (Gated DeltaNet's `conv1d.weight`, never called as a module): their hook checks their
+    children's parameters too."""
 
     def __init__(self, module: torch.nn.Module) -> None:
+        from trl_cb.engine._upstream_recurrent import mixer_modules, recurrent_layers
+
         self.reference: dict[str, torch.Tensor] | None = None
         self.seen: dict[str, dict[str, Any]] = {}
+        config = module.config.get_text_config()
+        mixers = set(mixer_modules(module, config).values()) if recurrent_layers(config) else set()
         for prefix, sub in module.named_modules():
-            if any(p is not None for p in sub._parameters.values()):
+            if sub in mixers:
+                sub.register_forward_pre_hook(self._hook(prefix, recurse=True))
+            elif any(p is not None for p in sub._parameters.values()):
                 sub.register_forward_pre_hook(self._hook(prefix))
 
-    def _hook(self, prefix: str) -> Any:
+    def _hook(self, prefix: str, recurse: bool = False) -> Any:
         def hook(sub: torch.nn.Module, args: Any) -> None:
             if self.reference is None:  # outside generation rounds
                 return
-            for name, param in sub._parameters.items():
+            children = sub.named_modules() if recurse else [("", sub)]
+            parameters = [(f"{c}.{n}" if c else n, p) for c, child in children for n, p in child._parameters.items()]
+            for name, param in parameters:
                 full_name = f"{prefix}.{name}" if prefix else name
                 if param is None:
                     continue

@@ -54,6 +54,7 @@ class _StepPlan:
     decode_slots: torch.Tensor | None  # (R,) int64: rows advancing one token from their slot's state
     decode_tokens: torch.Tensor | None  # (R,) int64 packed positions of those rows; None when they are 0..R-1
     runs: list[_Run]
+    decode_span: tuple[int, int] | None = None  # (first slot, R) when the decode slots are consecutive: no copies
 
 
 class RecurrentStepper:
@@ -93,11 +94,13 @@ class RecurrentStepper:
                     runs.append(_Run(slot, start, start + length, fresh=False))
             start += length
         in_order = decode_tokens == list(range(len(decode_tokens)))
+        consecutive = bool(decode_slots) and decode_slots == list(range(decode_slots[0], decode_slots[-1] + 1))
         self._plan = _StepPlan(
             num_tokens=start,
             decode_slots=torch.tensor(decode_slots, dtype=torch.int64) if decode_slots else None,
             decode_tokens=None if in_order else torch.tensor(decode_tokens, dtype=torch.int64),
             runs=runs,
+            decode_span=(decode_slots[0], len(decode_slots)) if consecutive else None,
         )
 
     def end_step(self) -> None:
@@ -123,7 +126,7 @@ class RecurrentStepper:
         if plan.decode_slots is not None:
             slots, tokens = plan.decode_slots, plan.decode_tokens
             rows = hidden[0, : len(slots)] if tokens is None else hidden[0, tokens.to(hidden.device)]  # (R, H)
-            result = self._call(module, forward, rows[:, None], layer, slots, call_kwargs, fresh=False)  # (R, 1, H')
+            result = self._call(module, forward, rows[:, None], layer, slots, call_kwargs, False, plan.decode_span)
             if tokens is None and not plan.runs:
                 return result.reshape(1, len(slots), -1)
             out = result.new_empty((1, plan.num_tokens, result.shape[-1]))
@@ -148,17 +151,25 @@ class RecurrentStepper:
         slots: torch.Tensor,  # (B,) int64
         kwargs: dict,
         fresh: bool,
+        span: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """One call of the model's own mixer on `hidden`, its states read from and written back to `slots`."""
+        """One call of the model's own mixer on `hidden`, its states read from and written back to `slots`. With
+        `span` (the slots are consecutive) the layer gets views of the storage and updates them in place, as it does
+        its own cache's (steady decode: no copies); a state it replaced instead of updating is written back."""
         state_layer = LinearAttentionLayer(number_of_states=_STATE_INDICES)
+        states: dict[StateKey, torch.Tensor] = {}
         if not fresh:
-            states = self.slots.read(layer, slots)
+            states = self.slots.view(layer, *span) if span is not None else self.slots.read(layer, slots)
             if not states:
                 raise RuntimeError(f"Layer {layer} has no stored state for rows that go on from one")
             _load(state_layer, states)
         step_cache = Cache(layers=[state_layer] * self.num_layers)
         result = forward(module, hidden, cache=step_cache, **kwargs)
-        self.slots.write(layer, slots, _stored(state_layer))
+        stored = _stored(state_layer)
+        views = states if span is not None else {}  # updated in place: already in the storage
+        written = {key: value for key, value in stored.items() if value is not views.get(key)}
+        if written:
+            self.slots.write(layer, slots, written)
         return result
 
 

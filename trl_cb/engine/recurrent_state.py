@@ -91,6 +91,11 @@ class RecurrentStateSlots:
         """Copies of `layer`'s states at `slots` ((R,) int64), each (R, *state shape); empty before the first write."""
         return {key: storage[slots.to(storage.device)] for key, storage in self._storage.get(layer, {}).items()}
 
+    def view(self, layer: int, first: int, count: int) -> dict[StateKey, torch.Tensor]:
+        """`layer`'s states at slots `[first, first + count)` as views of the storage (writes to them are stored);
+        empty before the first write."""
+        return {key: storage[first : first + count] for key, storage in self._storage.get(layer, {}).items()}
+
     def write(self, layer: int, slots: torch.Tensor, states: Mapping[StateKey, torch.Tensor]) -> None:
         """Store `states` ((R, *state shape) each) at `slots` ((R,) int64) of `layer`."""
         layer_storage = self._storage.setdefault(layer, {})

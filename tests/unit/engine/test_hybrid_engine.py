@@ -141,6 +141,7 @@ def test_requests_join_and_leave_across_steps(tokenizer, special_ids, text_ids, 
     assert mixed, "no step ran prefill chunks beside decode rows"
     alive = [{rid for rid, _, _ in rows} for rows in trace.steps]
     assert any(a - b and b - a for a, b in zip(alive, alive[1:])), "no step where rows left while others joined"
+    assert set(trace.decode_on_views) == {True, False}, "decode rows ran both on slot views and gathered"
 
 
 OTHER_FAMILIES = ["lfm2", "lfm3", "granitemoehybrid", "falcon_h1", "qwen3_5_moe_text", "jamba", "olmo_hybrid"]
@@ -204,17 +205,23 @@ def test_engine_settings_that_cannot_keep_states_are_refused(tokenizer, special_
         gen.generate([[5, 6, 7]], num_generations=1)
 
 
-def test_a_sequence_resuming_without_a_state_is_an_error():
-    """The step plan never runs a sequence with a past from a zero state."""
+def test_the_step_plan_maps_rows_to_slots_and_never_resumes_from_a_zero_state():
+    """Decode rows on consecutive slots run on views of the storage (no copies), others are gathered; a sequence with
+    a past but no slot is an error, never a zero state."""
     from types import SimpleNamespace
 
+    def row(rid: str, position: int, length: int) -> SimpleNamespace:
+        return SimpleNamespace(state=SimpleNamespace(request_id=rid, position_offset=position), query_length=length)
+
     stepper = _upstream_recurrent.RecurrentStepper(num_layers=4)
-    fresh = SimpleNamespace(state=SimpleNamespace(request_id="a", position_offset=5), query_length=5)
-    stepper.plan_step([fresh])
-    assert stepper.slots.slot("a") is not None
-    lost = SimpleNamespace(state=SimpleNamespace(request_id="b", position_offset=9), query_length=1)
+    stepper.plan_step([row(rid, 5, 5) for rid in "abc"])  # three prefills: slots 0, 1, 2
+    assert [stepper.slots.slot(rid) for rid in "abc"] == [0, 1, 2]
+    stepper.plan_step([row("a", 6, 1), row("b", 6, 1), row("c", 6, 1)])
+    assert stepper._plan.decode_span == (0, 3) and stepper._plan.decode_tokens is None
+    stepper.plan_step([row("a", 7, 1), row("c", 7, 1), row("d", 4, 4)])  # b left, d joins behind them
+    assert stepper._plan.decode_span is None and stepper._plan.decode_slots.tolist() == [0, 2]
     with pytest.raises(RuntimeError, match="holds no recurrent state"):
-        stepper.plan_step([fresh, lost])
+        stepper.plan_step([row("a", 8, 1), row("lost", 9, 1)])
 
 
 def test_the_training_forward_is_untouched(tokenizer, special_ids):

@@ -35,6 +35,17 @@ def test_claim_write_read_free_reuse():
     slots.free("zzz")  # unknown: no-op
 
 
+def test_views_of_consecutive_slots_write_through():
+    slots = RecurrentStateSlots()
+    for i, name in enumerate("abc"):
+        slots.write(2, torch.tensor([slots.claim(name)]), states(float(i)))
+    view = slots.view(2, 1, 2)  # slots of b and c
+    assert view[CONV].shape == (2, 6, 4) and view[REC][:, 0, 0, 0].tolist() == [1.0, 2.0]
+    view[REC].mul_(10)  # a layer updating its state in place
+    assert slots.read(2, torch.tensor([0, 1, 2]))[REC][:, 0, 0, 0].tolist() == [0.0, 10.0, 20.0]
+    assert slots.view(9, 0, 1) == {}
+
+
 def test_growth_keeps_every_stored_state():
     slots = RecurrentStateSlots(initial_capacity=1)
     for i in range(5):
