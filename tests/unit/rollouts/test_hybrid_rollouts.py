@@ -82,10 +82,10 @@ def test_async_weight_update_mid_request_keeps_the_state_the_old_weights_wrote(t
     assert max(gaps) <= 1e-5 and min(new_prefix) > 1e-3
 
 
-ASYNC = {"async_generation": True}
+ASYNC = {"cb_async_generation": True}
 
 
-@pytest.mark.parametrize("settings", [ASYNC, {**ASYNC, "async_overlap": True}], ids=["async", "overlap"])
+@pytest.mark.parametrize("settings", [ASYNC, {**ASYNC, "cb_async_overlap": True}], ids=["async", "overlap"])
 def test_async_trainers_on_a_hybrid_model_sample_what_they_train(settings, tokenizer, tmp_path):
     """GRPO through trl_cb on Qwen3.5's layout (std 0.2), async and overlapped with training (sync GRPO / RLOO: the
     test below): lr=0, so every logged sampling/training gap is the fp32 kernel gap only."""
