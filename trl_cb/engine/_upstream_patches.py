@@ -1,19 +1,18 @@
 """trl_cb's behaviour inside transformers' CB engine: every engine method trl_cb changes is set here, once.
 
-Why one module: several features change the same method (three wrap `compute_batch`), and their order is part of their
-correctness (the graph innermost: whatever else a step does runs outside it). `install` builds each method from
-upstream's and the features' pure builders and assigns it once; feature modules never assign to an engine object
+Why one module: several features change the same method, and their order is part of their correctness (the graph
+innermost: everything else a step does runs outside it). `install` builds each method from upstream's and the features'
+pure builders and assigns it once; feature modules never assign to an engine object
 (tests/unit/engine/test_upstream_patches.py). Composed, outermost first (`>`): `compute_batch`: step threads (CPU) >
-mask placeholder > a hybrid's step plan (`_upstream_recurrent`) > decode graphs or eager (`decode_graphs`) > upstream;
-`cache.free_blocks`, `free_all_requests`, `prepare_fork_request`: a hybrid's state slots with the KV blocks; `_sample`:
-policy-logprob recorder > race sampler or upstream; `maybe_pad_inputs`: decode padding (`decode_graphs`);
-`prepare_batch_update`: (processed, policy) logprob pairs > upstream; `schedule_batch`: steady decode batch > upstream;
-`prepare_batch_tensors`: steady decode advance > read rows by tensor ops (`_upstream_cache`) > upstream;
-`update_batch`: steady rows inline > forks copied field by field (`_upstream_fork`) > upstream; `cache.update` (5.24):
-one-gather reads and block-table marks > upstream; `_run_generation_loop`: a context for the loop (`run_loop_in`);
-process-wide, on the classes: block hashes chained from the weight epoch (`install_epoch_hashes`, `_upstream_prefix`).
-The mask placeholder: a 4D `attention_mask` short-circuits transformers' mask builders, which `varlen_attention`'s
-engine forwards never read. Upstream surface: tests/unit/test_contracts.py.
+mask placeholder > a hybrid's step plan (`_upstream_recurrent`; its state slots freed and forked with the cache's
+blocks) > decode graphs or eager (`decode_graphs`) > upstream; `_sample`: policy-logprob recorder > race sampler or
+upstream; `maybe_pad_inputs`: decode padding (`decode_graphs`); `prepare_batch_update`: (processed, policy) logprob
+pairs > upstream; `schedule_batch`: steady decode batch > upstream; `prepare_batch_tensors`: steady decode advance >
+read rows by tensor ops (`_upstream_cache`) > upstream; `update_batch`: steady rows inline > forks copied field by
+field (`_upstream_fork`) > upstream; `cache.update` (5.24): one-gather reads and block-table marks > upstream;
+`_run_generation_loop`: a context for the loop (`run_loop_in`); process-wide, on the classes: block hashes chained from
+the weight epoch (`install_epoch_hashes`, `_upstream_prefix`). The mask placeholder: a 4D `attention_mask`
+short-circuits the mask builders (`varlen_attention` never reads it). Upstream surface: tests/unit/test_contracts.py.
 """
 
 from __future__ import annotations
