@@ -19,7 +19,7 @@ import torch
 from tests.conftest import sampling_config
 from tests.hybrid_reference import StepTrace, replay_logprobs, request_ids, teacher_forced_logprobs
 from tests.model_zoo import HYBRID, Arch, tiny_arch_model
-from trl_cb import ContinuousBatchingGenerator
+from trl_cb import ContinuousBatchingGenerator, GenerationError
 from trl_cb.checks import model as compat
 from trl_cb.engine import _upstream_decode, _upstream_recurrent
 from trl_cb.offline.data import synthetic_gsm8k
@@ -242,3 +242,23 @@ def test_the_training_forward_is_untouched(tokenizer, special_ids):
     assert torch.equal(loss, loss_ref)
     grads = [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()) if p.grad is not None]
     assert grads and all(torch.equal(a, b) for a, b in grads)
+
+
+def test_prefix_matching_is_off_for_hybrids(tokenizer, special_ids, text_ids, monkeypatch):
+    """Two prompts sharing a 96-token prefix (three 32-token pages), scheduled one after the other: with block sharing
+    allowed the second would match the first's pages, which hold keys but no recurrent state at their end. The engine
+    keeps matching off and both are exact; control: with matching forced on, the second request fails loudly (its
+    plan finds no state), never runs from a zero state."""
+    model = hybrid_model(BY_TYPE["qwen3_5_text"], tokenizer, special_ids)
+    shared = text_ids[:96]
+    prompts = [shared + text_ids[200:210], shared + text_ids[300:310]]
+    cb = {"max_requests_per_batch": 1, "allow_block_sharing": True}
+    trace = StepTrace().install(monkeypatch)
+    with ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=4), cb) as gen:
+        result = gen.generate(prompts, num_generations=G)
+        cache = gen._pool.engine.manager.batch_processor.cache  # noqa: SLF001
+        assert cache.allow_block_sharing and not cache.use_prefix_sharing
+        assert max(round_gaps(model, trace, prompts, result, 1, 1.0)) <= TOLERANCE
+        cache.use_prefix_sharing = True  # the control: what upstream would do
+        with pytest.raises(GenerationError, match="holds no recurrent state"):
+            gen.generate(prompts, num_generations=G)
