@@ -6,6 +6,7 @@
     python benchmarks/grpo_step.py --quick                        # seconds, smoke test
     python benchmarks/grpo_step.py --model small                  # 8 layers x 256 wide: compute-heavier
     python benchmarks/grpo_step.py --trainers grpo --backends trl_cb --background-load 0 2   # quiet vs loaded
+    python benchmarks/grpo_step.py --device cuda --model llama-1b-random --trainers grpo --max-completion-length 512
 
 Backends, same workload and settings in one run, each (trainer, backend) in its own subprocess (isolation, see
 benchmarks/common.py):
@@ -25,6 +26,10 @@ benchmarks/common.py):
 
 Threads: colocated backends use `--threads` (default: every core); the server backends split the cores, the server
 `--server-threads` (default 1) and the trainer the rest (at least 1), so both setups use the same machine.
+
+On CUDA (`--device cuda`, default model `llama-1b-random` with its calibrated GSM8K-like tail, `common.calibrate_tail`)
+the model is loaded in `--dtype` (default float32) and trained with `bf16=True` (TRL's default: trl_cb generates on
+bf16 copies of the weights); default backends `generate`, `trl_cb`, `trl_cb_async`, `trl_cb_overlap_async`.
 
 Besides step times it reports samples/s (completions per step / median step time), tokens/s, and, for the trl_cb
 backends, the trainer's wait for rollouts per step (sync: the generation call; async: the wait for finished groups)
@@ -50,16 +55,16 @@ loaded median against the same backend's median at the smallest load ("x quiet")
 `--rounds 2` runs the whole list of runs twice, the second time in reverse order (A B C C B A): on a shared machine a
 drift in load then falls on every variant alike, and ratios are taken within one invocation.
 
-Each run trains `--warmup + --steps` steps; step times come from a `TrainerCallback` (step begin to step end, which
-includes generation, scoring and the optimizer step). Table on stdout, JSON under `--out` (default runs/benchmarks/,
-git-ignored), JSON as the last line.
+Each run trains `--warmup + --steps` steps in a process of its own (a fresh model: training moves the weights); step
+times come from a `TrainerCallback` (step begin to step end, which includes generation, scoring and the optimizer
+step). Every run is written to the JSON as soon as it ends (`--resume FILE` completes an interrupted invocation);
+table on stdout, the JSON document as the last line.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -70,26 +75,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
-    CPU_PRESETS,
-    DEFAULT_OUT,
-    EOS_BIAS,
-    OUT_HELP,
-    background_load,
-    cpu_preset,
-    environment,
-    format_table,
-    peak_rss_bytes,
-    record_call_times,
-    run_worker,
-    served_model,
-    summarize,
-    write_json,
-)
+import common  # noqa: E402
+import plots  # noqa: E402
 
 BACKENDS = (
     "generate", "trl_native", "trl_cb", "trl_cb_async", "trl_cb_overlap_async", "trl_cb_server", "trl_cb_server_async"
 )  # fmt: skip
+CUDA_BACKENDS = ("generate", "trl_cb", "trl_cb_async", "trl_cb_overlap_async")
 #: Backends whose rollouts come from a local `trl-cb serve` replica the worker starts (`--server-threads` threads).
 SERVER_BACKENDS = ("trl_cb_server", "trl_cb_server_async")
 TRAINERS = ("grpo", "rloo")
@@ -109,7 +101,8 @@ def _async_fields(spec: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def worker(spec: dict[str, Any]) -> dict[str, Any]:
+def run_point(spec: dict[str, Any]) -> dict[str, Any]:
+    """One training run of `warmup + steps` steps (a process of its own)."""
     import torch
     import trl
 
@@ -119,17 +112,21 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     package = trl_cb if backend.startswith("trl_cb") else trl
     config_cls = package.GRPOConfig if kind == "grpo" else package.RLOOConfig
     trainer_cls = package.GRPOTrainer if kind == "grpo" else package.RLOOTrainer
-    model, tokenizer = cpu_preset(spec["model"], spec["eos_logit_bias"])
+    cuda = spec["device"] != "cpu"
+    tail = spec["max_completion_length"] if spec["calibrated_tail"] else None
+    model, tokenizer = common.load_model(
+        spec["model"], spec["device"], spec["dtype"], eos_logit_bias=spec["eos_logit_bias"], tail_tokens=tail
+    )
     with contextlib.ExitStack() as stack:
         server = {}
         if backend in SERVER_BACKENDS:
-            url = stack.enter_context(served_model(model, tokenizer, spec["server_threads"]))
-            server = {"cb_server_urls": [url]}
+            served = common.served_model(model, tokenizer, spec["server_threads"], spec["device"], spec["dtype"])
+            server = {"cb_server_urls": [stack.enter_context(served)]}
         torch.set_num_threads(spec["trainer_threads"] if backend in SERVER_BACKENDS else spec["threads"])
         args = config_cls(
             output_dir=spec["output_dir"], per_device_train_batch_size=spec["prompts"] * spec["num_generations"],
             num_generations=spec["num_generations"], max_completion_length=spec["max_completion_length"],
-            max_steps=spec["warmup"] + spec["steps"], learning_rate=1e-4, beta=0.0, bf16=False, use_cpu=True,
+            max_steps=spec["warmup"] + spec["steps"], learning_rate=1e-4, beta=0.0, bf16=cuda, use_cpu=not cuda,
             report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True, seed=spec["seed"],
             use_transformers_continuous_batching=backend != "generate",
             **(_async_fields(spec) if backend.endswith("_async") else {}), **server,
@@ -138,14 +135,16 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _train(spec: dict[str, Any], args: Any, trainer_cls: Any, model: Any, tokenizer: Any) -> dict[str, Any]:
+    import torch
     from datasets import Dataset
     from transformers import TrainerCallback
 
     from trl_cb.offline.data import GSM8K_TEST_SIZE, gsm8k_test
 
-    backend, kind = spec["backend"], spec["trainer"]
+    backend = spec["backend"]
     steps = spec["warmup"] + spec["steps"]
     dataset = Dataset.from_list(gsm8k_test(min(spec["prompts"] * steps, GSM8K_TEST_SIZE), seed=spec["seed"]))
+    cuda = spec["device"] != "cpu"
 
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
@@ -153,9 +152,13 @@ def _train(spec: dict[str, Any], args: Any, trainer_cls: Any, model: Any, tokeni
             self._start = 0.0
 
         def on_step_begin(self, *a: Any, **k: Any) -> None:
+            if cuda:
+                torch.cuda.synchronize()
             self._start = time.perf_counter()
 
         def on_step_end(self, *a: Any, **k: Any) -> None:
+            if cuda:
+                torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self._start)
 
     def text(completion: Any) -> str:
@@ -175,78 +178,74 @@ def _train(spec: dict[str, Any], args: Any, trainer_cls: Any, model: Any, tokeni
     )  # fmt: skip
     waits: list[float] = []
     if backend.startswith("trl_cb"):  # time the trainer's wait for rollouts
-        waits = record_call_times(trainer, "_cb_async_take" if backend.endswith("_async") else "_cb_generate")
-    pushes = record_call_times(trainer, "_cb_push_weights") if backend in SERVER_BACKENDS else []
+        waits = common.record_call_times(trainer, "_cb_async_take" if backend.endswith("_async") else "_cb_generate")
+    pushes = common.record_call_times(trainer, "_cb_push_weights") if backend in SERVER_BACKENDS else []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     trainer.train()
     logs = trainer.state.log_history
     lengths = [e["completions/mean_length"] for e in logs if "completions/mean_length" in e]
     async_logs = [e for e in logs if "async/staleness_max" in e]
     return {
-        "trainer": kind,
-        "backend": backend,
-        "background_load": spec["background_load"],
-        "engine_threads": spec.get("engine_threads"),
-        "step_times": timer.times[spec["warmup"] :],
-        "mean_lengths": lengths,
-        "waits": waits[spec["warmup"] :],
-        "pushes": pushes[spec["warmup"] :],
-        "completions_per_step": spec["prompts"] * spec["num_generations"],
+        "step_times": timer.times[spec["warmup"] :], "mean_lengths": lengths, "waits": waits[spec["warmup"] :],
+        "pushes": pushes[spec["warmup"] :], "completions_per_step": spec["prompts"] * spec["num_generations"],
         "staleness_max": max((e["async/staleness_max"] for e in async_logs), default=None),
         "dropped_total": async_logs[-1]["async/dropped_total"] if async_logs else None,
-        "peak_rss_bytes": peak_rss_bytes(),  # the trainer's process (a server backend's server runs in another)
-    }
+        "peak_rss_bytes": common.peak_rss_bytes(),  # the trainer's process (a server backend's server is another)
+        "peak_cuda_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+    }  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trainers", nargs="+", default=list(TRAINERS), help=f"subset of {TRAINERS}")
-    p.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"subset of {BACKENDS}")
-    p.add_argument("--model", default="tiny", choices=CPU_PRESETS, help="random-init CPU preset (default: tiny)")
+    p.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
+    p.add_argument("--backends", nargs="+", default=None, choices=BACKENDS, help="default: all on CPU; see above")
+    p.add_argument("--model", default=None, choices=common.PRESETS, help="default: tiny (CPU), llama-1b-random (CUDA)")
     p.add_argument(
-        "--background-load",
-        type=int,
-        nargs="+",
-        default=[0],
+        "--background-load", type=int, nargs="+", default=[0],
         help="busy-looping processes running alongside each run; several values run each backend once per value",
-    )
+    )  # fmt: skip
     p.add_argument("--workload", default="gsm8k", choices=sorted(WORKLOADS), help="step shape (default: gsm8k)")
     p.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the workload's)")
     p.add_argument("--num-generations", type=int, default=None, help="G (default: the workload's)")
     p.add_argument("--max-completion-length", type=int, default=None, help="(default: the workload's)")
     p.add_argument("--steps", type=int, default=6, help="timed steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--eos-logit-bias", type=float, default=None, help="EOS logit boost (default: per preset)")
     p.add_argument(
-        "--no-tail",
-        action="store_true",
-        help="no EOS bias: nearly every completion runs to --max-completion-length (no length tail to exploit)",
-    )
-    p.add_argument("--max-staleness", type=int, default=2, help="trl_cb_async: max_staleness")
+        "--eos-logit-bias", type=float, default=None,
+        help="EOS logit boost (default: per preset; llama-1b-random: the calibrated tail)",
+    )  # fmt: skip
+    p.add_argument("--no-tail", action="store_true", help="EOS not boosted: completions run to the cap")
+    p.add_argument("--max-staleness", type=int, default=2, help="async backends: cb_async_max_staleness")
     p.add_argument("--prefetch-depth", type=int, default=None,
-                   help="async backends: prefetch_depth (default: the config's: 0 with overlap, else 1)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0)
+                   help="async backends: cb_async_prefetch_depth (default: 0 with overlap, else 1)")  # fmt: skip
     p.add_argument("--reward", default="length", choices=["length", "random"], help="see the module docstring")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, colocated backends")
     p.add_argument(
-        "--engine-threads",
-        type=engine_threads_value,
-        nargs="+",
-        default=[None],
+        "--engine-threads", type=engine_threads_value, nargs="+", default=[None],
         help="trl_cb_overlap_async: the engine's threads (`trainer`: unset); several values run it once per value",
-    )
+    )  # fmt: skip
     p.add_argument("--rounds", type=int, default=1, help="run the list this many times, every other one reversed")
     p.add_argument("--server-threads", type=int, default=1, help="the local server's threads (server backends)")
     p.add_argument("--trainer-threads", type=int, default=None, help="server backends (default: the rest, >= 1)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
-    p.add_argument("--quick", action="store_true", help="2 timed steps of a tiny workload (smoke test)")
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
+    common.add_options(p, "grpo_step")
     args = p.parse_args(argv)
-    if args.worker is not None:
+    if args.worker or args.replot:
         return args
+    if args.dtype is None:
+        args.dtype = "float32"  # the training weights; on CUDA bf16=True generates on bf16 copies (TRL's default)
+    common.finish_options(p, args)
+    cuda = args.device != "cpu"
+    args.model = args.model or ("llama-1b-random" if cuda else "tiny")
+    args.backends = common.without_native_for_hybrids(
+        args.model, args.backends or list(CUDA_BACKENDS if cuda else BACKENDS)
+    )
     if args.no_tail and args.eos_logit_bias is not None:
         p.error("--no-tail and --eos-logit-bias exclude each other")
-    if args.eos_logit_bias is None and not args.no_tail:
-        args.eos_logit_bias = EOS_BIAS[args.model]
+    args.calibrated_tail = args.model in common.FULL_SIZE_PRESETS and not args.no_tail and args.eos_logit_bias is None
+    if args.eos_logit_bias is None and not args.no_tail and not args.calibrated_tail:
+        args.eos_logit_bias = common.EOS_BIAS[args.model]
     if args.trainer_threads is None:
         args.trainer_threads = max(1, args.threads - args.server_threads)
     for name, value in WORKLOADS[args.workload].items():
@@ -254,10 +253,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.quick:
         args.prompts, args.num_generations, args.max_completion_length, args.steps = 2, 2, 8, 2
-    for name, allowed, given in (("--trainers", TRAINERS, args.trainers), ("--backends", BACKENDS, args.backends)):
-        unknown = sorted(set(given) - set(allowed))
-        if unknown:
-            p.error(f"unknown {name} value(s) {unknown}; choose from {list(allowed)}")
     for name in ("prompts", "num_generations", "max_completion_length", "steps"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
@@ -266,10 +261,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(n < 0 for n in args.background_load):
         p.error(f"--background-load values must be >= 0, got {args.background_load}")
     return args
-
-
-def mean_length(result: dict[str, Any]) -> float | None:
-    return statistics.fmean(result["mean_lengths"]) if result["mean_lengths"] else None
 
 
 def engine_threads_value(text: str) -> int | None:
@@ -294,111 +285,104 @@ def run_list(args: argparse.Namespace) -> list[tuple[int, str, str, int, int | N
     return [(r, *run) for r in range(args.rounds) for run in (once if r % 2 == 0 else once[::-1])]
 
 
+def _mean_length(point: dict[str, Any]) -> float | None:
+    return statistics.fmean(point["mean_lengths"]) if point["mean_lengths"] else None
+
+
+def summarize(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per run: the median step and its ratios to the same round's generate() / TRL CB runs and to the same backend's
+    run at the smallest load; samples/s, tokens/s, the trainer's wait for rollouts, pushes, memory."""
+    quiet = min(p["key"][3] for p in points)
+    summary = []
+    for p in points:
+        rnd, trainer, backend, load, engine_threads = p["key"]
+        median = statistics.median(p["step_times"])
+        same_round = {x["key"][2]: statistics.median(x["step_times"]) for x in points
+                      if (x["key"][0], x["key"][1], x["key"][3]) == (rnd, trainer, load)}  # fmt: skip
+        base = next((x for x in points if x["key"] == [rnd, trainer, backend, quiet, engine_threads]), None)
+        length = _mean_length(p)
+        summary.append(
+            {
+                "trainer": trainer, "backend": backend, "background_load": load, "engine_threads": engine_threads,
+                "round": rnd, "step_time_s": common.summarize(p["step_times"]),
+                "ratio_vs_quiet": median / statistics.median(base["step_times"]) if base else None,
+                "ratio_vs_trl_native": median / same_round["trl_native"] if "trl_native" in same_round else None,
+                "ratio_vs_generate": median / same_round["generate"] if "generate" in same_round else None,
+                "mean_completion_length": length, "samples_per_s": p["completions_per_step"] / median,
+                "tokens_per_s": p["completions_per_step"] * length / median if length else None,
+                "trainer_wait_s": common.summarize(p["waits"]) if p["waits"] else None,
+                "weight_push_s": common.summarize(p["pushes"]) if p["pushes"] else None,
+                "staleness_max": p["staleness_max"], "dropped_groups": p["dropped_total"],
+                "peak_rss_mb": p["peak_rss_bytes"] / 2**20,
+                "peak_cuda_mb": p["peak_cuda_bytes"] / 2**20 if p.get("peak_cuda_bytes") else None,
+            }
+        )  # fmt: skip
+    return {"summary": summary}
+
+
+def print_table(summary: list[dict[str, Any]]) -> None:
+    rows = [
+        {
+            "trainer": s["trainer"], "backend": s["backend"], "load": s["background_load"], "round": s["round"],
+            "engine": "-" if s["backend"] != "trl_cb_overlap_async" else (s["engine_threads"] or "trainer's"),
+            "vs_quiet": s["ratio_vs_quiet"], "median": s["step_time_s"]["median"], "min": s["step_time_s"]["min"],
+            "max": s["step_time_s"]["max"], "vs_native": s["ratio_vs_trl_native"],
+            "vs_generate": s["ratio_vs_generate"], "len": s["mean_completion_length"], "sps": s["samples_per_s"],
+            "tps": s["tokens_per_s"], "push": s["weight_push_s"]["mean"] if s["weight_push_s"] else None,
+            "wait": s["trainer_wait_s"]["mean"] if s["trainer_wait_s"] else None, "rss": s["peak_rss_mb"],
+            "cuda": s["peak_cuda_mb"],
+        }
+        for s in summary
+    ]  # fmt: skip
+    columns = [("trainer", "trainer"), ("backend", "backend"), ("load", "bg load"), ("round", "round"),
+               ("engine", "engine threads"), ("median", "median s/step"), ("vs_quiet", "x quiet"), ("min", "min"),
+               ("max", "max"), ("vs_native", "x TRL CB"), ("vs_generate", "x generate"), ("sps", "samples/s"),
+               ("tps", "tokens/s"), ("wait", "wait s/step"), ("push", "push s"), ("len", "mean len"),
+               ("rss", "peak RSS MB"), ("cuda", "peak CUDA MB")]  # fmt: skip
+    print(common.format_table(rows, columns))
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.worker is not None:
-        print(json.dumps(worker(json.loads(args.worker))))
+    if args.worker:
+        common.serve_points(run_point)
+        return {}
+    if args.replot:
+        common.replot(args.replot, plots.render_grpo_step)
         return {}
     from tqdm import tqdm
 
     print(
         f"trl_cb training-step benchmark: {args.prompts} prompts x {args.num_generations} completions x "
-        f"{args.max_completion_length} tokens, {args.steps} timed steps, model={args.model}, "
+        f"{args.max_completion_length} tokens, {args.steps} timed steps, model={args.model} on {args.device}, "
         f"trainers={args.trainers}, background load={args.background_load}",
         flush=True,
     )
-    results = []
-    for rnd, kind, backend, load, engine_threads in tqdm(run_list(args), desc="training runs", unit="run"):
-        spec = {
-            "trainer": kind, "backend": backend, "model": args.model, "background_load": load,
-            "prompts": args.prompts, "num_generations": args.num_generations,
-            "max_completion_length": args.max_completion_length, "steps": args.steps, "warmup": args.warmup,
-            "eos_logit_bias": args.eos_logit_bias, "seed": args.seed, "max_staleness": args.max_staleness,
-            "prefetch_depth": args.prefetch_depth, "threads": args.threads, "server_threads": args.server_threads,
-            "trainer_threads": args.trainer_threads, "reward": args.reward, "engine_threads": engine_threads,
-            "output_dir": f"/tmp/trl_cb_bench_{kind}_{backend}",
-        }  # fmt: skip
-        with background_load(load):
-            results.append({**run_worker(Path(__file__), spec, timeout=3600), "round": rnd})
-
-    points = []
-    quiet = min(args.background_load)
-    for r in results:
-        median = statistics.median(r["step_times"])
-        ref = {
-            x["backend"]: statistics.median(x["step_times"])
-            for x in results
-            if (x["trainer"], x["background_load"], x["round"]) == (r["trainer"], r["background_load"], r["round"])
-        }
-        key = (r["trainer"], r["backend"], quiet, r["engine_threads"], r["round"])
-        base = next(
-            x
-            for x in results
-            if (x["trainer"], x["backend"], x["background_load"], x["engine_threads"], x["round"]) == key
-        )
-        points.append(
-            {
-                "trainer": r["trainer"],
-                "backend": r["backend"],
-                "background_load": r["background_load"],
-                "engine_threads": r["engine_threads"],
-                "round": r["round"],
-                "step_time_s": {"median": median, **summarize(r["step_times"])},
-                "ratio_vs_quiet": median / statistics.median(base["step_times"]),
-                "ratio_vs_trl_native": median / ref["trl_native"] if "trl_native" in ref else None,
-                "ratio_vs_generate": median / ref["generate"] if "generate" in ref else None,
-                "mean_completion_length": mean_length(r),
-                "samples_per_s": r["completions_per_step"] / median,
-                "tokens_per_s": r["completions_per_step"] * length / median if (length := mean_length(r)) else None,
-                "trainer_wait_s": summarize(r["waits"]) if r["waits"] else None,
-                "weight_push_s": summarize(r["pushes"]) if r["pushes"] else None,
-                "staleness_max": r["staleness_max"],
-                "dropped_groups": r["dropped_total"],
-                "peak_rss_mb": r["peak_rss_bytes"] / 2**20,
-            }
-        )
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"}
-    payload = {"benchmark": "grpo_step", "config": config, "env": environment("cpu"), "points": points}
-    rows = [
-        {
-            "trainer": p["trainer"], "backend": p["backend"], "load": p["background_load"], "round": p["round"],
-            "engine": "-" if p["backend"] != "trl_cb_overlap_async" else (p["engine_threads"] or "trainer's"),
-            "vs_quiet": p["ratio_vs_quiet"], "median": p["step_time_s"]["median"],
-            "min": p["step_time_s"]["min"], "max": p["step_time_s"]["max"], "vs_native": p["ratio_vs_trl_native"],
-            "vs_generate": p["ratio_vs_generate"], "len": p["mean_completion_length"], "sps": p["samples_per_s"],
-            "tps": p["tokens_per_s"], "push": p["weight_push_s"]["mean"] if p["weight_push_s"] else None,
-            "wait": p["trainer_wait_s"]["mean"] if p["trainer_wait_s"] else None, "rss": p["peak_rss_mb"],
-        }
-        for p in points
-    ]  # fmt: skip
-    print(
-        format_table(
-            rows,
-            [
-                ("trainer", "trainer"),
-                ("backend", "backend"),
-                ("load", "bg load"),
-                ("round", "round"),
-                ("engine", "engine threads"),
-                ("median", "median s/step"),
-                ("vs_quiet", f"x load {quiet}"),
-                ("min", "min"),
-                ("max", "max"),
-                ("vs_native", "x TRL CB"),
-                ("vs_generate", "x generate"),
-                ("sps", "samples/s"),
-                ("tps", "tokens/s"),
-                ("wait", "wait s/step"),
-                ("push", "push s"),
-                ("len", "mean len"),
-                ("rss", "peak RSS MB"),
-            ],
-        )  # fmt: skip
-    )
-    path = write_json(payload, args.out, "grpo_step")
-    print(f"results: {path}")
-    print(json.dumps(payload))
-    return payload
+    results = common.ResultFile("grpo_step", args, summarize, plots.render_grpo_step)
+    print(f"runs are written to {results.path} as they finish", flush=True)
+    with common.Workers(Path(__file__)) as workers:
+        for rnd, kind, backend, load, engine_threads in tqdm(run_list(args), desc="training runs", unit="run"):
+            key = (rnd, kind, backend, load, engine_threads)
+            if results.has(key):
+                continue
+            spec = {
+                "trainer": kind, "backend": backend, "model": args.model, "device": args.device, "dtype": args.dtype,
+                "prompts": args.prompts, "num_generations": args.num_generations,
+                "max_completion_length": args.max_completion_length, "steps": args.steps, "warmup": args.warmup,
+                "eos_logit_bias": args.eos_logit_bias, "calibrated_tail": args.calibrated_tail, "seed": args.seed,
+                "max_staleness": args.max_staleness, "prefetch_depth": args.prefetch_depth, "threads": args.threads,
+                "server_threads": args.server_threads, "trainer_threads": args.trainer_threads, "reward": args.reward,
+                "engine_threads": engine_threads, "output_dir": f"/tmp/trl_cb_bench_{kind}_{backend}",
+            }  # fmt: skip
+            with common.background_load(load):
+                try:
+                    results.add(key, workers.run(spec, group=None, timeout=args.timeout))
+                except common.WorkerError as err:
+                    results.fail(key, str(err))
+    payload = results.payload()
+    if payload.get("summary"):
+        print_table(payload["summary"])
+    return results.finish()
 
 
 if __name__ == "__main__":

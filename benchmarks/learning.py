@@ -12,7 +12,8 @@ async (in process or on a rollout server), several seeds each, and several confi
         --is-mode sequence_mask sequence_truncate token_truncate --is-clip-max 2 3
     python benchmarks/learning.py --variants depth=0 depth=3,keep_stale=1,max_staleness=4   # explicit variants
     python benchmarks/learning.py --task longtail         # long-tailed completion lengths (EOS-biased, <= 96 tokens)
-    python benchmarks/plot_learning.py runs/benchmarks/learning-YYYYmmdd-HHMMSS.json      # redraw the PNG
+    python benchmarks/learning.py --task agent            # multi-turn tool calls, async vs sync, prefix reuse
+    python benchmarks/learning.py --replot runs/benchmarks/learning-YYYYmmdd-HHMMSS.json  # redraw the PNG
     # a real model, GSM8K accuracy as the reward (needs the hub and, to be practical, a GPU):
     python benchmarks/learning.py --model Qwen/Qwen2.5-0.5B-Instruct --reward gsm8k --device cuda \\
         --data-file gsm8k/train.jsonl --max-completion-length 256 --num-generations 8 --prompts-per-step 16 \\
@@ -56,35 +57,25 @@ its config's default depth: 1, and 0 for `trl_cb_overlap_async`.
 
 On a shared machine, run with `OMP_NUM_THREADS=1`: two torch threads per process spin against other load and
 stretch wall-clock unevenly. The JSON also records process CPU seconds per step, which a loaded machine disturbs less.
-Output: a table on stdout, a JSON file and a PNG under `--out` (default runs/benchmarks/, git-ignored), and the JSON
-document as the last stdout line.
+Every run is written to the JSON (and PNG) under `--out` as soon as it ends (`--resume FILE` completes an interrupted
+invocation); tables on stdout at the end, and the JSON document as the last stdout line.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 import learning_variants as variants  # noqa: E402
-from common import (  # noqa: E402
-    DEFAULT_OUT,
-    OUT_HELP,
-    environment,
-    format_table,
-    record_call_times,
-    run_worker,
-    served_model,
-    write_json,
-)
+import plots  # noqa: E402
 
 BACKENDS = ("generate", "trl_cb", "trl_cb_async", "trl_cb_overlap_async", "trl_cb_server", "trl_cb_server_async")
 #: Rollouts from a local `trl-cb serve` replica the worker starts (`--server-threads`; the trainer gets the rest).
@@ -149,7 +140,7 @@ def steady_eos(model: Any, eos_id: int) -> None:
     model.lm_head.weight.register_hook(keep_eos_row)
 
 
-def worker(spec: dict[str, Any]) -> dict[str, Any]:
+def run_point(spec: dict[str, Any]) -> dict[str, Any]:
     """One (trainer, backend, seed, variant) training run; returns its per-step and evaluation curves."""
     import torch
     import trl
@@ -173,7 +164,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         if backend in SERVER_BACKENDS:
             device = spec.get("server_device") or spec["device"]
-            served = served_model(model, tokenizer, spec["server_threads"], device, spec["dtype"])
+            served = common.served_model(model, tokenizer, spec["server_threads"], device, spec["dtype"])
             url = stack.enter_context(served)
             extra["cb_server_urls"] = [url]
             torch.set_num_threads(max(1, (os.cpu_count() or 1) - spec["server_threads"]))
@@ -256,7 +247,9 @@ def _train(
     trainer.remove_callback(PrinterCallback)  # the per-step log dicts would bury the progress bar
     # The trainer's wait for rollouts each step: the generation call (sync backends) or the wait for finished groups
     # (async). The rest of a step is scoring, the IS / old-logprob forward, backward and the optimizer step.
-    waits = record_call_times(trainer, "_cb_async_take" if backend in ASYNC_BACKENDS else "_generate_single_turn")
+    waits = common.record_call_times(
+        trainer, "_cb_async_take" if backend in ASYNC_BACKENDS else "_generate_single_turn"
+    )
     trainer.train()
     logs = [e for e in trainer.state.log_history if "reward" in e and "step" in e]
     steps = len(curve.step_end)
@@ -518,25 +511,16 @@ def targets(summary: list[dict[str, Any]], band_share: float) -> list[dict[str, 
 # -------------------------------------------------------------------------------------------------------- main
 
 
-def _load_partial(path: Path) -> dict[tuple[Any, ...], dict[str, Any]]:
-    """Runs finished by an interrupted invocation (`--resume`), by (trainer, seed, backend, variant label)."""
-    done = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            entry = json.loads(line)
-            done[tuple(entry["key"])] = entry["run"]
-    return done
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trainers", nargs="+", default=list(TRAINERS), help=f"subset of {TRAINERS}")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"subset of {BACKENDS}")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds (sampling, data order)")
-    p.add_argument("--task", default="default", choices=list(TASKS),
+    p.add_argument("--task", default="default", choices=[*TASKS, "agent"],
                    help="default: no EOS bias, <= 24 tokens; longtail: EOS bias 4.0, <= 96 tokens, only the output "
                    "projection learns (lengths stay spread). Sets --eos-logit-bias, --max-completion-length and "
-                   "--learning-rate when those are not given")  # fmt: skip
+                   "--learning-rate when those are not given. agent: multi-turn tool calls and prefix reuse, "
+                   "learning_agent.py (its own options: --task agent --help)")  # fmt: skip
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     p.add_argument("--prompts-per-step", type=int, default=2)
     p.add_argument("--num-generations", type=int, default=8)
@@ -560,8 +544,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-samples", type=int, default=4, help="fresh samples per held-out prompt and evaluation")
     p.add_argument("--eval-seed", type=int, default=1234, help="evaluation point `step` samples with seed + step")
     p.add_argument("--model", default="tiny", help="tiny (offline random Qwen2) | hub id | local path")
-    p.add_argument("--device", default="auto", help="cpu | cuda | auto (default)")
-    p.add_argument("--dtype", default=None, help="real models: float32 | bfloat16 (default: bf16 on GPU)")
     p.add_argument("--eos-logit-bias", type=float, default=None, help="tiny model: EOS logit boost (default: the "
                    "--task's: none, or 4.0 for longtail)")  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=512, help="GSM8K problems in the training set")
@@ -595,16 +577,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-threads", type=int, default=1, help="server backends: the local server's threads")
     p.add_argument("--server-device", default=None, help="server backends: the server's device (default: --device)")
     p.add_argument("--band-share", type=float, default=0.8, help="share of eval points that must lie inside a band")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=OUT_HELP)
-    p.add_argument("--resume", type=Path, default=None, help="a learning-partial-*.jsonl: skip the runs it holds")
-    p.add_argument("--summarize", type=Path, default=None, metavar="JSON",
-                   help="no training: rebuild the summary, targets and tables of a learning-*.json from its runs "
-                        "(written beside it as *-resummarized.json/.png) with this version's rules")  # fmt: skip
-    p.add_argument("--quick", action="store_true", help="3 steps of a tiny workload, 2 seeds at most, evaluation "
-                   "every 2 steps on 2 prompts x 2 samples: smoke test")  # fmt: skip
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=float, default=3600, help="seconds one training run may take")
+    common.add_options(p, "learning")
     args = p.parse_args(argv)
-    if args.worker is not None:
+    if args.worker or args.replot:
         return args
     for name, value in TASKS[args.task].items():
         if name != "steady_eos" and getattr(args, name) is None:
@@ -633,12 +609,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if len(set(args.seeds)) != len(args.seeds):
         p.error(f"--seeds must be distinct, got {args.seeds}")
     args.variant_settings = _variants(p, args)
-    if args.device == "auto":
-        import torch
-
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.dtype is None:
-        args.dtype = "bfloat16" if args.device.startswith("cuda") and args.model != "tiny" else "float32"
+    if args.dtype is None and args.model == "tiny":
+        args.dtype = "float32"
+    common.finish_options(p, args)
     return args
 
 
@@ -698,7 +671,7 @@ def _print_tables(summary: list[dict[str, Any]], checks: list[dict[str, Any]], t
             "drift": s.get("sampler_drift_nats"),
             "stale_max": a.get("staleness_max"), "dropped": sum(a["dropped_groups_total"]) if a else None,
         })  # fmt: skip
-    print(format_table(rows, [
+    print(common.format_table(rows, [
         ("trainer", "trainer"), ("curve", "backend / variant"), ("final", "final eval reward"), ("band", "seed band"),
         ("stt", f"first eval point >= {threshold} (samples)"), ("stti", f"samples to {threshold} (interpolated)"),
         ("stt_x", "x trl_cb"), ("ttt", f"train s to {threshold} (interpolated)"),
@@ -708,36 +681,22 @@ def _print_tables(summary: list[dict[str, Any]], checks: list[dict[str, Any]], t
         ("stale_max", "max staleness"), ("drift", "drift nats/token"), ("dropped", "dropped groups"),
     ]))  # fmt: skip
     print()
-    print(format_table(
+    print(common.format_table(
         [{"trainer": c["trainer"], "target": c["target"], "value": c["value"], "bound": c["bound"],
           "met": {True: "yes", False: "NO", None: "-"}[c["met"]]} for c in checks],
         [("trainer", "trainer"), ("target", "target"), ("value", "measured"), ("bound", "target"), ("met", "met")],
     ))  # fmt: skip
 
 
-def _summaries(runs: list[dict[str, Any]], config: dict[str, Any]) -> dict[str, Any]:
-    """Per-curve summaries, their comparison to sync and the targets, printed as tables."""
+def summaries(runs: list[dict[str, Any]], config: dict[str, Any]) -> dict[str, Any]:
+    """Per-curve summaries of the runs so far, their comparison to sync, and the targets."""
     curves = list(dict.fromkeys((r["trainer"], r["curve"]) for r in runs))
     summary = [
         summarize_curve([r for r in runs if (r["trainer"], r["curve"]) == key], config["threshold"], config["window"])
         for key in curves
     ]
     compare(summary)
-    checks = targets(summary, config["band_share"])
-    _print_tables(summary, checks, config["threshold"])
-    return {"summary": summary, "targets": checks, "runs": runs}
-
-
-def resummarize(path: Path, render: Any) -> dict[str, Any]:
-    """`--summarize`: the summary and targets of a recorded run, rebuilt from its runs by this version's rules (the
-    runs, config and environment are kept as recorded), written beside it."""
-    recorded = json.loads(path.read_text())
-    payload = {**recorded, **_summaries(recorded["runs"], recorded["config"]), "resummarized_from": path.name}
-    out = path.with_name(f"{path.stem}-resummarized.json")
-    out.write_text(json.dumps(payload, indent=2))
-    png = render(out, out.with_suffix(".png"))
-    print(f"results: {out}\nplot: {png}")
-    return payload
+    return {"summary": summary, "targets": targets(summary, config["band_share"])}
 
 
 def _todo(args: argparse.Namespace) -> list[tuple[str, int, str, dict[str, Any] | None]]:
@@ -759,15 +718,20 @@ def _todo(args: argparse.Namespace) -> list[tuple[str, int, str, dict[str, Any] 
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    if args.worker is not None:
-        print(json.dumps(worker(json.loads(args.worker))))
-        return {}
-    from plot_learning import render
-    from tqdm import tqdm
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--task" in argv and argv[argv.index("--task") + 1 :][:1] == ["agent"]:  # the multi-turn agent task
+        import learning_agent
 
-    if args.summarize is not None:
-        return resummarize(args.summarize, render)
+        i = argv.index("--task")
+        return learning_agent.main(argv[:i] + argv[i + 2 :])
+    args = parse_args(argv)
+    if args.worker:
+        common.serve_points(run_point)
+        return {}
+    if args.replot:
+        common.replot(args.replot, plots.render_learning)
+        return {}
+    from tqdm import tqdm
 
     default_run = args.model == "tiny" and args.device == "cpu" and not args.quick
     runs_todo = _todo(args)
@@ -783,50 +747,45 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     for name, err in getattr(args, "rejected", {}).items():
         print(f"skipped {name}: the config rejects it ({err})")
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "worker"}
-    runs: list[dict[str, Any]] = []
-    done = _load_partial(args.resume) if args.resume else {}
-    args.out.mkdir(parents=True, exist_ok=True)
-    partial = args.out / f"learning-partial-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-    print(f"finished runs are appended to {partial} (--resume it after an interruption)", flush=True)
+    config = common.config_of(args)
+    results = common.ResultFile("learning", args, lambda runs: summaries(runs, config), plots.render_learning)
+    print(f"runs are written to {results.path} as they finish (--resume it after an interruption)", flush=True)
     bar = tqdm(runs_todo, desc="training runs", unit="run")
-    for kind, seed, backend, variant in bar:
-        label = None if variant is None else variants.label(variant)
-        bar.set_postfix_str(f"{kind} {curve_name(backend, label)} seed {seed}")
-        key = (kind, seed, backend, label)
-        if key in done:
-            runs.append(done[key])
-            continue
-        spec = {
-            "trainer": kind, "backend": backend, "seed": seed, "task": args.task, "steps": args.steps,
-            "variant": variant, "variant_label": label, "prompts_per_step": args.prompts_per_step,
-            "num_generations": args.num_generations, "max_completion_length": args.max_completion_length,
-            "learning_rate": args.learning_rate, "temperature": args.temperature, "top_p": args.top_p,
-            "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
-            "device": args.device, "dtype": args.dtype, "model": args.model, "eos_logit_bias": args.eos_logit_bias,
-            "model_seed": 0, "num_prompts": args.num_prompts, "data_seed": 0, "data_file": args.data_file,
-            "reward": args.reward, "char": args.char, "min_chars": args.min_chars, "eval_every": args.eval_every,
-            "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
-            "server_threads": args.server_threads, "server_device": args.server_device,
-            "output_dir": f"/tmp/trl_cb_learning_{kind}_{backend}_{seed}",
-        }  # fmt: skip
-        try:
-            run = run_worker(Path(__file__), spec, timeout=3600)
-        except RuntimeError as err:  # one retry: a transient fault (a port taken meanwhile) must not end the sweep
-            print(f"\nrun {key} failed, retrying once: {str(err)[-500:]}", file=sys.stderr, flush=True)
-            run = run_worker(Path(__file__), spec, timeout=3600)
-        runs.append(run)
-        with partial.open("a") as f:
-            f.write(json.dumps({"key": list(key), "run": run}) + "\n")
+    with common.Workers(Path(__file__)) as workers:
+        for kind, seed, backend, variant in bar:
+            label = None if variant is None else variants.label(variant)
+            bar.set_postfix_str(f"{kind} {curve_name(backend, label)} seed {seed}")
+            key = (kind, seed, backend, label)
+            if results.has(key):
+                continue
+            spec = {
+                "trainer": kind, "backend": backend, "seed": seed, "task": args.task, "steps": args.steps,
+                "variant": variant, "variant_label": label, "prompts_per_step": args.prompts_per_step,
+                "num_generations": args.num_generations, "max_completion_length": args.max_completion_length,
+                "learning_rate": args.learning_rate, "temperature": args.temperature, "top_p": args.top_p,
+                "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
+                "device": args.device, "dtype": args.dtype, "model": args.model, "eos_logit_bias": args.eos_logit_bias,
+                "model_seed": 0, "num_prompts": args.num_prompts, "data_seed": 0, "data_file": args.data_file,
+                "reward": args.reward, "char": args.char, "min_chars": args.min_chars, "eval_every": args.eval_every,
+                "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
+                "server_threads": args.server_threads, "server_device": args.server_device,
+                "output_dir": f"/tmp/trl_cb_learning_{kind}_{backend}_{seed}",
+            }  # fmt: skip
+            try:
+                run = workers.run(spec, group=None, timeout=args.timeout)
+            except common.WorkerError as err:  # one retry: a transient fault (a port taken meanwhile) must not end it
+                print(f"\nrun {key} failed, retrying once: {str(err)[-500:]}", file=sys.stderr, flush=True)
+                try:
+                    run = workers.run(spec, group=None, timeout=args.timeout)
+                except common.WorkerError as again:
+                    results.fail(key, str(again))
+                    continue
+            results.add(key, run)
     bar.close()
-
-    payload = {"benchmark": "learning", "config": config, "env": environment(args.device), **_summaries(runs, config)}
-    json_path = write_json(payload, args.out, "learning")
-    partial.unlink(missing_ok=True)  # every run is in the JSON now; the resume file would only litter --out
-    png_path = render(json_path, json_path.with_suffix(".png"))
-    print(f"results: {json_path}\nplot: {png_path}")
-    print(json.dumps(payload))
-    return payload
+    payload = results.payload()
+    if payload.get("summary"):
+        _print_tables(payload["summary"], payload["targets"], args.threshold)
+    return results.finish()
 
 
 if __name__ == "__main__":

@@ -20,66 +20,77 @@ def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_gsm8k_quick_writes_table_json_png(tmp_path):
+def test_gsm8k_quick_writes_table_json_png_and_resumes(tmp_path):
     proc = run(str(GSM8K), "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads(proc.stdout.strip().splitlines()[-1])  # the JSON document is the last stdout line
-    assert payload["benchmark"] == "gsm8k"
-    assert {"device", "torch", "transformers", "trl", "git_commit"} <= set(payload["env"])
+    assert payload["benchmark"] == "gsm8k" and payload["complete"] and not payload["failed"]
+    assert {"device", "torch", "transformers", "trl", "git_commit", "loadavg"} <= set(payload["env"])
     assert payload["config"]["num_generations"] == [2, 4]
-    points = payload["points"]
-    assert {p["backend"] for p in points} == {"generate", "trl_native", "trl_cb"}
-    no_tail = [p for p in points if p["workload"] == "no_tail"]
-    assert sorted(p["backend"] for p in no_tail) == ["generate", "trl_cb"]  # the baseline's best case
-    assert all(p["speedup_vs_generate"] is not None for p in no_tail)
+    summary = payload["summary"]
+    assert {s["backend"] for s in summary} == {"generate", "trl_native", "trl_cb"}
+    no_tail = [s for s in summary if s["workload"] == "no_tail"]
+    assert sorted(s["backend"] for s in no_tail) == ["generate", "trl_cb"]  # the baseline's best case
+    assert all(s["speedup_vs_generate"] is not None for s in no_tail)
     for n in (2, 4):
-        counts = {p["backend"]: p["num_completions"] for p in points if p["num_generations"] == n}
+        counts = {p["key"][2]: len(p["lengths"]) for p in payload["points"] if p["key"][1] == n}
         assert len(set(counts.values())) == 1 and counts["trl_cb"] == 2 * n, counts
-    for p in points:
-        assert set(p["round_time_s"]) == {"mean", "std", "min", "max"}
-        assert p["tokens_per_s"]["mean"] > 0 and p["peak_memory_mib"] is not None
-        assert {"p50", "p90", "max"} <= set(p["completion_length"])
-        assert (p["padding_fraction"] is not None) == (p["backend"] == "generate")
-    assert "vs generate" in proc.stdout
+    for s in summary:
+        assert {"median", "mean", "std", "min", "max"} <= set(s["round_time_s"])
+        assert s["tokens_per_s"]["mean"] > 0 and s["peak_memory_mib"] is not None
+        assert {"p50", "p90", "max", "at_cap"} <= set(s["completion_length"])
+        assert (s["padding_fraction"] is not None) == (s["backend"] == "generate")
+    assert "vs generate" in proc.stdout and "at cap" in proc.stdout
     json_files, png_files = list(tmp_path.glob("gsm8k-*.json")), list(tmp_path.glob("gsm8k-*.png"))
     assert len(json_files) == 1 and len(png_files) == 1 and png_files[0].stat().st_size > 10_000
 
-    redraw = tmp_path / "again.png"
-    proc = run(str(ROOT / "benchmarks" / "plot.py"), str(json_files[0]), "--out", str(redraw))
-    assert proc.returncode == 0 and redraw.stat().st_size > 10_000
+    # --resume: an interrupted run (one point lost) is completed: the kept points untouched, the lost one measured
+    kept, lost = payload["points"][:-1], payload["points"][-1]
+    json_files[0].write_text(json.dumps({**payload, "points": kept, "complete": False}))
+    proc = run(str(GSM8K), "--quick", "--out", str(tmp_path), "--resume", str(json_files[0]))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = json.loads(json_files[0].read_text())
+    assert resumed["points"][:-1] == kept and resumed["points"][-1]["key"] == lost["key"] and resumed["complete"]
+    proc = run(str(GSM8K), "--quick", "--out", str(tmp_path), "--repeats", "2", "--resume", str(json_files[0]))
+    assert proc.returncode != 0 and "other settings" in proc.stderr + proc.stdout  # not another run's points
+
+    png_files[0].unlink()
+    proc = run(str(GSM8K), "--replot", str(json_files[0]))
+    assert proc.returncode == 0 and png_files[0].stat().st_size > 10_000
 
 
 @pytest.mark.slow
 def test_engine_step_quick_writes_a_well_formed_json(tmp_path):
     script = str(ROOT / "benchmarks" / "engine_step.py")
     proc = run(
-        script, "--quick", "--variant", "again:OMP_WAIT_POLICY=PASSIVE", "--passes", "2", "--profile-steps",
+        script, "--quick", "--variant", 'again:{"max_queue_size": 1024}', "--passes", "2", "--profile-steps",
         "--out", str(tmp_path),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads(proc.stdout.strip().splitlines()[-1])  # the JSON document is the last stdout line
     assert payload["benchmark"] == "engine_step" and {"device", "git_commit", "loadavg"} <= set(payload["env"])
-    points = payload["points"]
     backends = ["generate", "trl_cb", "trl_cb:again"]
-    assert [(p["rows"], p["backend"]) for p in points] == [(r, b) for r in (8, 16) for b in backends]  # interleaved
-    assert "again" in payload["config"]["variants"] and payload["config"]["passes"] == 2
-    for p in points:
-        assert p["ms_per_step"] > 0 and len(p["ms_per_step_rounds"]) == 2 and p["forwards_per_step"] >= 1
-        assert p["cpu_ms_per_step"] > 0 and len(p["cpu_ms_per_step_rounds"]) == 2
+    keys = [tuple(p["key"]) for p in payload["points"]]  # written in measuring order: interleaved, pass by pass
+    assert keys == [("null", r, b, n) for n in (0, 1) for r in (8, 16) for b in backends]
+    assert payload["config"]["variants"] == {"again": {"max_queue_size": 1024}}
+    summary = payload["summary"]
+    assert [(s["rows"], s["backend"]) for s in summary] == [(r, b) for r in (8, 16) for b in backends]
+    for s in summary:
+        assert s["ms_per_step"] > 0 and len(s["ms_per_step_rounds"]) == 2 and s["forwards_per_step"] >= 1
+        assert s["cpu_ms_per_step"] > 0 and s["spread_vs_median"][0] <= 1 <= s["spread_vs_median"][1]
         phases = {"sampling", "attention", "forward", "other"}
-        if p["backend"] != "generate":
+        if s["backend"] != "generate":
             phases |= {"scheduling", "attention_planning", "bookkeeping"}
-        assert set(p["profile_ms"]) == phases, p["profile_ms"]
-        assert p["profile_ms"]["sampling"] > 0 and p["profile_ms"]["attention"] > 0
-        if p["backend"] != "generate":  # --profile-steps: every step of a round counted once, under one kind
-            kinds = p["step_profile"]
+        assert set(s["profile_ms"]) == phases, s["profile_ms"]
+        assert s["profile_ms"]["sampling"] > 0 and s["profile_ms"]["attention"] > 0
+        if s["backend"] != "generate":  # --profile-steps: every step of a round counted once, under one kind
+            kinds = s["step_profile"]
             assert set(kinds) == {"fast", "decode", "prefill"}
             assert sum(k["steps_per_round"] for k in kinds.values()) >= 4 and kinds["prefill"]["steps_per_round"] >= 1
             assert kinds["fast"]["steps_per_round"] >= 1 and kinds["fast"]["median_ms"]["forward_sample"] > 0
-    for key in ("per_row_us", "cpu_per_row_us"):
-        assert set(payload[key]) == {f"null/{b}" for b in backends}
-        assert all(set(v) == {"8->16"} for v in payload[key].values())
-    assert len(list(tmp_path.glob("engine_step-*.json"))) == 1
+    assert set(payload["per_row_us"]) == {f"null/{b}" for b in backends}
+    assert all(set(v["ms_per_step"]) == {"8->16"} for v in payload["per_row_us"].values())
+    assert len(list(tmp_path.glob("engine_step-*.json"))) == 1 and len(list(tmp_path.glob("engine_step-*.png"))) == 1
 
 
 def test_engine_step_bad_flags_fail_clearly():
@@ -87,7 +98,7 @@ def test_engine_step_bad_flags_fail_clearly():
     proc = run(script, "--rows", "12", "--samples-per-prompt", "8", timeout=120)
     assert proc.returncode == 2 and "multiples of --samples-per-prompt" in proc.stderr
     proc = run(script, "--variant", "nothing", timeout=120)
-    assert proc.returncode == 2 and "NAME:KEY=VALUE" in proc.stderr
+    assert proc.returncode == 2 and "NAME:JSON-object" in proc.stderr
 
 
 def git(*args: str, cwd: Path) -> str:
@@ -123,7 +134,7 @@ def test_default_output_leaves_the_checkout_clean(tmp_path):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--backends", "vllm"], "unknown backend"),
+        (["--backends", "vllm"], "invalid choice"),
         (["--num-generations", "0"], "must be > 0"),
         (["--data-file", "/nonexistent.jsonl"], "not found"),
         (["--repeats", "0"], "--repeats must be > 0"),
@@ -141,8 +152,8 @@ def test_grpo_step_quick(tmp_path):
     proc = run(script, "--quick", "--trainers", "grpo", "--backends", *backends, "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
-    points = {p["backend"]: p for p in payload["points"]}
-    assert set(points) == set(backends)
+    points = {s["backend"]: s for s in payload["summary"]}
+    assert set(points) == set(backends) and len(payload["points"]) == len(backends)
     for p in points.values():
         assert set(p["step_time_s"]) == {"median", "mean", "std", "min", "max"}
         assert p["samples_per_s"] > 0
@@ -161,7 +172,7 @@ def test_grpo_step_server_backends_start_their_own_server(tmp_path):
     proc = run(script, "--quick", "--trainers", "rloo", "--backends", *backends, "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
-    points = {p["backend"]: p for p in payload["points"]}
+    points = {s["backend"]: s for s in payload["summary"]}
     assert set(points) == set(backends) and all(p["samples_per_s"] > 0 for p in points.values())
     assert (
         points["trl_cb_server_async"]["staleness_max"] is not None and points["trl_cb_server"]["staleness_max"] is None
@@ -178,7 +189,7 @@ def test_grpo_step_small_model_and_background_load(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
     assert payload["config"]["model"] == "small" and payload["config"]["eos_logit_bias"] == 6.0
-    points = {p["background_load"]: p for p in payload["points"]}
+    points = {s["background_load"]: s for s in payload["summary"]}
     assert set(points) == {0, 1}
     assert points[0]["ratio_vs_quiet"] == pytest.approx(1.0)
     assert points[1]["ratio_vs_quiet"] == pytest.approx(
@@ -254,7 +265,7 @@ def test_learning_quick_records_curves_png_and_async_counts(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
     assert payload["benchmark"] == "learning" and payload["config"]["steps"] == steps
-    runs = payload["runs"]
+    runs = payload["points"]
     assert {(r["curve"], r["seed"]) for r in runs} == {(c, 0) for c in curves}
     for r in runs:  # one point per optimizer step, wall-clock increasing, samples counted
         assert len(r["reward"]) == len(r["wall_clock_s"]) == len(r["samples"]) == steps
@@ -305,18 +316,9 @@ def test_learning_quick_records_curves_png_and_async_counts(tmp_path):
     assert bounds["trl_cb_overlap_async depth=0: time to threshold / trl_cb sync"] == "<= 0.9"  # issue 26's target
     json_files, png_files = list(tmp_path.glob("learning-*.json")), list(tmp_path.glob("learning-*.png"))
     assert len(json_files) == 1 and len(png_files) == 1 and png_files[0].stat().st_size > 10_000
-    assert not list(tmp_path.glob("learning-partial-*")), "the resume file goes once the JSON holds every run"
-
-    redraw = tmp_path / "again.png"
-    proc = run(str(ROOT / "benchmarks" / "plot_learning.py"), str(json_files[0]), "--out", str(redraw))
-    assert proc.returncode == 0 and redraw.stat().st_size > 10_000
-
-    # --summarize: the summary and targets rebuilt from the recorded runs alone (no training), written beside them
-    proc = run(script, "--summarize", str(json_files[0]))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    again = json.loads(json_files[0].with_name(f"{json_files[0].stem}-resummarized.json").read_text())
-    assert again["runs"] == payload["runs"] and again["targets"] == payload["targets"]
-    assert [s["curve"] for s in again["summary"]] == [s["curve"] for s in payload["summary"]]
+    png_files[0].unlink()
+    proc = run(script, "--replot", str(json_files[0]))
+    assert proc.returncode == 0 and png_files[0].stat().st_size > 10_000
 
 
 @pytest.mark.slow
@@ -330,7 +332,7 @@ def test_learning_quick_variants_and_longtail_task(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
     assert payload["config"]["task"] == "longtail" and payload["config"]["eos_logit_bias"] == 4.0
-    runs = {r["variant"]: r for r in payload["runs"]}
+    runs = {r["variant"]: r for r in payload["points"]}
     labels = ["depth=0", "depth=2,max_staleness=3,keep_stale=1,is_mode=sequence_truncate,is_clip_max=2"]  # canonical
     assert set(runs) == set(labels) and {s["curve"] for s in payload["summary"]} == {
         f"trl_cb_async {v}" for v in labels
@@ -455,74 +457,208 @@ def test_learning_threshold_crossing_and_band_logic():
 
 
 @pytest.mark.slow
-def test_precision_memory_quick_measures_kept_and_per_round_copies(tmp_path):
-    proc = run(
-        str(ROOT / "benchmarks" / "precision_memory.py"), "--quick", "--cases", "fp32-bf16",
-        "--backends", "generate", "trl_cb", "--keep", "auto", "false", "--out", str(tmp_path),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    payload = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert payload["benchmark"] == "precision_memory" and {"device", "torch", "git_commit"} <= set(payload["env"])
-    points = {(p["backend"], p["keep"]): p for p in payload["points"]}
-    assert set(points) == {("generate", None), ("trl_cb", "auto"), ("trl_cb", "false")}
-    half = points["generate", None]["weights_mib"] / 2  # bf16 copy of the fp32 parameters
-    kept, per_round = points["trl_cb", "auto"], points["trl_cb", "false"]
-    assert kept["copy_kept_mib"] >= half and per_round["copy_kept_mib"] == 0
-    assert kept["copy_round_mib"] == pytest.approx(per_round["copy_round_mib"]) and per_round["copy_round_mib"] >= half
-    for p in points.values():
-        assert p["peak_train_mib"] >= p["held_between_steps_mib"] > 0 and p["param_dtypes_after"] == ["torch.float32"]
-    assert "peak - generate" in proc.stdout and len(list(tmp_path.glob("precision_memory-*.json"))) == 1
-
-
-@pytest.mark.slow
-def test_mixed_sampling_quick(tmp_path):
-    script = [sys.executable, str(ROOT / "benchmarks" / "mixed_sampling.py"), "--quick", "--out", str(tmp_path)]
+def test_server_quick(tmp_path):
+    script = [sys.executable, str(ROOT / "benchmarks" / "server.py"), "--quick", "--out", str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's trl_cb, also where another one is installed
     proc = subprocess.run(script, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert payload["benchmark"] == "mixed_sampling" and {"device", "git_commit"} <= set(payload["env"])
-    points = {(p["engine"], p["load"]): p for p in payload["points"]}
-    assert set(points) == {(e, load) for e in ("per_request", "rebuild") for load in ("one", "two")}
-    assert all(p["requests"] > 0 and p["errors"] == 0 for p in points.values())
-    assert points["per_request", "two"]["engine_rebuilds"] == 0  # a count, not a timing
-    assert len(list(tmp_path.glob("mixed_sampling-*.json"))) == 1
-
-
-@pytest.mark.slow
-def test_payload_quick(tmp_path):
-    script = [sys.executable, str(ROOT / "benchmarks" / "payload.py"), "--quick", "--out", str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's trl_cb, also where another one is installed
-    proc = subprocess.run(script, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    payload = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert payload["benchmark"] == "payload" and {"device", "git_commit"} <= set(payload["env"])
-    rows = {(p["part"], p["encoding"]) for p in payload["points"]}
-    assert rows == {
-        ("in-process", "before"),
-        ("in-process", "json"),
-        ("in-process", "packed"),
-        ("in-process", "binary"),
-        ("http", "json"),
-        ("http", "packed"),
-        ("http", "binary"),
-        ("controller", "binary"),
-    }
-    assert all(p["health_polls"] > 0 for p in payload["points"] if p["part"] == "http")
-    (ctl,) = [p for p in payload["points"] if p["part"] == "controller"]
+    assert payload["benchmark"] == "server" and {"device", "git_commit"} <= set(payload["env"])
+    rows = {tuple(p["key"]): p for p in payload["points"]}
+    assert set(rows) == {
+        ("encode", "before"), ("encode", "json"), ("encode", "binary"), ("http", "json"), ("http", "binary"),
+        ("controller", "binary"), ("load", "1 clients"), ("load", "4 clients"), ("mixed", "per_request one"),
+        ("mixed", "per_request two"), ("mixed", "rebuild one"), ("mixed", "rebuild two"),
+    }  # fmt: skip
+    assert rows["encode", "binary"]["mib"] < rows["encode", "json"]["mib"]  # sizes, not timings
+    assert all(rows["http", e]["health_polls"] > 0 for e in ("json", "binary"))
+    ctl = rows["controller", "binary"]
     assert ctl["rollout_threads"] <= 2 and ctl["trainer_cpu_s_per_step"] > 0  # O(replicas): 2 streams, 1 replica
+    for key in (k for k in rows if k[0] in ("load", "mixed")):
+        assert rows[key]["requests"] > 0 and rows[key]["errors"] == 0
+    assert rows["mixed", "per_request two"]["engine_rebuilds"] == 0  # a count, not a timing
+    assert len(list(tmp_path.glob("server-*.json"))) == 1 and len(list(tmp_path.glob("server-*.png"))) == 1
+
+
+# ------------------------------------------------------------------------------------- shared plumbing (common.py)
+
+
+def _common():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import common
+
+    return common
+
+
+def test_result_file_is_written_after_every_point_and_resumed(tmp_path):
+    """Each point is on disk as soon as `add` returns (a killed run keeps it), failures are named, and `--resume`
+    keeps an earlier file's points only when its measured settings match."""
+    from argparse import Namespace
+
+    common = _common()
+    drawn = []
+    args = Namespace(out=tmp_path, resume=None, replot=None, worker=False, device="cpu", quick=False, size=3)
+
+    def render(json_path, png_path):
+        drawn.append(len(json.loads(json_path.read_text())["points"]))
+        return png_path
+
+    results = common.ResultFile("toy", args, summarize=lambda points: {"n": len(points)}, render=render)
+    for i in range(2):
+        results.add(("point", i), {"value": i})
+        on_disk = json.loads(results.path.read_text())
+        assert [p["key"] for p in on_disk["points"]] == [["point", j] for j in range(i + 1)] and on_disk["n"] == i + 1
+        assert not on_disk["complete"]
+    results.fail(("point", 2), "boom")
+    assert drawn == [1, 2, 2] and json.loads(results.path.read_text())["failed"][0]["key"] == ["point", 2]
+    assert results.finish()["complete"] is False  # a failed point: the run is not complete
+
+    again = common.ResultFile("toy", Namespace(**{**vars(args), "resume": results.path, "quick": True}))
+    assert again.path == results.path and again.has(("point", 1)) and not again.has(("point", 2))
+    with pytest.raises(SystemExit, match="other settings"):
+        common.ResultFile("toy", Namespace(**{**vars(args), "resume": results.path, "size": 4}))
+    with pytest.raises(SystemExit, match="not 'other'"):
+        common.ResultFile("other", Namespace(**{**vars(args), "resume": results.path}))
+
+
+def test_workers_keep_a_process_per_group_and_bound_each_point(tmp_path):
+    """A group's points share one process (one model build); `group=None` gets a process of its own; a point past its
+    timeout or failing raises `WorkerError`, and the group's next point runs in a fresh process."""
+    common = _common()
+    script = tmp_path / "toy_worker.py"
+    script.write_text(
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+        "import common\n\n"
+        "def run_point(spec):\n"
+        "    if spec.get('fail'):\n"
+        "        raise ValueError('asked to fail')\n"
+        "    print('a library printing to stdout')\n"
+        "    time.sleep(spec.get('sleep', 0))\n"
+        "    return {'pid': os.getpid(), 'echo': spec.get('echo')}\n\n"
+        "common.serve_points(run_point)\n"
+    )
+    with common.Workers(script) as workers:
+        first = workers.run({"echo": 1}, group="g", timeout=600)
+        second = workers.run({"echo": 2}, group="g", timeout=600)
+        alone = workers.run({}, group=None, timeout=600)
+        assert first["echo"] == 1 and second["echo"] == 2 and first["pid"] == second["pid"] != alone["pid"]
+        with pytest.raises(common.WorkerError, match="timed out"):
+            workers.run({"sleep": 3600}, group="g", timeout=2)  # an hour's work against a 2 s bound
+        with pytest.raises(common.WorkerError, match="asked to fail"):
+            workers.run({"fail": True}, group="g", timeout=600)
+        fresh = workers.run({}, group="g", timeout=600)
+        assert fresh["pid"] != first["pid"]
+        held = [w.proc for w in workers.pool.values()]
+    assert held and all(proc.poll() is not None for proc in held), "closing the pool stops its processes"
 
 
 @pytest.mark.slow
-def test_agent_turns_quick(tmp_path):
-    """The multi-turn benchmark's schema: per backend a step time, an evaluated-reward curve and samples to the
+def test_calibrated_tail_is_gsm8k_like():
+    """`calibrate_tail` gives GSM8K-like lengths under sampling (p90 ~ 0.7x of the cap, p50 ~ 0.2x, some at the cap)
+    on draws other than its own. Control: the plain EOS bias of the CPU presets has no such tail at this cap."""
+    import torch
+    from transformers import GenerationConfig
+
+    from trl_cb.offline.tiny import bias_eos
+
+    common = _common()
+    cap = 64
+
+    def lengths(model, tokenizer) -> dict[str, float]:
+        config = GenerationConfig(
+            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=cap,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+        torch.manual_seed(1)  # other draws than the calibration's
+        ids = torch.randint(3, 500, (256, 16))
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        eos = tokenizer.eos_token_id
+        return common.length_stats([r.index(eos) + 1 if eos in r else cap for r in out[:, 16:].tolist()], cap=cap)
+
+    tail = lengths(*common.load_model("tiny", tail_tokens=cap))
+    assert 0.5 * cap <= tail["p90"] <= 0.85 * cap and 0.1 * cap <= tail["p50"] <= 0.35 * cap, tail
+    assert 0.0 < tail["at_cap"] <= 0.1, tail
+    model, tokenizer = common.load_model("tiny")
+    with torch.no_grad():
+        bias_eos(model, tokenizer.eos_token_id, common.EOS_BIAS["tiny"])
+    control = lengths(model, tokenizer)
+    assert not (0.5 * cap <= control["p90"] <= 0.85 * cap and 0.1 * cap <= control["p50"] <= 0.35 * cap), control
+
+
+def test_workers_stop_with_their_parent_on_sigterm(tmp_path):
+    """`timeout` (the GPU suite's step limit) sends SIGTERM to the benchmark process: its workers, in sessions of
+    their own, must stop with it instead of holding the device for the next step."""
+    import signal
+    import time
+
+    pid_file = tmp_path / "worker.pid"
+    worker = tmp_path / "toy_worker.py"
+    worker.write_text(
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+        "import common\n\n"
+        "def run_point(spec):\n"
+        f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "    time.sleep(3600)\n\n"
+        "common.serve_points(run_point)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import common\n"
+         f"with common.Workers(__import__('pathlib').Path({str(worker)!r})) as w:\n"
+         "    w.run({}, group='g', timeout=3600)"]
+    )  # fmt: skip
+    deadline = time.monotonic() + 300  # a bound on a proven condition (the worker started its point), not a race
+    while not pid_file.exists() or not pid_file.read_text():
+        assert parent.poll() is None and time.monotonic() < deadline, "the worker never started its point"
+        time.sleep(0.1)
+    worker_pid = int(pid_file.read_text())
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=120) == 128 + signal.SIGTERM
+    try:
+        os.kill(worker_pid, 0)  # killpg + wait in the parent's `close`: gone, not a zombie of ours
+    except ProcessLookupError:
+        return
+    raise AssertionError("the worker outlived its parent")
+
+
+@pytest.mark.slow
+def test_gpu_suite_runs_end_to_end_on_cpu(tmp_path):
+    """`gpu_suite.sh --quick --device cpu`: every step in order under its own limit, results written per step, one
+    log; a step cut at its limit (rc 124) costs only itself; a spent budget skips what is left."""
+    env = {**os.environ, "GPU_SUITE_LIMIT_GPU_TESTS": "1"}  # pytest cannot collect the tree in 1 s: cut at its limit
+    out = tmp_path / "suite"
+    suite = ["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "--quick", "--device", "cpu", "--out", str(out)]
+    proc = subprocess.run(suite, capture_output=True, text=True, timeout=1200, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    log = (out / "log.txt").read_text()
+    ends = [line.split()[2] for line in log.splitlines() if line.startswith("### END")]
+    assert ends == ["gpu-tests", "engine-step", "seed", "grpo-step"], log[-3000:]
+    assert "### END gpu-tests rc=124" in log and all(f"### END {s} rc=0" in log for s in ends[1:]), log[-3000:]
+    for name in ("engine_step", "gsm8k", "grpo_step"):
+        (result,) = out.glob(f"{name}-*.json")
+        payload = json.loads(result.read_text())
+        assert payload["complete"] and payload["points"] and result.with_suffix(".png").is_file()
+    seed = json.loads(next(out.glob("gsm8k-*.json")).read_text())
+    assert {p["key"][2] for p in seed["points"]} == {"generate", "trl_cb", "trl_cb_no_graphs"}
+    assert (out / "results.tgz").stat().st_size > 0
+
+    skipped = subprocess.run([*suite[:-1], str(tmp_path / "none"), "--budget", "0"], capture_output=True, text=True)
+    assert skipped.returncode == 0 and skipped.stdout.count("### SKIP") == 4
+
+
+@pytest.mark.slow
+def test_learning_agent_task_quick(tmp_path):
+    """The multi-turn agent task's schema: per backend a step time, an evaluated-reward curve and samples to the
     threshold; the prefix part's CPU times per case and the keep / recompute gaps after an update."""
-    proc = run(str(ROOT / "benchmarks" / "agent_turns.py"), "--quick", "--out", str(tmp_path))
+    proc = run(str(ROOT / "benchmarks" / "learning.py"), "--task", "agent", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert payload["benchmark"] == "agent_turns" and len(list(tmp_path.glob("agent_turns-*.json"))) == 1
+    assert payload["benchmark"] == "learning_agent" and len(list(tmp_path.glob("learning_agent-*.json"))) == 1
     assert {s["backend"] for s in payload["summary"]} == {"sync", "async", "overlap"}
     assert all(len(r["evaluated_reward"]) == 4 and r["tool_calls_per_sample"] > 0 for r in payload["runs"])
     prefix = payload["prefix"]
     assert set(prefix["cpu_s"]) == {"reused", "cold"} and prefix["cpu_ratio"]["median"] > 0
     assert {"keep_mean_abs_log_ratio", "recompute_mean_abs_log_ratio"} <= set(prefix["after_update"][0])
+    assert len(list(tmp_path.glob("learning_agent-*.png"))) == 1

@@ -27,6 +27,7 @@ import torch
 
 from ..checks import model as model_checks
 from ..engine import _upstream
+from ..offline.tiny import resolve_model_name
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     tolerance = args.tolerance if args.tolerance is not None else (1e-4 if dtype == torch.float32 else 0.1)
     torch.manual_seed(args.seed)
     print(f"check-model {args.model}: device={device}, dtype={args.dtype}, tolerance={tolerance:g}")
+    args.model = resolve_model_name(args.model)  # `trl-cb/tiny`: the offline checkpoint, built on first use
 
     from transformers import AutoConfig
 

@@ -142,10 +142,10 @@ def resolve_model(name_or_path: str | None) -> str:
     if not name_or_path:
         raise ValueError(f"--model_name_or_path is required (a hub id, a local path, or {TINY_MODEL!r} offline).")
     if not is_tiny_model_name(name_or_path):
-        return name_or_path
-    from ..offline.tiny import tiny_model_path
+        return name_or_path  # without importing torch: the CLI's parser starts fast
+    from ..offline.tiny import resolve_model_name
 
-    return tiny_model_path(name_or_path)
+    return resolve_model_name(name_or_path)
 
 
 def load_datasets(script_args: Any, dataset_args: Any) -> Any:

@@ -27,7 +27,7 @@ from transformers import (
 )
 
 from .data import corpus_for_tokenizer
-from .names import TINY_MODEL, TINY_MODELS
+from .names import TINY_MODEL, TINY_MODELS, is_tiny_model_name
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>")
 # A minimal plain-text chat template, so chat-formatted prompts (the default data, see offline/data.py) work offline.
@@ -210,6 +210,12 @@ def tiny_checkpoint(directory: str | Path, eos_logit_bias: float | None = 4.0, s
             if not all((directory / name).is_file() for name in complete):
                 raise
     return str(directory)
+
+
+def resolve_model_name(name_or_path: str) -> str:
+    """An offline name (`offline/names.py`: `trl-cb/tiny`, ...) becomes its local tiny checkpoint; hub ids and paths
+    pass through unchanged. The one rule every command that takes a model name applies."""
+    return tiny_model_path(name_or_path) if is_tiny_model_name(name_or_path) else name_or_path
 
 
 def tiny_model_path(name: str = TINY_MODEL) -> str:

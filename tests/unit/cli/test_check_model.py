@@ -13,6 +13,7 @@ import torch
 
 from tests.model_zoo import REFUSED, SUPPORTED, WINDOW, tiny_arch_model, tiny_config
 from trl_cb.cli import check_model
+from trl_cb.offline.tiny import tiny_model
 from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
 
 
@@ -53,6 +54,13 @@ def test_pass_on_a_hybrid_checkpoint(tokenizer, tmp_path, capsys):
     assert check_model.main(argv) == 0
     out = capsys.readouterr().out
     assert "PASS" in out and "FAIL" not in out
+
+
+def test_offline_model_name_is_resolved(capsys):
+    """`trl-cb check-model trl-cb/tiny` (what CI runs on the installed wheel): the offline name is the local tiny
+    checkpoint, as for `trl-cb grpo`, not a hub id looked up online."""
+    assert check_model.main(["trl-cb/tiny", "--num-prompts", "1", "--max-new-tokens", "4"]) == 0
+    assert "PASS" in capsys.readouterr().out
 
 
 def test_fail_reports_the_gap_and_where_it_starts(tokenizer, tmp_path, capsys, monkeypatch):

@@ -118,8 +118,8 @@ def test_truncated_and_malformed_frames_raise():
 
 
 def _benchmark() -> object:
-    """benchmarks/payload.py, whose `--serve-fake` server is a real app on uvicorn with a fake engine."""
-    spec = importlib.util.spec_from_file_location("payload_benchmark", ROOT / "benchmarks" / "payload.py")
+    """benchmarks/server.py, whose `--serve-fake` server is a real app on uvicorn with a fake engine."""
+    spec = importlib.util.spec_from_file_location("server_benchmark", ROOT / "benchmarks" / "server.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

@@ -1,9 +1,10 @@
-"""Multi-turn (tool-calling) rollouts: async against sync on a long-tailed agent task, and prefix reuse across turns.
+"""The learning benchmark's agent task (`learning.py --task agent`): multi-turn (tool-calling) rollouts, async against
+sync on a long-tailed agent task, and prefix reuse across turns.
 
-    python benchmarks/agent_turns.py                      # both parts, offline, CPU: ~5-8 min on 2 cores
-    python benchmarks/agent_turns.py --part prefix        # turn 2's prefill over a 1,000-token shared prefix
-    python benchmarks/agent_turns.py --part steps --seeds 0 1 2 --steps 16
-    python benchmarks/agent_turns.py --quick              # seconds: schema smoke test
+    python benchmarks/learning.py --task agent                   # both parts, offline, CPU: ~5-8 min on 2 cores
+    python benchmarks/learning.py --task agent --part prefix     # turn 2's prefill over a 1,000-token shared prefix
+    python benchmarks/learning.py --task agent --part steps --seeds 0 1 2 --steps 16
+    python benchmarks/learning.py --task agent --quick           # seconds: schema smoke test
 
 `steps` — the agent task (`trl_cb.offline.agent`): a scripted calculator policy calls the tool, then after each answer
 calls it again with probability p (`--p-again`, 0.7: rounds per sample are geometric, long-tailed); each call takes a
@@ -23,7 +24,8 @@ decision after a weight update (relative noise `--update-scale` on every weight)
 old weights' blocks ("keep") or recomputed ("recompute", what trl_cb does), each token's logprob against teacher
 forcing under the new weights: the per-token log IS ratio error "keep" would add.
 
-Output: a table on stdout, a JSON file under `--out`, the JSON document as the last stdout line.
+Each run (and the prefix part) is written to the JSON and its PNG under `--out` as soon as it ends (`--resume FILE`
+completes an interrupted invocation); a table on stdout, the JSON document as the last stdout line.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import DEFAULT_OUT, OUT_HELP, environment, format_table, write_json  # noqa: E402
+import common  # noqa: E402
+import plots  # noqa: E402
 
 BACKENDS = {
     "sync": {},
@@ -51,7 +54,9 @@ BACKENDS = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="learning.py --task agent", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--part", choices=["steps", "prefix", "all"], default="all")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"subset of {list(BACKENDS)}")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -65,9 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--passes", type=int, default=5, help="prefix: measurements per case")
     p.add_argument("--prefix-tokens", type=int, default=1000)
     p.add_argument("--update-scale", type=float, nargs="+", default=[1e-3, 1e-2], help="prefix: relative noise")
-    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of the schema")
-    p.add_argument("--out", default=str(DEFAULT_OUT), help=OUT_HELP)
+    common.add_options(p, "learning_agent")
     args = p.parse_args(argv)
+    if args.replot:
+        return args
+    common.finish_options(p, args)
     if args.quick:
         args.seeds, args.steps, args.passes, args.prefix_tokens, args.update_scale = [0], 3, 1, 200, [1e-2]
     return args
@@ -301,12 +308,24 @@ def teacher_forced(model: Any, prompt: list[int], ids: list[int]) -> Any:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.replot:
+        common.replot(args.replot, plots.render_agent)
+        return {}
     import torch
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    result: dict[str, Any] = {"benchmark": "agent_turns", "config": vars(args), "env": environment("cpu")}
-    if args.part in ("prefix", "all"):
-        result["prefix"] = prefix = prefix_part(args)
+
+    def summarize_points(points: list[dict[str, Any]]) -> dict[str, Any]:
+        runs = [p for p in points if p["key"][0] == "steps"]
+        prefix = next((p for p in points if p["key"][0] == "prefix"), None)
+        done = [b for b in args.backends if any(r["backend"] == b for r in runs)]
+        return {"summary": summarize(runs, done) if runs else [], "runs": runs, "prefix": prefix}
+
+    results = common.ResultFile("learning_agent", args, summarize_points, plots.render_agent)
+    print(f"results are written to {results.path} as they are measured", flush=True)
+    if args.part in ("prefix", "all") and not results.has(("prefix",)):
+        prefix = prefix_part(args)
+        results.add(("prefix",), prefix)
         print(f"prefix reuse: turn 2 ({prefix['second_turn_tokens']} tokens, {prefix['prefix_tokens']} shared) costs "
               f"{prefix['cpu_ratio']['median']:.3f}x a cold prefill's CPU time (min {prefix['cpu_ratio']['min']:.3f}, "
               f"max {prefix['cpu_ratio']['max']:.3f})")  # fmt: skip
@@ -315,19 +334,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"(max {d['keep_max_abs_log_ratio']:.2e}); recompute -> {d['recompute_mean_abs_log_ratio']:.2e} "
                   f"(max {d['recompute_max_abs_log_ratio']:.2e})")  # fmt: skip
     if args.part in ("steps", "all"):
-        runs = [train_run(b, s, args) for s in args.seeds for b in args.backends]
-        result["runs"] = runs
-        result["summary"] = summary = summarize(runs, args.backends)
+        for seed in args.seeds:
+            for backend in args.backends:
+                if not results.has(("steps", backend, seed)):
+                    results.add(("steps", backend, seed), train_run(backend, seed, args))
+        summary = results.payload()["summary"]
         columns = [("backend", "backend"), ("step_time_s", "step s"), ("step_ratio", "x sync"),
                    ("samples_to_threshold", "samples to threshold"), ("samples_ratio", "x sync"),
                    ("tool_calls_per_sample", "calls/sample")]  # fmt: skip
-        print(format_table(summary, columns))
-    path = write_json(result, Path(args.out), "agent_turns")
-    print(f"wrote {path}")
-    import json
-
-    print(json.dumps(result))
-    return result
+        print(common.format_table(summary, columns))
+    return results.finish()
 
 
 def summarize(runs: list[dict[str, Any]], backends: list[str]) -> list[dict[str, Any]]:
@@ -348,7 +364,3 @@ def summarize(runs: list[dict[str, Any]], backends: list[str]) -> list[dict[str,
         both = s["samples_to_threshold"] is not None and sync["samples_to_threshold"]
         s["samples_ratio"] = s["samples_to_threshold"] / sync["samples_to_threshold"] if both else None
     return out
-
-
-if __name__ == "__main__":
-    main()
