@@ -276,6 +276,8 @@ def over_http(args: argparse.Namespace) -> Iterator[tuple[tuple[str, str], dict[
         warm(url, args)
         for encoding in args.encodings:
             body = {"prompt": [[5] * 8] * args.prompts, "n": args.n, "max_tokens": args.tokens, "encoding": encoding}
+            if encoding == "json":  # OpenAI's answer, with what the trainer's client asks for (`RolloutClient`)
+                body.update(logprobs=0, return_token_ids=True, detokenize=False)
             walls, sizes, client_walls = [], [], []
             with health_poller(url) as latencies:
                 for _ in range(args.requests):
