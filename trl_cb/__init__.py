@@ -5,14 +5,11 @@ Change one import — `from trl_cb import GRPOConfig, GRPOTrainer` (or `RLOOConf
 """
 
 from .configs import ContinuousBatchingArguments, GRPOConfig, RLOOConfig
-from .deprecation import install_moved_module_finder
 from .errors import EngineDiedError, GenerationError
 from .rollouts.generator import ContinuousBatchingGenerator, GenerationResult
 from .trainers import ContinuousBatchingTrainerMixin, GRPOTrainer, RLOOTrainer
 
 __version__ = "0.1.0"
-
-install_moved_module_finder()  # old module paths (trl_cb.generator, trl_cb.data, ...) for one release
 
 __all__ = [
     "ContinuousBatchingArguments",

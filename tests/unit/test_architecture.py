@@ -7,12 +7,9 @@ under `TYPE_CHECKING`): a function-level import cannot be used to reach up a lay
 from __future__ import annotations
 
 import ast
-import warnings
 from pathlib import Path
 
 import pytest
-
-from trl_cb.deprecation import MOVED_MODULES
 
 PACKAGE = Path(__file__).resolve().parents[2] / "trl_cb"
 
@@ -143,7 +140,7 @@ def test_the_checks_see_an_injected_upward_import_and_its_cycle():
 def test_module_and_class_sizes(module):
     source = MODULES[module].read_text()
     lines = len(source.splitlines())
-    assert lines <= MAX_MODULE_LINES, f"{module}: {lines} lines > {MAX_MODULE_LINES}; split it by responsibility"
+    assert lines <= MAX_MODULE_LINES, f"{module}: {lines} lines > {MAX_MODULE_LINES}; does it hold two concepts?"
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ClassDef):
             size = node.end_lineno - node.lineno + 1
@@ -152,27 +149,17 @@ def test_module_and_class_sizes(module):
     assert len(doc.splitlines()) <= MAX_DOCSTRING_LINES, f"{module}: module docstring over {MAX_DOCSTRING_LINES} lines"
 
 
-# ------------------------------------------------------------------------------------ moved modules (one release)
+# ------------------------------------------------------------------------------------------ no shims before 0.1.0
 
 
-@pytest.mark.parametrize("old", sorted(MOVED_MODULES))
-def test_moved_module_paths_still_import_with_a_warning(old):
-    """Old module paths (`trl_cb.generator`, `trl_cb.data`, ...) are served by the finder in `trl_cb.deprecation`:
-    no file sits at the old path (so git follows the moved file), every name of the new module is there, and the
-    import warns once, pointing at the importing line."""
+@pytest.mark.parametrize("old", ["trl_cb.generator", "trl_cb.data", "trl_cb.compat", "trl_cb.check_model"])
+def test_module_paths_of_before_the_first_release_are_gone(old):
+    """Nothing was released under the old module paths: no finder serves them, `import` fails like any unknown name
+    (control: a current path imports)."""
     import importlib
     import sys
 
-    assert old not in MODULES, f"{old} is a module again: drop it from MOVED_MODULES"
     sys.modules.pop(old, None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        __import__(old)  # a builtin: no frame between this line and the import system
-    shim = sys.modules[old]
-    moved = [w for w in caught if issubclass(w.category, FutureWarning)]
-    assert len(moved) == 1 and f"`{old}` is deprecated" in str(moved[0].message)
-    assert moved[0].filename == __file__, "the warning must point at the importing line"
-    for new in MOVED_MODULES[old]:
-        target = importlib.import_module(new)
-        public = [name for name in vars(target) if not name.startswith("__")]
-        assert public and all(hasattr(shim, name) for name in public), f"{old} lacks names of {new}"
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
+    assert importlib.import_module("trl_cb.rollouts.generator")
