@@ -18,12 +18,16 @@ Invariants after `__post_init__`:
 from __future__ import annotations
 
 import json
+import numbers
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import trl
 
 from .checks.engine_config import DEFAULT_MAX_MEMORY_PERCENT, cb_kwargs
+from .checks.inputs import check_type
 from .deprecation import warn_deprecated
 from .importance_sampling import DEFAULT_M2_THRESHOLD, IS_MODES, TOKEN_LEVEL_MODES, is_token_level, validate_mode
 from .trainers.upstream_warnings import trl_config_post_init
@@ -237,6 +241,7 @@ class ContinuousBatchingArguments:
 
     def _post_init_continuous_batching(self) -> None:
         """Normalise and validate the CB fields (called first thing in the configs' `__post_init__`)."""
+        _check_field_types(self)
         if self.use_transformers_paged:
             warn_deprecated("use_transformers_paged", "use_transformers_continuous_batching", stacklevel=5)
             self.use_transformers_continuous_batching = True
@@ -297,6 +302,35 @@ def reference_table() -> str:
         meaning = f.metadata["help"].replace("|", "\\|")
         rows.append(f"| `{f.name}` | {default} | {meaning} |")
     return "\n".join(rows) + "\n"
+
+
+#: Annotated types of the CB fields -> the runtime types accepted (a list field also takes the CLI's comma string).
+_ANNOTATION_TYPES: dict[Any, tuple[type, ...]] = {
+    bool: (bool,),
+    int: (numbers.Integral,),
+    float: (numbers.Real,),
+    str: (str,),
+    dict: (dict,),
+    list: (list, tuple, str),
+}
+
+
+def _check_field_types(args: ContinuousBatchingArguments) -> None:
+    """`TypeError` naming the field for a value of the wrong type (`cb_generation_timeout="10"`, a count of 2.5),
+    read from the fields' own annotations: one rule for every field, new ones included."""
+    for name, annotation in typing.get_type_hints(ContinuousBatchingArguments).items():
+        parts = (
+            typing.get_args(annotation)
+            if typing.get_origin(annotation) in (types.UnionType, typing.Union)
+            else (annotation,)
+        )
+        kinds = tuple(
+            kind
+            for part in parts
+            if part is not type(None)
+            for kind in _ANNOTATION_TYPES[typing.get_origin(part) or part]
+        )
+        check_type(name, getattr(args, name), kinds, optional=type(None) in parts)
 
 
 def _resolved_prefetch_depth(prefetch_depth: int | None, overlap: bool) -> int:

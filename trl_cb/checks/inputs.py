@@ -10,7 +10,23 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-__all__ = ["validate_prompts"]
+__all__ = ["check_type", "validate_prompts"]
+
+
+def check_type(name: str, value: Any, expected: type | tuple[type, ...], optional: bool = False) -> None:
+    """`TypeError` naming the argument when `value` is not an `expected` (None allowed when `optional`); a bool is not
+    an int here (`True` is no count). Public entry points call it first, so a wrong type never surfaces later as an
+    error about something else (`'float' object has no attribute 'bit_length'`)."""
+    if value is None and optional:
+        return
+    kinds = expected if isinstance(expected, tuple) else (expected,)
+    if isinstance(value, bool) and bool not in kinds:
+        ok = False
+    else:
+        ok = isinstance(value, kinds)
+    if not ok:
+        names = " or ".join(k.__name__ for k in kinds) + (" or None" if optional else "")
+        raise TypeError(f"{name} must be {names}, got {value!r} ({type(value).__name__}).")
 
 
 def validate_prompts(

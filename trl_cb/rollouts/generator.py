@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -114,6 +115,20 @@ class ContinuousBatchingGenerator:
         openmp_guard: bool | None = None,
         keep_generation_weights: bool | None = None,
     ) -> None:
+        inputs.check_type("model", model, torch.nn.Module)
+        inputs.check_type("generation_config", generation_config, GenerationConfig)
+        inputs.check_type(
+            "continuous_batching_config", continuous_batching_config, (dict, ContinuousBatchingConfig), True
+        )
+        inputs.check_type("cast_dtype", cast_dtype, torch.dtype, optional=True)
+        inputs.check_type("timeout", timeout, numbers.Real, optional=True)
+        for name, flag in (("gather_deepspeed3_params", gather_deepspeed3_params),
+                           ("cast_lm_head_to_fp32", cast_lm_head_to_fp32)):  # fmt: skip
+            inputs.check_type(name, flag, bool)
+        for name, flag in (("openmp_guard", openmp_guard), ("keep_generation_weights", keep_generation_weights)):
+            inputs.check_type(name, flag, bool, optional=True)
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds or None, got {timeout}.")
         self._model = ModelAccess(
             model,
             accelerator,
@@ -165,6 +180,10 @@ class ContinuousBatchingGenerator:
         `generation_config`, if given, replaces the generator's settings from this round on (the engine is rebuilt
         when sampling settings differ).
         """
+        inputs.check_type("num_generations", num_generations, numbers.Integral)
+        inputs.check_type("generation_config", generation_config, GenerationConfig, optional=True)
+        if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__len__"):
+            raise TypeError(f"prompt_ids must be a sequence of token-id sequences, got {type(prompt_ids).__name__}.")
         if num_generations <= 0:
             raise ValueError(f"num_generations must be >= 1, got {num_generations}.")
         lock = guards.module_lock(self._model.lock_key())
