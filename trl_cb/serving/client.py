@@ -33,9 +33,6 @@ from .protocol import (
     MAX_PROMPTS,
     Choice,
     CompletionRequest,
-    PackedChoices,
-    PackedCompletionResponse,
-    PackedStreamLine,
     StreamLine,
 )
 
@@ -74,7 +71,7 @@ def retrying_session(api_key: str | None, retries: int, backoff_s: float, pool_s
 @dataclass
 class RemoteGenerationResult:
     """`GenerationResult`'s fields, plus the weight version each completion was sampled with. Per-token values are
-    lists (JSON and packed answers) or 1-D tensors viewing the answer's buffer (binary answers: int32 ids and
+    lists (JSON answers) or 1-D tensors viewing the answer's buffer (binary answers: int32 ids and
     versions, fp32 logprobs; read-only); `rollout_groups.as_lists` makes lists where a caller needs them."""
 
     completion_ids: list[TokenValues]
@@ -99,8 +96,8 @@ class RemoteGenerationResult:
 class RolloutClient:
     """Talks to rollout servers at `urls` (`http://host:port`); `timeout` bounds every request, in seconds;
     `retries` and `backoff_s` shape the retries of transient faults (see the module docstring); `encoding` is how
-    answers carry per-token arrays (`binary`: frames of raw arrays, `frames.py`, read into tensors; `packed`: one
-    base64 buffer per field in JSON, `protocol.PackedChoices`; `json`: lists)."""
+    answers carry per-token arrays (`binary`: frames of raw arrays, `frames.py`, read into tensors; `json`: OpenAI's
+    objects, lists)."""
 
     def __init__(
         self,
@@ -113,8 +110,8 @@ class RolloutClient:
     ) -> None:
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL")
-        if encoding not in ("binary", "packed", "json"):
-            raise ValueError(f"encoding must be 'binary', 'packed' or 'json', got {encoding!r}")
+        if encoding not in ("binary", "json"):
+            raise ValueError(f"encoding must be 'binary' or 'json', got {encoding!r}")
         self.encoding = encoding
         self.urls = [url.rstrip("/") for url in urls]
         self.timeout = timeout
@@ -246,10 +243,9 @@ class RolloutClient:
                     versions = header.choices.versions() if header.choices is not None else set()
                     yield _Line(header.prompt_index, choices, versions, header.error, header.status)
                 return
-            line_type = PackedStreamLine if self.encoding == "packed" else StreamLine
             for raw in _lines(pieces):
                 if raw:
-                    line = line_type.model_validate_json(raw)
+                    line = StreamLine.model_validate_json(raw)
                     choices, versions = _choices(line.choices)
                     yield _Line(line.prompt_index, choices, versions, line.error, line.status)
         except ValueError as exc:  # pydantic's ValidationError and `frames.FrameError` too
@@ -279,10 +275,8 @@ class RolloutClient:
             if header.choices is None:
                 raise FrameError("an answer frame without choices")
             return choices, header.choices.versions()
-        if self.encoding == "json":  # OpenAI's completion object, the RL fields beside it
-            answer = CompletionAnswer.model_validate_json(response.content)
-            return _choices([choice.to_choice(n) for choice in answer.choices])
-        return _choices(PackedCompletionResponse.model_validate_json(response.content).choices)
+        answer = CompletionAnswer.model_validate_json(response.content)  # JSON: OpenAI's object, the RL fields beside
+        return _choices([choice.to_choice(n) for choice in answer.choices])
 
     def _complete(
         self, url: str, prompts: list[list[int]], n: int, sampling: dict[str, Any]
@@ -332,11 +326,8 @@ def _lines(pieces: Iterator[bytes]) -> Iterator[bytes]:
         yield b"".join(pending)
 
 
-def _choices(answer: list[Choice] | PackedChoices | None) -> tuple[list[Choice], set[int]]:
-    """An answer's choices, unpacked (`ValueError` for packed columns that do not fit together), and every weight
-    version they carry."""
-    if isinstance(answer, PackedChoices):
-        return answer.unpack(), answer.versions()
+def _choices(answer: list[Choice] | None) -> tuple[list[Choice], set[int]]:
+    """An answer's choices and every weight version they carry."""
     choices = answer or []
     return choices, {v for c in choices for v in [c.weight_version, *c.token_weight_versions]}
 

@@ -111,7 +111,7 @@ class _OpenAISampling(SamplingRequest):
 
 class OpenAICompletionRequest(_OpenAISampling):
     """`/v1/completions`: OpenAI's body (a text, texts, token ids, lists of token ids), and trl_cb's client's
-    (`protocol.CompletionRequest`, whose `encoding` may ask for the packed or binary answer)."""
+    (`protocol.CompletionRequest`, whose `encoding` may ask for the binary answer)."""
 
     prompt: (
         Annotated[Text, Field(min_length=1)]
@@ -125,7 +125,7 @@ class OpenAICompletionRequest(_OpenAISampling):
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1, le=1)
     add_special_tokens: bool = True
-    encoding: Literal["json", "packed", "binary"] = "json"
+    encoding: Literal["json", "binary"] = "json"
     detokenize: bool = True  # false: no text (`text` empty), for clients that read token ids only
 
     @model_validator(mode="after")
@@ -154,7 +154,7 @@ class OpenAICompletionRequest(_OpenAISampling):
         return [tokenizer.encode(text, add_special_tokens=self.add_special_tokens) for text in texts]
 
     def rollout_request(self, prompt_ids: list[list[int]]) -> CompletionRequest:
-        """The same request as trl_cb's own body (the packed and binary answers are built from it)."""
+        """The same request as trl_cb's own body (the binary answer is built from it)."""
         fields = dict(prompt=prompt_ids, n=self.n, max_tokens=self.new_tokens(), encoding=self.encoding)
         return CompletionRequest.model_construct(**fields, **self.sampling(), logprobs=None, return_token_ids=True)
 

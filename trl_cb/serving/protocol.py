@@ -10,15 +10,10 @@ server build and read bodies from these models.
 
 from __future__ import annotations
 
-import array
-import base64
-import binascii
 import bisect
-import json
 import struct
-import sys
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -78,10 +73,9 @@ class CompletionRequest(SamplingRequest):
     top_k: int = Field(default=0, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=0)  # only the sampled token's logprob is returned
     return_token_ids: bool = True
-    #: How choices carry their per-token arrays: JSON (OpenAI's objects, `openai_answers.py`); `packed`
-    #: (`PackedChoices`: one base64 buffer per field for the whole answer); or `binary` (no JSON body at all:
-    #: length-prefixed frames of raw little-endian arrays, `frames.py`, media type `FRAMES_MEDIA_TYPE`).
-    encoding: Literal["json", "packed", "binary"] = "json"
+    #: How choices carry their per-token arrays: JSON (OpenAI's objects, `openai_answers.py`), or `binary` (no JSON
+    #: body at all: length-prefixed frames of raw little-endian arrays, `frames.py`, media type `FRAMES_MEDIA_TYPE`).
+    encoding: Literal["json", "binary"] = "json"
     detokenize: bool = True  # JSON answers: false leaves `text` empty (trl_cb's client reads token ids only)
 
 
@@ -96,11 +90,6 @@ class Choice(BaseModel):
     weight_version: int  # the oldest token's (the version the completion started with)
     token_weight_versions: list[int] = Field(default_factory=list)  # per token: the weights that sampled it
     finish_reason: str | None = None
-
-
-#: Bytes of raw array per base64 piece a packed answer is written in (a multiple of 3, so pieces concatenate into one
-#: valid base64 string; 1 MiB of text each, so no single encode call holds the GIL for long).
-_B64_PIECE = 3 * 2**18
 
 
 def value_runs(values: list[int]) -> tuple[list[int], list[int]]:
@@ -124,9 +113,9 @@ def value_runs(values: list[int]) -> tuple[list[int], list[int]]:
 
 @dataclass
 class PackedColumns:
-    """The server's side of `PackedChoices`: choices appended one at a time (`add`), each per-token array packed to
-    little-endian bytes once (`struct`, no per-token Python objects kept), written out as one JSON object
-    (`json_pieces`). Policy logprobs equal to the logprobs (the engine's only-temperature case) are sent once."""
+    """The server's side of a binary answer's choices (`frames.py`): choices appended one at a time (`add`), each
+    per-token array packed to little-endian bytes once (`struct`, no per-token Python objects kept). Policy logprobs
+    equal to the logprobs (the engine's only-temperature case) are sent once."""
 
     index: list[int] = field(default_factory=list)
     prompt_index: list[int] = field(default_factory=list)
@@ -178,25 +167,9 @@ class PackedColumns:
         """Whether the policy logprobs differ from the logprobs somewhere (else they are not sent)."""
         return not all(p is lp for p, lp in zip(self.policy_logprobs, self.logprobs))
 
-    def json_pieces(self) -> list[bytes]:
-        """The `PackedChoices` JSON object, in pieces (the per-token buffers base64-encoded in 1 MiB pieces)."""
-        pieces = [json.dumps(self.scalars(), separators=(",", ":"))[:-1].encode()]
-        same = not self.policy_sent()
-        for name in PackedChoices.buffer_fields:
-            if name == "policy_logprobs" and same:
-                pieces.append(b',"policy_logprobs":null')
-                continue
-            raw = memoryview(b"".join(getattr(self, name)))
-            pieces.append(f',"{name}":"'.encode())
-            starts = range(0, len(raw), _B64_PIECE)
-            pieces += [binascii.b2a_base64(raw[i : i + _B64_PIECE], newline=False) for i in starts]
-            pieces.append(b'"')
-        pieces.append(b"}")
-        return pieces
-
 
 class ChoiceColumns(BaseModel):
-    """The per-choice columns of an answer whose per-token arrays travel as buffers (`PackedChoices`, binary frames):
+    """The per-choice columns of an answer whose per-token arrays travel as buffers (binary frames, `frames.py`):
     choice c's tokens come right after choice c-1's (`num_tokens[c]` of them); its per-token weight versions are
     `version_runs[c]` runs of `version_values` / `version_lengths`. `checked_total` checks that they fit together."""
 
@@ -237,86 +210,11 @@ class ChoiceColumns(BaseModel):
             first_run += runs
 
 
-class PackedChoices(ChoiceColumns):
-    """Choices in columns (`encoding="packed"`): the `ChoiceColumns` as JSON lists; per-token arrays as one base64
-    string per field for all choices together, little-endian int32 `token_ids` and fp32 `logprobs` /
-    `policy_logprobs` (exact: the engine's values); `policy_logprobs` null when equal to `logprobs`. `unpack` checks
-    every length and offset."""
-
-    #: Fields holding one entry per choice, and the base64 per-token buffers.
-    scalar_fields: ClassVar[tuple[str, ...]] = tuple(ChoiceColumns.model_fields)
-    buffer_fields: ClassVar[tuple[str, ...]] = ("token_ids", "logprobs", "policy_logprobs")
-
-    token_ids: str
-    logprobs: str
-    policy_logprobs: str | None = None
-
-    def unpack(self) -> list[Choice]:
-        """The `Choice`s, per-token lists built from the buffers; `ValueError` naming the field for columns that do
-        not fit together (`checked_total`, `check_runs`), base64 that is not, or buffers whose length is not
-        `num_tokens`' total."""
-        total = self.checked_total()
-        token_ids = _decoded(self.token_ids, "i", total, "token_ids")
-        logprobs = _decoded(self.logprobs, "f", total, "logprobs")
-        policy = None
-        if self.policy_logprobs is not None:  # null: equal to `logprobs`
-            policy = _decoded(self.policy_logprobs, "f", total, "policy_logprobs")
-        self.check_runs()
-        choices = []
-        start = first_run = 0
-        for c in range(len(self.index)):
-            end, runs = start + self.num_tokens[c], slice(first_run, first_run + self.version_runs[c])
-            versions: list[int] = []
-            for value, length in zip(self.version_values[runs], self.version_lengths[runs]):
-                versions += [value] * length
-            values = logprobs[start:end].tolist()
-            choices.append(
-                Choice.model_construct(  # every value checked above
-                    index=self.index[c],
-                    prompt_index=self.prompt_index[c],
-                    token_ids=token_ids[start:end].tolist(),
-                    logprobs=values,
-                    policy_logprobs=list(values) if policy is None else policy[start:end].tolist(),
-                    weight_version=self.weight_version[c],
-                    token_weight_versions=versions,
-                    finish_reason=self.finish_reason[c],
-                )
-            )
-            start, first_run = end, runs.stop
-        return choices
-
-
-def _decoded(text: str, typecode: str, count: int, name: str) -> array.array:
-    """`count` little-endian int32 (`i`) or fp32 (`f`) values from base64 `text`, else `ValueError` naming `name`."""
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except binascii.Error as exc:
-        raise ValueError(f"packed choices: {name} is not base64 ({exc})") from None
-    values = array.array(typecode)
-    if len(raw) != count * values.itemsize:
-        need = count * values.itemsize
-        raise ValueError(f"packed choices: {name} holds {len(raw)} bytes, {count} tokens need {need}")
-    values.frombytes(raw)
-    if sys.byteorder == "big":
-        values.byteswap()
-    return values
-
-
 class CompletionResponse(BaseModel):  # the JSON answer before OpenAI's (`openai_answers.py`): a benchmark's baseline
     id: str
     object: str = "text_completion"
     model: str
     choices: list[Choice]
-    usage: dict[str, int]
-
-
-class PackedCompletionResponse(BaseModel):
-    """`CompletionResponse` of a request with `encoding="packed"`: the choices in columns."""
-
-    id: str
-    object: str = "text_completion"
-    model: str
-    choices: PackedChoices
     usage: dict[str, int]
 
 
@@ -326,15 +224,6 @@ class StreamLine(BaseModel):
 
     prompt_index: int | None = None
     choices: list[Choice] = Field(default_factory=list)
-    error: str | None = None
-    status: int | None = None
-
-
-class PackedStreamLine(BaseModel):
-    """`StreamLine` of a request with `encoding="packed"`: the group's choices in columns (none on an error line)."""
-
-    prompt_index: int | None = None
-    choices: PackedChoices | None = None
     error: str | None = None
     status: int | None = None
 

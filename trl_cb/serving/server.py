@@ -12,7 +12,6 @@ weights are refused (400 from `/weights/wait`) with the served weights unchanged
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -187,8 +186,8 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(body: OpenAICompletionRequest, request: Request) -> Response:
-        """OpenAI's completions (JSON, or server-sent events with `stream`: `openai_serving.py`), or trl_cb's packed
-        and binary answers (`encoding`)."""
+        """OpenAI's completions (JSON, or server-sent events with `stream`: `openai_serving.py`), or trl_cb's binary
+        answer (`encoding="binary"`)."""
         known_model(body.model)
         prompts = await run_in_threadpool(parsed, lambda: body.prompt_ids(tokenizer))
         if body.encoding == "json":
@@ -213,7 +212,7 @@ def create_app(
         return {"count": len(ids), "max_model_len": limit, "tokens": ids}
 
     async def rollout_answer(body: CompletionRequest, request: Request) -> Response:
-        """trl_cb's own answer to `/v1/completions` (`encoding` packed or binary): every group, then one body."""
+        """trl_cb's own answer to `/v1/completions` (`encoding="binary"`): every group, then one frame."""
         groups = await flow(body, request).groups()
         if len(groups) < len(body.prompt):  # the client went away: nobody reads this
             raise HTTPException(status_code=499, detail="client disconnected")
@@ -227,31 +226,17 @@ def create_app(
         }
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": model_name}
 
-        if body.encoding == "binary":
-
-            async def frame() -> AsyncIterator[bytes]:
-                """One frame (`frames.py`): each group's arrays packed in a worker thread, then the frame's pieces."""
-                columns = PackedColumns()
-                for i in range(len(body.prompt)):
-                    columns.extend(await run_in_threadpool(pack_choices, groups[i], i, body, eos_ids))
-                for piece in await run_in_threadpool(frame_pieces, {**head, "usage": usage}, columns):
-                    yield piece
-
-            return StreamingResponse(frame(), media_type=FRAMES_MEDIA_TYPE)
-
-        async def parts() -> AsyncIterator[bytes]:
-            """The packed answer's JSON in pieces: each group's arrays packed in a worker thread, then the whole
-            answer's buffers encoded in one, sent in 1 MiB pieces, so that no step of a large answer (an encode, a
-            join, a socket write of the whole body) holds the event loop for long."""
-            yield json.dumps(head)[:-1].encode() + b', "choices": '
+        async def frame() -> AsyncIterator[bytes]:
+            """One frame (`frames.py`): each group's arrays packed in a worker thread, then the frame's pieces, sent as
+            they are, so that no step of a large answer (a join, a socket write of the whole body) holds the event
+            loop for long."""
             columns = PackedColumns()
             for i in range(len(body.prompt)):
                 columns.extend(await run_in_threadpool(pack_choices, groups[i], i, body, eos_ids))
-            for piece in await run_in_threadpool(columns.json_pieces):
+            for piece in await run_in_threadpool(frame_pieces, {**head, "usage": usage}, columns):
                 yield piece
-            yield b', "usage": ' + json.dumps(usage).encode() + b"}"
 
-        return StreamingResponse(parts(), media_type="application/json")
+        return StreamingResponse(frame(), media_type=FRAMES_MEDIA_TYPE)
 
     @app.post("/v1/completions/stream")
     async def completions_stream(body: CompletionRequest, request: Request) -> StreamingResponse:
@@ -262,16 +247,13 @@ def create_app(
         def encode(i: int, group: RolloutGroup) -> bytes:
             if body.encoding == "binary":  # one frame
                 return b"".join(frame_pieces({"prompt_index": i}, pack_choices(group, i, body, eos_ids)))
-            if body.encoding == "packed":
-                choices = b"".join(pack_choices(group, i, body, eos_ids).json_pieces())
-            else:
-                choices = b"[" + b",".join(encode_choices(group, i, body, eos_ids)) + b"]"
+            choices = b"[" + b",".join(encode_choices(group, i, body, eos_ids)) + b"]"
             return b'{"prompt_index": %d, "choices": ' % i + choices + b"}\n"
 
         async def lines() -> AsyncIterator[str]:
             try:
                 async for _, (i, group) in groups:
-                    yield await run_in_threadpool(encode, i, group)  # a `StreamLine` (`PackedStreamLine`)
+                    yield await run_in_threadpool(encode, i, group)  # a `StreamLine`
             except HTTPException as exc:
                 if body.encoding == "binary":
                     yield b"".join(frame_pieces({"error": str(exc.detail), "status": exc.status_code}))
@@ -378,7 +360,7 @@ def encode_choices(group: RolloutGroup, prompt_index: int, body: CompletionReque
 
 
 def pack_choices(group: RolloutGroup, prompt_index: int, body: CompletionRequest, eos_ids: set[int]) -> PackedColumns:
-    """The group's choices packed (`encoding="packed"`): each per-token list read once, into bytes."""
+    """The group's choices packed for a binary frame: each per-token list read once, into bytes."""
     columns = PackedColumns()
     for k, ids in enumerate(group.completion_ids):
         runs = value_runs(group.versions[k])

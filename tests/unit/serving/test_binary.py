@@ -19,7 +19,6 @@ import requests
 import torch
 from transformers import GenerationConfig
 
-from tests.unit.serving.test_packed import _choices
 from trl_cb.errors import RolloutServerError
 from trl_cb.rollouts.rollout_groups import as_lists, oldest_version
 from trl_cb.serving import client as client_module
@@ -31,6 +30,42 @@ from trl_cb.trainers.remote import RemoteRolloutsMixin
 
 ROOT = Path(__file__).resolve().parents[3]
 PROMPTS, N, TOKENS = 6, 2, 40  # the fake engine's answer: PROMPTS groups of N completions of TOKENS tokens
+
+
+def _fp32(values: torch.Tensor) -> list[float]:
+    return values.float().tolist()  # fp32 values as Python floats, as the engine hands them over
+
+
+def _choices() -> list[dict]:
+    """Ragged choices: empty, one token, a long one with three version runs, a -inf logprob, policy logprobs equal to
+    the logprobs (one list object or an equal copy) and different from them."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = [0, 1, 8192, 37, 0, 5]
+    choices = []
+    for c, n in enumerate(lengths):
+        logprobs = _fp32(torch.log_softmax(torch.randn(max(n, 1), generator=gen), -1))[:n]
+        versions = [2] * (n // 3) + [3] * (n // 3) + [7] * (n - 2 * (n // 3))
+        policy = logprobs if c % 3 == 0 else list(logprobs) if c % 3 == 1 else _fp32(torch.randn(n, generator=gen))
+        choices.append(
+            {
+                "token_ids": torch.randint(0, 2**31 - 1, (n,), generator=gen).tolist(),
+                "logprobs": logprobs,
+                "policy_logprobs": policy,
+                "token_weight_versions": versions,
+                "index": c,
+                "prompt_index": c // 2,
+                "weight_version": min(versions, default=1),
+                "finish_reason": "stop" if c % 2 else "length",
+            }
+        )
+    choices[3]["logprobs"][4] = -math.inf
+    return choices
+
+
+def test_version_runs_of_any_list():
+    assert value_runs([]) == ([], [])
+    assert value_runs([4] * 5 + [6] * 3) == ([4, 6], [5, 3])
+    assert value_runs([1, 0, 0, 1, 1, 0]) == ([1, 0, 1, 0], [1, 2, 2, 1])  # not nondecreasing: still exact
 
 
 def _columns(choices: list[dict]) -> PackedColumns:

@@ -133,39 +133,7 @@ def test_answer_breaking_the_protocol_raises_rollout_server_error(answer):
             client.generate([[5, 6]], 2, max_tokens=4)
 
 
-def _packed_answer(**changes) -> dict:
-    """A packed answer to 1 prompt x 2 samples of one token each, with `changes` to its `PackedChoices` columns."""
-    columns = {"index": [0, 1], "prompt_index": [0, 0], "weight_version": [0, 0], "finish_reason": ["length"] * 2}
-    columns.update(num_tokens=[1, 1], version_runs=[1, 1], version_values=[0, 0], version_lengths=[1, 1])
-    columns.update(token_ids="BQAAAAYAAAA=", logprobs="AACAvwAAgL8=", policy_logprobs=None)  # [5, 6], [-1.0, -1.0]
-    return {"id": "x", "model": "m", "usage": {}, "choices": {**columns, **changes}}
-
-
-def test_packed_answer_reaches_the_caller():
-    with front(None, failures=0, answer=_packed_answer()) as (fake, _):
-        result = RolloutClient([fake], timeout=30, retries=0, encoding="packed").generate([[5, 6]], 2, max_tokens=4)
-    assert result.completion_ids == [[5], [6]] and result.policy_logprobs == [[-1.0], [-1.0]]
-
-
-@pytest.mark.parametrize(
-    "changes",
-    [
-        {"token_ids": "not base64!"},
-        {"logprobs": "AACA"},  # a partial fp32
-        {"token_ids": "BQAAAA=="},  # truncated: one token for two
-        {"num_tokens": [2, 1]},  # offsets past the buffers
-        {"version_lengths": [1, 2]},  # version runs longer than the choice
-        {"index": [0]},  # columns of different lengths
-    ],
-    ids=["bad-base64", "partial-element", "truncated", "lengths", "version-runs", "columns"],
-)
-def test_packed_answer_breaking_the_protocol_raises_rollout_server_error(changes):
-    with front(None, failures=0, answer=_packed_answer(**changes)) as (fake, _):
-        with pytest.raises(RolloutServerError, match="protocol"):
-            RolloutClient([fake], timeout=30, retries=0, encoding="packed").generate([[5, 6]], 2, max_tokens=4)
-
-
-@pytest.mark.parametrize("encoding", ["json", "packed", "binary"])
+@pytest.mark.parametrize("encoding", ["json", "binary"])
 def test_encodings_carry_the_same_completions(server, prompts, encoding):
     """Every encoding's answer has the protocol's shape (the values' equality: test_binary.py), through
     `/v1/completions` and the stream; binary answers carry tensors, the others lists."""
