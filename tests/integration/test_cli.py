@@ -71,7 +71,9 @@ def test_recipe_learns(algo, tmp_path):
     rewards = [float(e["reward"]) for e in logs]
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.03, rewards
     assert float(logs[-1]["grad_norm"]) > 0
-    assert "FutureWarning" not in proc.stderr  # no deprecation noise from TRL's calls (trl_cb/upstream_warnings.py)
+    assert (
+        "FutureWarning" not in proc.stderr
+    )  # no deprecation noise from TRL's calls (trl_cb/trainers/trl_internals.py)
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
 
 

@@ -10,12 +10,14 @@ The core owns everything else, once (details: docs/async.md, docs/architecture.m
 - Errors raised by the backend, Ctrl-C (`guards.deferred_interrupts`) and `TimeoutError` reach the caller of `take`.
 - Resumable: `consumed_groups` counts stream items handed out or dropped; restarting the stream there replays nothing.
 - Metrics: one `TakeMeter` (`async_metrics.py`), the same definitions for every backend.
+The trainers feed it from a `PromptStream`: the endless, seeded order of a dataset's prompts, resumable at any item.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -34,6 +36,7 @@ __all__ = [
     "AsyncOptions",
     "AsyncRolloutSource",
     "AsyncRollouts",
+    "PromptStream",
     "RolloutBackend",
     "validate_async_bounds",
 ]
@@ -297,3 +300,38 @@ def validate_async_bounds(max_staleness: int | None, prefetch_depth: int) -> Non
     """`ValueError` unless the staleness bound (`None`: derived later) and the prefetch depth are >= 0."""
     if (max_staleness is not None and max_staleness < 0) or prefetch_depth < 0:
         raise ValueError(f"max_staleness and prefetch_depth must be >= 0, got {max_staleness}, {prefetch_depth}.")
+
+
+class PromptStream:
+    """Endless stream of `(row, prompt_ids)`: row indices in a fresh seeded shuffle per epoch, from any position.
+
+    `PromptStream(..., start=p)` yields exactly what the stream started at 0 would yield from its p-th item on
+    (epoch shuffles are replayed from the seed), which is what checkpoint resume needs: no prompt a finished step
+    trained on comes back.
+    """
+
+    def __init__(self, num_rows: int, seed: int, fetch: Callable[[int], tuple[Any, list[int]]], start: int = 0):
+        if num_rows <= 0:
+            raise ValueError("The prompt stream needs a non-empty dataset.")
+        self.num_rows, self.fetch = num_rows, fetch
+        self._rng = random.Random(seed)
+        epoch, offset = divmod(start, num_rows)
+        for _ in range(epoch):  # replay earlier epochs' shuffles: the RNG must be where the original run left it
+            self._next_order()
+        self._order = self._next_order()
+        self._offset = offset
+
+    def _next_order(self) -> list[int]:
+        order = list(range(self.num_rows))
+        self._rng.shuffle(order)
+        return order
+
+    def __iter__(self) -> PromptStream:
+        return self
+
+    def __next__(self) -> tuple[Any, list[int]]:
+        if self._offset == self.num_rows:
+            self._order, self._offset = self._next_order(), 0
+        index = self._order[self._offset]
+        self._offset += 1
+        return self.fetch(index)

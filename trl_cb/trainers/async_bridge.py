@@ -25,12 +25,11 @@ from ..checks import inputs
 from ..engine import sharding
 from ..engine.model_view import SHARDED_REFUSAL
 from ..rollouts.async_controller import AsyncRolloutController
-from ..rollouts.async_core import AsyncBounds, AsyncRolloutSource
+from ..rollouts.async_core import AsyncBounds, AsyncRolloutSource, PromptStream
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.model_access import plain_module
 from ..rollouts.multi_turn import with_turns
 from ..rollouts.overlap import OverlapRolloutController
-from ..rollouts.prompt_stream import PromptStream
 from ..rollouts.rollout_groups import TokenValues, as_lists
 from . import tool_turns, trl_internals
 from .rollout_state import RolloutStateMixin

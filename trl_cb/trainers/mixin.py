@@ -24,7 +24,7 @@ from . import trl_internals
 from .async_bridge import ASYNC_STATE_FILE, AsyncRolloutsMixin
 from .is_correction import IS_METRIC_NAMES, ImportanceSamplingMixin
 from .remote import RemoteRolloutsMixin
-from .upstream_warnings import quiet_trl_gradient_checkpointing
+from .trl_internals import quiet_trl_gradient_checkpointing
 
 __all__ = ["ASYNC_STATE_FILE", "IS_METRIC_NAMES", "ContinuousBatchingTrainerMixin", "GRPOTrainer", "RLOOTrainer"]
 
