@@ -30,7 +30,7 @@ model to stop at once; all-empty groups carry no gradient and such a run never r
 `--task longtail`: the same reward on the tiny model with an EOS logit bias (`TASKS`), so completion lengths stay
 spread (near-geometric, p90/p10 >= 3) while the reward rises: the case where async partial rollouts matter.
 
-What is measured (docs/benchmarks.md, "Learning: method"):
+What is measured (docs/benchmark-log.md, "Learning: method"):
 - **Evaluation reward** (the headline): at step 0 (before training), every `--eval-every` optimizer steps and at the
   end, the trainer's current weights sample `--eval-samples` fresh completions for each of `--eval-prompts` held-out
   prompts (disjoint from the training prompts, same source) with plain `model.generate()` and the training sampling

@@ -84,3 +84,34 @@ def test_result_files_the_docs_cite_exist():
     assert cited <= present, f"cited but not tracked: {sorted(cited - present)}"
     assert not [n for n in cited if not (ROOT / "benchmarks" / "results" / n).is_file()], "cited files missing on disk"
     assert present <= cited, f"result files no doc cites: {sorted(present - cited)}"
+
+
+#: A tracker issue number ("issue 27", "issues 31 and 26"): the repository's readers cannot open this project's
+#: tracker; upstream issues are links. A machine path: a reader's machine has no /work or /tmp of ours.
+ISSUE_NUMBER = re.compile(r"\b[Ii]ssues? #?\d+")
+MACHINE_PATH = re.compile(r"(?<![\w.])(/work/|/tmp/|/root/|/home/|<worktree>)")
+
+
+def test_docs_name_no_issue_numbers_or_machine_paths():
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    found = [
+        f"{doc.name}:{n}: {line.strip()[:100]}"
+        for doc in docs
+        for n, line in enumerate(doc.read_text().splitlines(), 1)
+        if ISSUE_NUMBER.search(line) or MACHINE_PATH.search(line)
+    ]
+    assert not found, "\n".join(found)
+    assert ISSUE_NUMBER.search("as issue 27 found") and MACHINE_PATH.search("PYTHONPATH=/work/main python")  # control
+    assert not ISSUE_NUMBER.search("transformers issues [#48296](https://github.com/...)")
+
+
+def test_readme_figures_are_those_of_docs_benchmarks():
+    """README repeats no speed figure that docs/benchmarks.md does not state: every ratio in README (`1.45×`) is there.
+    Control: a figure that is not there would be caught."""
+    ratio = re.compile(r"\d+(?:\.\d+)?×")
+    readme, benchmarks = (ROOT / "README.md").read_text(), (ROOT / "docs" / "benchmarks.md").read_text()
+    stated = set(ratio.findall(benchmarks))
+    assert set(ratio.findall(readme)) <= stated, (
+        f"README figures not in docs/benchmarks.md: {set(ratio.findall(readme)) - stated}"
+    )
+    assert "123.45×" not in stated

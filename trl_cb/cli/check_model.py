@@ -5,7 +5,7 @@ Loads the checkpoint, runs the up-front checks (`checks/model.py`), samples a fe
 the logprobs. Verdict on the last lines: `PASS`, or `FAIL` with the reason. Exit status 0 on PASS, 1 on FAIL.
 Tolerance: an exact engine matches to ~1e-5 in float32 (default 1e-4); in bfloat16 / float16 noise reaches ~1e-2
 (default 0.1). But the working-dtype forward is noisy itself: on sharp weights and long sequences its noise alone
-exceeds those tolerances (an exact engine failed on an H100, docs/benchmarks.md "GPU").
+exceeds those tolerances (an exact engine failed on an H100, docs/benchmark-log.md "GPU").
 
 `--noise-floor` scores the tokens with a float64 copy of the same weights too. Rule (`floor_verdict`): PASS when
 max |CB - fp64| <= max(tolerance, 2 x max |forward - fp64|): an exact engine is another working-dtype computation of

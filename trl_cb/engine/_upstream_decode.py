@@ -1,7 +1,7 @@
 """Steady-state decode fast path: the previous step's batch advanced in place instead of rebuilt per request.
 
 Why: at hundreds of rows transformers' per-request Python in every step (the scheduler's `_process_candidates`,
-`prepare_batch_tensors`, `update_batch`) is the largest part of a CPU decode step (docs/benchmarks.md).
+`prepare_batch_tensors`, `update_batch`) is the largest part of a CPU decode step (docs/benchmark-log.md).
 When every active request decodes one token and none joins, step t+1's batch is step t's minus the finished
 requests, each one position further (vLLM's persistent batch): `_steady_batch` schedules it, `_advance` moves the
 previous tensors (positions + 1, write row + 1 inside a page, each row's new key appended to its read rows; a row
@@ -154,7 +154,7 @@ def _steady_batch(
 
     A request's entry of the last fast batch (`last`, same order) is reused when it holds the same values: a step
     allocates no object per request, since hundreds of new objects per step would set off the cyclic garbage
-    collector's full passes over the engine process (tens to hundreds of ms each, docs/benchmarks.md)."""
+    collector's full passes over the engine process (tens to hundreds of ms each, docs/benchmark-log.md)."""
     active = scheduler.active_requests
     n = len(active)
     if (scheduler.waiting_requests and not scheduler.block_new_requests) or scheduler._requests_to_fork:

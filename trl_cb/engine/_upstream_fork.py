@@ -3,7 +3,7 @@
 Why: transformers forks each of a prompt's G-1 extra samples with `RequestState.fork`, which starts with
 `copy.deepcopy(state)`: a generic walk that copies every prompt token one object at a time (~27 µs for a 16-token
 prompt, ~1 µs more per prompt token). A round of 512 rows forks 448 states, ~12 ms of engine time
-(docs/benchmarks.md). `copy_state` returns what `deepcopy` returns (a new state whose fields are equal and share no
+(docs/benchmark-log.md). `copy_state` returns what `deepcopy` returns (a new state whose fields are equal and share no
 mutable object with the original, aliases between fields kept) in a few list copies: lists and sets of atomic values
 (the token, logprob and timestamp lists) are copied whole, atomic values and enums shared as `deepcopy` shares them,
 anything else goes to `deepcopy`. Upstream's `fork` still runs (ids, timestamps, its own list copies); only its

@@ -1,6 +1,6 @@
 """Keep CPU training fast on a loaded machine: make OpenMP threads sleep, not spin, while they wait for work.
 
-Why (mechanism and figures: docs/index.md "CPU threads", docs/benchmarks.md "Threads and load"): libgomp's parked
+Why (mechanism and figures: docs/index.md "CPU threads", docs/benchmark-log.md "Threads and load"): libgomp's parked
 workers spin ~300,000 iterations after each parallel region unless the process has more OpenMP team threads than
 CPUs; spinning is fast on an idle machine and up to 20x slower when other processes want the cores. While a holder
 lives (a generator with `openmp_guard` / `cb_openmp_guard`; unset: on only where `guard_helps`), one parked thread of
@@ -11,7 +11,7 @@ from a garbage-collection finalizer cannot deadlock whatever the collecting thre
 (`queue.SimpleQueue.put` is reentrant) and applied by the guard thread, which exits when the count reaches zero.
 With Intel's OpenMP or a torch without OpenMP the guard is a harmless parked thread.
 Small CPU engine steps (decode) run on one intra-op thread (`step_threads`): with polite waits every parallel region
-pays a wake-up, which costs more than a small step's parallel work gains (docs/benchmarks.md, "Per-token cost").
+pays a wake-up, which costs more than a small step's parallel work gains (docs/benchmark-log.md, "Per-token cost").
 """
 
 from __future__ import annotations

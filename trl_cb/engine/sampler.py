@@ -3,8 +3,8 @@ distribution, as vLLM samples.
 
 Why: transformers' CB sampler calls `torch.multinomial(probs, 1)`, which on CPU validates the probabilities (three
 passes) and then draws one `Exponential(1)` per vocabulary entry through a serial per-element kernel, ~6x slower than
-uniform draws: most of a 512-row step's sampling (docs/benchmarks.md, "Engine step sweep"). Here the exponentials are
-`-log` of one vectorised uniform draw; the race and its argmax are whole-tensor ops.
+uniform draws: most of a 512-row step's sampling (docs/benchmark-log.md, "Engine step sweep"). Here the exponentials
+are `-log` of one vectorised uniform draw; the race and its argmax are whole-tensor ops.
 
 Exactness: for independent `E_i ~ Exponential(1)`, `argmax_i p_i / E_i` is `i` with probability `p_i / sum(p)` (the
 race's first arrival; Gumbel-max on `log p`); rows need not be normalised and a zero-probability token never wins.

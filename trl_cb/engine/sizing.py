@@ -24,7 +24,7 @@ from . import cuda_kernels
 MAX_BATCH_TOKENS_CAP = 8192
 #: Token budget per forward on CPU when the user sets none, with trl_cb's attention (`varlen_attention.py`: each query
 #: attends to its own request's keys, so a step costs ~ tokens x own length and larger batches amortise the per-step
-#: CPU work; measurements: docs/benchmarks.md, "Attention path"), raised to hold one decode token of every request.
+#: CPU work; measurements: docs/benchmark-log.md, "Attention path"), raised to hold one decode token of every request.
 CPU_MAX_BATCH_TOKENS = 256
 #: Page size used on CPU when the user sets none: small pages waste less cache (one partial page per request); with
 #: trl_cb's attention the page size does not change the speed, and 32 keeps prompt pages shareable between samples.
@@ -102,7 +102,7 @@ def size_cache(
     wanted = max(workload.num_requests, workload.prefill_tokens, 64)
     if device is not None and device.type == "cpu":
         # Every running request decodes in one forward (up to `MAX_BATCH_TOKENS_CAP`): splitting a decode step over
-        # several forwards pays each forward's fixed cost again (docs/benchmarks.md, "Engine step sweep").
+        # several forwards pays each forward's fixed cost again (docs/benchmark-log.md, "Engine step sweep").
         cap = max(CPU_MAX_BATCH_TOKENS, min(MAX_BATCH_TOKENS_CAP, 1 << (workload.num_requests - 1).bit_length()))
     else:
         cap = MAX_BATCH_TOKENS_CAP

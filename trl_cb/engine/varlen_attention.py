@@ -45,7 +45,7 @@ _PLAN_CACHE_SIZE = 4
 def engine_sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager[None]:
     """The engine's SDPA calls on `device`: on CUDA without cuDNN attention (other choices left to torch). Why: torch
     prefers it for bf16/fp16 on Hopper and it builds a graph per new shape, which every engine step brings; on an H100
-    a 1-layer bf16 step took 62-91 ms against 5.4 ms in fp32, 89% in this module's SDPA call (docs/benchmarks.md,
+    a 1-layer bf16 step took 62-91 ms against 5.4 ms in fp32, 89% in this module's SDPA call (docs/benchmark-log.md,
     "GPU"). The flag is process-wide, off from entry to exit (~2 µs): an SDPA call of another thread meanwhile (the
     trainer's under `cb_async_overlap`) also skips cuDNN, running another backend of the same maths."""
     return _without_cudnn_sdpa() if device.type == "cuda" else contextlib.nullcontext()

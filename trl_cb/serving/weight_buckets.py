@@ -4,7 +4,7 @@ Why: a weight push is latency-bound on small tensors. Each gloo broadcast is a r
 loopback, ~1 ms on a busy machine), and a model has many small tensors (norms, biases): the tiny benchmark model's 27
 tensors (0.56 MB) took 0.006 s to send one by one and 0.0007 s in one bucket (0.024-0.027 s against 0.0008 s beside
 two busy processes); a training step's push, during which the trainer is blocked, went from 0.016-0.028 s to
-0.008-0.010 s (docs/benchmarks.md, "Weight push in buckets").
+0.008-0.010 s (docs/benchmark-log.md, "Weight push in buckets").
 
 Invariant: the trainer and the server derive the same buckets from the same announcement (`plan_buckets`: the
 announced order, dtypes and shapes, and the `bucket_bytes` the trainer announces with them), so the flat buffers need

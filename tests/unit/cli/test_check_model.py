@@ -171,8 +171,9 @@ def test_noise_floor_fails_a_broken_engine(sharp_checkpoint, capsys, monkeypatch
 
 
 def test_floor_verdict_rule():
-    """The rule on numbers: the H100 measurements (docs/benchmarks.md "GPU") pass; CB over twice the forward's noise,
-    or a control inside the bound, fail and say which number broke it; the tolerance is a floor for the bound."""
+    """The rule on numbers: the H100 measurements (docs/benchmarks.md, "Current figures: H100") pass; CB over twice
+    the forward's noise, or a control inside the bound, fail and say which number broke it; the tolerance is a floor
+    for the bound."""
     assert check_model.floor_verdict(4.8e-4, 5.3e-4, 29.0, 1e-4) is None  # Qwen2 std 0.2, fp32
     assert check_model.floor_verdict(2.79, 2.79, 31.0, 0.1) is None  # the same in bf16
     assert check_model.floor_verdict(2.3e-5, 1.8e-5, 8.7, 1e-4) is None  # Llama std 0.05, fp32: under tolerance
