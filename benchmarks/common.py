@@ -72,6 +72,17 @@ def add_options(p: argparse.ArgumentParser, out_name: str) -> None:
     g.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
 
+def parse(p: argparse.ArgumentParser, argv: list[str] | None, out_name: str, **defaults: Any) -> argparse.Namespace:
+    """`p`'s arguments with the common options added (`add_options`; `defaults` overrides theirs), resolved
+    (`finish_options`) unless the run is a worker's or a `--replot`."""
+    add_options(p, out_name)
+    p.set_defaults(**defaults)
+    args = p.parse_args(argv)
+    if not (args.worker or args.replot):
+        finish_options(p, args)
+    return args
+
+
 def finish_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Resolve `auto` device and the default dtype; check the common options."""
     if args.device == "auto":
@@ -467,9 +478,12 @@ class ResultFile:
                 print(f"plot not drawn: {type(exc).__name__}: {exc}", file=sys.stderr)
         return payload
 
-    def finish(self) -> dict[str, Any]:
-        """The final document: written, its paths printed, then the document itself as the last stdout line."""
+    def finish(self, table: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """The final document: written, `table(document)` printed (when there are points), its paths, then the
+        document itself as the last stdout line."""
         payload = self.save(complete=not self.failed)
+        if table is not None and self.points:
+            table(payload)
         print(f"results: {self.path}" + (f"\nplot: {self.path.with_suffix('.png')}" if self.render else ""))
         print(json.dumps(payload))
         return payload
@@ -478,6 +492,22 @@ class ResultFile:
 def replot(path: Path, render: Callable[[Path, Path], Path]) -> None:
     """`--replot FILE`: redraw FILE's PNG next to it."""
     print(render(path, path.with_suffix(".png")))
+
+
+def other_mode(
+    args: argparse.Namespace,
+    run_point: Callable[[dict[str, Any]], dict[str, Any]] | None,
+    render: Callable[[Path, Path], Path],
+) -> bool:
+    """Run the modes every script shares instead of its sweep (`--worker`: answer points; `--replot FILE`) and say
+    whether one ran."""
+    if getattr(args, "worker", False) and run_point is not None:
+        serve_points(run_point)
+        return True
+    if args.replot:
+        replot(args.replot, render)
+        return True
+    return False
 
 
 def environment(device: str) -> dict[str, Any]:

@@ -156,29 +156,19 @@ def _restore_sdpa() -> None:
     AttentionInterface.register("sdpa", sdpa_attention_forward)
 
 
-def _trl_cb_profile(totals: dict[str, float], steps: int, wall: float) -> dict[str, float]:
-    ms = {k: 1000 * v / steps for k, v in totals.items()}
-    attention = ms.get("attention", 0.0)
+def _profile(totals: dict[str, float], steps: int, wall: float, engine: bool) -> dict[str, float]:
+    """ms per step per phase from the timers' totals: the engine's phases (`TRL_CB_PHASES`), or `generate()`'s."""
+    ms = defaultdict(float, {k: 1000 * v / steps for k, v in totals.items()})
+    total = 1000 * wall / steps
+    if not engine:  # `forward` wraps the whole forward, attention included
+        phases = {"sampling": ms["sampling"], "attention": ms["attention"]}
+        return {**phases, "forward": ms["forward"] - ms["attention"], "other": total - ms["forward"] - ms["sampling"]}
     return {
-        "scheduling": ms.get("scheduling", 0.0),
-        "sampling": ms.get("sampling", 0.0),
-        "attention": attention,
-        "attention_planning": ms.get("attention_planning", 0.0),
-        "forward": ms.get("compute", 0.0) - ms.get("sampling", 0.0) - attention,
-        "bookkeeping": ms.get("update", 0.0) + ms.get("step", 0.0) - ms.get("compute", 0.0),
-        "other": 1000 * wall / steps - ms.get("scheduling", 0.0) - ms.get("step", 0.0) - ms.get("update", 0.0),
-    }
-
-
-def _generate_profile(totals: dict[str, float], steps: int, wall: float) -> dict[str, float]:
-    ms = {k: 1000 * v / steps for k, v in totals.items()}
-    forward = ms.get("forward", 0.0)
-    return {
-        "sampling": ms.get("sampling", 0.0),
-        "attention": ms.get("attention", 0.0),
-        "forward": forward - ms.get("attention", 0.0),
-        "other": 1000 * wall / steps - forward - ms.get("sampling", 0.0),
-    }
+        "scheduling": ms["scheduling"], "sampling": ms["sampling"], "attention": ms["attention"],
+        "attention_planning": ms["attention_planning"], "forward": ms["compute"] - ms["sampling"] - ms["attention"],
+        "bookkeeping": ms["update"] + ms["step"] - ms["compute"],
+        "other": total - ms["scheduling"] - ms["step"] - ms["update"],
+    }  # fmt: skip
 
 
 class StepProfiler:
@@ -332,7 +322,7 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
                 continue
             step_ms.append(1000 * wall / new)
             cpu_step_ms.append(1000 * cpu / new)
-            profile = (_generate_profile if generator is None else _trl_cb_profile)(dict(timer.totals), new, wall)
+            profile = _profile(dict(timer.totals), new, wall, engine=generator is not None)
             profiles.append(profile)
             forwards.append(timer.calls.get("compute" if generator else "forward", 0) / new)
     finally:
@@ -370,11 +360,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: torch's)")
     p.add_argument("--profile-steps", action="store_true", help="record trl_cb's CPU time per step kind and phase")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one point may take")
-    common.add_options(p, "engine_step")
-    args = p.parse_args(argv)
+    args = common.parse(p, argv, "engine_step")
     if args.worker or args.replot:
         return args
-    common.finish_options(p, args)
     if args.models is None:
         args.models = list(CPU_MODELS) if args.device == "cpu" else ["llama-1b-random"]
     if args.quick:
@@ -486,11 +474,7 @@ def print_tables(payload: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.worker:
-        common.serve_points(run_point)
-        return {}
-    if args.replot:
-        common.replot(args.replot, plots.render_engine_step)
+    if common.other_mode(args, run_point, plots.render_engine_step):
         return {}
     backends = [*args.backends, *(f"trl_cb:{name}" for name in args.variants)]
     print(f"engine step sweep: models={args.models} rows={args.rows} backends={backends} threads={args.threads}")
@@ -520,10 +504,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         results.add(key, point)
                         print(f"  {model} rows={rows} {backend}: {statistics.median(point['step_ms']):.2f} ms/step",
                               flush=True)  # fmt: skip
-    payload = results.payload()
-    if payload.get("summary"):
-        print_tables(payload)
-    return results.finish()
+    return results.finish(print_tables)
 
 
 if __name__ == "__main__":

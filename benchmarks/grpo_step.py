@@ -229,13 +229,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-threads", type=int, default=1, help="the local server's threads (server backends)")
     p.add_argument("--trainer-threads", type=int, default=None, help="server backends (default: the rest, >= 1)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
-    common.add_options(p, "grpo_step")
-    args = p.parse_args(argv)
+    # dtype: the training weights'; on CUDA, bf16=True generates on bf16 copies (TRL's default)
+    args = common.parse(p, argv, "grpo_step", dtype="float32")
     if args.worker or args.replot:
         return args
-    if args.dtype is None:
-        args.dtype = "float32"  # the training weights; on CUDA bf16=True generates on bf16 copies (TRL's default)
-    common.finish_options(p, args)
     cuda = args.device != "cpu"
     args.model = args.model or ("llama-1b-random" if cuda else "tiny")
     args.backends = common.without_native_for_hybrids(
@@ -344,11 +341,7 @@ def print_table(summary: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.worker:
-        common.serve_points(run_point)
-        return {}
-    if args.replot:
-        common.replot(args.replot, plots.render_grpo_step)
+    if common.other_mode(args, run_point, plots.render_grpo_step):
         return {}
     from tqdm import tqdm
 
@@ -379,10 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     results.add(key, workers.run(spec, group=None, timeout=args.timeout))
                 except common.WorkerError as err:
                     results.fail(key, str(err))
-    payload = results.payload()
-    if payload.get("summary"):
-        print_table(payload["summary"])
-    return results.finish()
+    return results.finish(lambda payload: print_table(payload["summary"]))
 
 
 if __name__ == "__main__":

@@ -178,11 +178,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="N values of the no-tail points (EOS not boosted); none to skip (default: 8)",
     )  # fmt: skip
     p.add_argument("--timeout", type=float, default=1800, help="seconds one point may take")
-    common.add_options(p, "gsm8k")
-    args = p.parse_args(argv)
+    args = common.parse(p, argv, "gsm8k")
     if args.worker or args.replot:
         return args
-    common.finish_options(p, args)
     if args.backends is None:
         args.backends = list(CPU_BACKENDS if args.device == "cpu" else BACKENDS)
     if args.quick:
@@ -255,11 +253,7 @@ def print_table(summary: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.worker:
-        common.serve_points(run_point)
-        return {}
-    if args.replot:
-        common.replot(args.replot, plots.render_gsm8k)
+    if common.other_mode(args, run_point, plots.render_gsm8k):
         return {}
     from tqdm import tqdm
 
@@ -290,10 +284,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 results.fail(key, str(err))
                 continue
             results.add(key, {**model, "max_new_tokens": args.max_new_tokens, **measured})
-    payload = results.payload()
-    if payload.get("summary"):
-        print_table(payload["summary"])
-    return results.finish()
+    return results.finish(lambda payload: print_table(payload["summary"]))
 
 
 if __name__ == "__main__":

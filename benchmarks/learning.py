@@ -725,11 +725,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         i = argv.index("--task")
         return learning_agent.main(argv[:i] + argv[i + 2 :])
     args = parse_args(argv)
-    if args.worker:
-        common.serve_points(run_point)
-        return {}
-    if args.replot:
-        common.replot(args.replot, plots.render_learning)
+    if common.other_mode(args, run_point, plots.render_learning):
         return {}
     from tqdm import tqdm
 
@@ -782,10 +778,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     continue
             results.add(key, run)
     bar.close()
-    payload = results.payload()
-    if payload.get("summary"):
-        _print_tables(payload["summary"], payload["targets"], args.threshold)
-    return results.finish()
+    return results.finish(lambda payload: _print_tables(payload["summary"], payload["targets"], args.threshold))
 
 
 if __name__ == "__main__":

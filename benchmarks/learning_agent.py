@@ -308,8 +308,7 @@ def teacher_forced(model: Any, prompt: list[int], ids: list[int]) -> Any:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.replot:
-        common.replot(args.replot, plots.render_agent)
+    if common.other_mode(args, None, plots.render_agent):
         return {}
     import torch
 

@@ -30,6 +30,12 @@ def _save(fig: Any, png_path: Path, title: str, dpi: int = 120) -> Path:
     return png_path
 
 
+def _panels(count: int) -> tuple[Any, list[Any]]:
+    """A figure with `count` panels side by side (at least one)."""
+    fig, axes = plt.subplots(1, max(1, count), figsize=(5 * max(1, count), 4), squeeze=False)
+    return fig, list(axes[0])
+
+
 def _versions(env: dict[str, Any]) -> str:
     return f"{env['device']}, transformers {env['transformers']}, trl {env['trl']}, commit {env.get('git_commit')}"
 
@@ -59,11 +65,8 @@ def render_gsm8k(json_path: Path, png_path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend()
     cfg = payload["config"]
-    title = (
-        f"{cfg['model']}: {cfg['prompts_per_round']} prompts/round, max {cfg['max_new_tokens']} new tokens, "
-        f"workload {sweep} ({_versions(payload['env'])})"
-    )
-    return _save(fig, png_path, title)
+    shape = f"{cfg['prompts_per_round']} prompts/round, max {cfg['max_new_tokens']} new tokens, workload {sweep}"
+    return _save(fig, png_path, f"{cfg['model']}: {shape} ({_versions(payload['env'])})")
 
 
 def render_engine_step(json_path: Path, png_path: Path) -> Path:
@@ -71,8 +74,8 @@ def render_engine_step(json_path: Path, png_path: Path) -> Path:
     payload = _load(json_path)
     summary = payload.get("summary", [])
     models = list(dict.fromkeys(s["model"] for s in summary))
-    fig, axes = plt.subplots(1, max(1, len(models)), figsize=(5 * max(1, len(models)), 4), squeeze=False)
-    for ax, model in zip(axes[0], models):
+    fig, axes = _panels(len(models))
+    for ax, model in zip(axes, models):
         mine = [s for s in summary if s["model"] == model]
         for backend in dict.fromkeys(s["backend"] for s in mine):
             pts = sorted((s for s in mine if s["backend"] == backend), key=lambda s: s["rows"])
@@ -98,20 +101,17 @@ def render_grpo_step(json_path: Path, png_path: Path) -> Path:
     ax.set_xticks(range(len(summary)), labels, rotation=30, ha="right", fontsize=8)
     ax.set(ylabel="seconds per training step (median, min-max)")
     ax.grid(alpha=0.3, axis="y")
-    cfg = payload["config"]
-    title = (
-        f"{cfg['model']}: {cfg['prompts']} prompts x {cfg['num_generations']}, <= {cfg['max_completion_length']} "
-        f"tokens ({_versions(payload['env'])})"
-    )
-    return _save(fig, png_path, title)
+    cfg, env = payload["config"], payload["env"]
+    shape = f"{cfg['prompts']} prompts x {cfg['num_generations']}, <= {cfg['max_completion_length']} tokens"
+    return _save(fig, png_path, f"{cfg['model']}: {shape} ({_versions(env)})")
 
 
 def render_server(json_path: Path, png_path: Path) -> Path:
     """One bar chart per part: each row's headline figure."""
     payload = _load(json_path)
     parts = list(dict.fromkeys(p["key"][0] for p in payload.get("points", [])))
-    fig, axes = plt.subplots(1, max(1, len(parts)), figsize=(5 * max(1, len(parts)), 4), squeeze=False)
-    for ax, part in zip(axes[0], parts):
+    fig, axes = _panels(len(parts))
+    for ax, part in zip(axes, parts):
         rows = [p for p in payload["points"] if p["key"][0] == part]
         ax.bar(range(len(rows)), [p["headline"] for p in rows], color=[f"C{i % 10}" for i in range(len(rows))])
         ax.set_xticks(range(len(rows)), [" ".join(map(str, p["key"][1:])) for p in rows], rotation=30, ha="right")

@@ -472,8 +472,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.poll_health is not None:
         poll_health(args.poll_health)
         return {}
-    if args.replot:
-        common.replot(args.replot, plots.render_server)
+    if common.other_mode(args, None, plots.render_server):
         return {}
     parts = {"encode": encode, "http": over_http, "controller": controller, "scale": scale, "load": load}
     parts["mixed"] = mixed
@@ -488,8 +487,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 print(f"  {' '.join(key)}: {row['headline']:.4g} {row['headline_unit']}", flush=True)
         except Exception as exc:  # noqa: BLE001 - one part's failure must not cost the others' rows
             results.fail((name,), f"{type(exc).__name__}: {exc}")
-    print_table(results.points)
-    return results.finish()
+    return results.finish(lambda payload: print_table(payload["points"]))
 
 
 if __name__ == "__main__":
