@@ -51,7 +51,7 @@ def test_gsm8k_quick_writes_table_json_png_and_resumes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = json.loads(json_files[0].read_text())
     assert resumed["points"][:-1] == kept and resumed["points"][-1]["key"] == lost["key"] and resumed["complete"]
-    proc = run(str(GSM8K), "--quick", "--out", str(tmp_path), "--repeats", "2", "--resume", str(json_files[0]))
+    proc = run(str(GSM8K), "--quick", "--out", str(tmp_path), "--seed", "1", "--resume", str(json_files[0]))
     assert proc.returncode != 0 and "other settings" in proc.stderr + proc.stdout  # not another run's points
 
     png_files[0].unlink()
