@@ -3,8 +3,9 @@
 - Options (`add_options`, `finish_options`): `--device`, `--dtype`, `--seed`, `--out`, `--quick`, `--resume FILE`
   (skip the points FILE already holds) and `--replot FILE` (redraw FILE's PNG: no model, no GPU needed).
 - Models (`load_model`): the offline presets, built from a config with a local tokenizer (`null`, `tiny`, `small`,
-  `tiny-qwen3.5`, `llama-1b-random`, `qwen3.5-0.8b-random`), or a hub id / path. A length tail is a property of the model, so every backend sees the same
-  one: an EOS logit bias (`EOS_BIAS`), the calibrated GSM8K-like tail (`calibrate_tail`) or none (`suppress_eos`).
+  `tiny-qwen3.5`, `llama-1b-random`, `qwen3.5-0.8b-random`), or a hub id / path. A length tail is a property of the
+  model, so every backend sees the same one: an EOS logit bias (`EOS_BIAS`), the calibrated GSM8K-like tail
+  (`calibrate_tail`) or none (`suppress_eos`).
 - Workers (`Workers`): each backend runs in its own Python process, so one backend's allocations and threads never
   slow the next (TRL's native CB call sizes its cache from free memory and leaves a CPU process slow afterwards). A
   process is kept for the next point of the same backend where the backend allows it (one model build per backend);
@@ -102,7 +103,7 @@ def finish_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
 
 
 def without_native_for_hybrids(model: str, backends: list[str]) -> list[str]:
-    """`backends` less `trl_native` for a hybrid preset (transformers' own CB engine refuses its layers), said aloud."""
+    """`backends` less `trl_native` for a hybrid preset (transformers' own CB engine refuses its layers), said so."""
     if model in HYBRID_PRESETS and "trl_native" in backends:
         print(f"{model}: trl_native left out (transformers' own CB engine refuses linear-attention layers)")
         return [b for b in backends if b != "trl_native"]

@@ -13,7 +13,7 @@ completion runs to `--max-new-tokens` (checked: a point fails otherwise). Temper
 processor on either side), float32 on CPU, bfloat16 on CUDA.
 
 Models: `null` (1 layer x 32 wide: a step is framework cost), `tiny`, `small`, `llama-1b-random`, and the hybrids
-`tiny-qwen3.5` / `qwen3.5-0.8b-random` (Qwen3.5's Gated DeltaNet layout, recurrent state per sequence) (`common.PRESETS`).
+`tiny-qwen3.5` / `qwen3.5-0.8b-random` (Qwen3.5's Gated DeltaNet layout, state per sequence) (`common.PRESETS`).
 
 Backends, each in its own process kept across its points (`common.Workers`), the backends interleaved point by point
 so that load drift hits them alike:

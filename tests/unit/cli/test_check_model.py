@@ -13,7 +13,6 @@ import torch
 
 from tests.model_zoo import REFUSED, SUPPORTED, WINDOW, tiny_arch_model, tiny_config
 from trl_cb.cli import check_model
-from trl_cb.offline.tiny import tiny_model
 from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
 
 

@@ -81,7 +81,7 @@ def test_generator_makes_parked_openmp_workers_sleep():
 
 
 def test_hold_is_reference_counted_and_release_idempotent():
-    start = openmp._holders
+    start = _settled_holders()
     release_a = openmp.hold_polite_waits()
     release_b = openmp.hold_polite_waits()
     assert openmp.polite_waits_held() and openmp._holders == start + 2
@@ -93,6 +93,17 @@ def test_hold_is_reference_counted_and_release_idempotent():
     assert openmp.polite_waits_held() == (start > 0)
 
 
+def _settled_holders() -> int:
+    """The holder count once every earlier test's generators are collected and their queued releases applied.
+
+    Without this, a generator an earlier test left in a reference cycle is collected by this test's `gc.collect()`
+    and its release lowers the count below the test's starting point. The releases are applied in order by one
+    thread, so a hold and release of our own returns only after every release queued before it."""
+    gc.collect()
+    openmp.hold_polite_waits()()
+    return openmp._holders
+
+
 def _wait_for_holders(count: int, timeout: float = 10.0) -> None:
     """Releases queued by finalizers are applied by the guard thread: wait for them."""
     deadline = time.monotonic() + timeout
@@ -102,7 +113,7 @@ def _wait_for_holders(count: int, timeout: float = 10.0) -> None:
 
 
 def test_guard_lives_with_the_generator(model, tokenizer):
-    start = openmp._holders
+    start = _settled_holders()
     generator = ContinuousBatchingGenerator(model, sampling_config(tokenizer), openmp_guard=True)
     assert openmp.polite_waits_held() and openmp._holders == start + 1
     del generator
@@ -115,7 +126,7 @@ def test_on_by_default_only_where_it_helps(model, tokenizer):
     assert not openmp.guard_helps(torch.device("cuda", 0))
     expected = torch.get_num_threads() > 1 and "OpenMP" in torch.__config__.parallel_info()
     assert openmp.guard_helps(torch.device("cpu")) == expected
-    start = openmp._holders
+    start = _settled_holders()
     with ContinuousBatchingGenerator(model, sampling_config(tokenizer), openmp_guard=False):
         assert openmp._holders == start
     with ContinuousBatchingGenerator(model, sampling_config(tokenizer)) as generator:
@@ -141,7 +152,7 @@ def test_release_from_a_finalizer_while_the_lock_is_held_does_not_deadlock():
     class Owner:
         pass
 
-    start = openmp._holders
+    start = _settled_holders()
     owner = Owner()
     openmp.hold_polite_waits_while_alive(owner)
     assert openmp._holders == start + 1
