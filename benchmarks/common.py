@@ -129,22 +129,26 @@ def load_model(
     """(model, tokenizer) in eval mode on `device`: a preset (`PRESETS`, random init, offline) or a hub id / path.
 
     Length tail (random presets): `tail_tokens` calibrates the GSM8K-like tail for that `max_new_tokens`
-    (`calibrate_tail`); else `eos_logit_bias` (None: the plain init) boosts EOS as `trl_cb.offline.tiny.bias_eos`."""
+    (`calibrate_tail`); else `eos_logit_bias` (None: the plain init) boosts EOS as `trl_cb.offline.tiny.bias_eos`.
+    Either is drawn from fixed seeds, so every worker process builds the same model whatever it ran before (a bias
+    probed from the process's own random state gave one backend a p50 length of 173 and another 2 on one preset)."""
     import torch
 
     from trl_cb.offline.tiny import bias_eos, small_model, tiny_model, tiny_tokenizer
 
     torch_dtype = getattr(torch, dtype)
+    bias = eos_logit_bias if tail_tokens is None else None
     if name in ("null", "tiny", "small", "tiny-qwen3.5"):
-        tokenizer = tiny_tokenizer()
+        tokenizer = tiny_tokenizer()  # the builders apply `bias` under their own seed (as the tiny checkpoints do)
         if name == "tiny-qwen3.5":
-            model = tiny_model(tokenizer, architecture="qwen3_5", num_layers=4, eos_logit_bias=None)
+            model = tiny_model(tokenizer, architecture="qwen3_5", num_layers=4, eos_logit_bias=bias)
         elif name == "small":
-            model = small_model(tokenizer, eos_logit_bias=None, dtype=torch.float32)
+            model = small_model(tokenizer, eos_logit_bias=bias, dtype=torch.float32)
         else:
             size = {"hidden_size": 32, "num_layers": 1} if name == "null" else {}
-            model = tiny_model(tokenizer, eos_logit_bias=None, **size)
+            model = tiny_model(tokenizer, eos_logit_bias=bias, **size)
         model.to(device=device, dtype=torch_dtype)
+        bias = None
     elif name == "llama-1b-random":
         model, tokenizer = _llama_1b_random(torch_dtype, device)
     elif name == "qwen3.5-0.8b-random":
@@ -157,11 +161,13 @@ def load_model(
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         return model.eval(), tokenizer
-    with torch.no_grad():
+    cuda = [torch.device(device).index or 0] if device.startswith("cuda") else []
+    with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(0)
         if tail_tokens is not None:
             calibrate_tail(model, tokenizer.eos_token_id, tail_tokens)
-        elif eos_logit_bias is not None:
-            bias_eos(model, tokenizer.eos_token_id, eos_logit_bias)
+        elif bias is not None:
+            bias_eos(model, tokenizer.eos_token_id, bias)
     return model.eval(), tokenizer
 
 

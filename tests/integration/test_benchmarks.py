@@ -587,6 +587,31 @@ def test_calibrated_tail_is_gsm8k_like():
     assert not (0.5 * cap <= control["p90"] <= 0.85 * cap and 0.1 * cap <= control["p50"] <= 0.35 * cap), control
 
 
+def test_a_preset_is_the_same_model_whatever_the_process_ran_before():
+    """Each backend builds its model in its own process: the EOS-biased preset must not depend on that process's
+    random state, or backends sample different length tails (seen: p50 173 tokens for one, 2 for the other). Control:
+    the bias probed from the process's random state gives a different model."""
+    import torch
+
+    from trl_cb.offline.tiny import bias_eos, tiny_model
+
+    common = _common()
+    torch.manual_seed(1)
+    first, tokenizer = common.load_model("tiny", eos_logit_bias=4.0)
+    torch.manual_seed(2)
+    torch.rand(7)
+    second, _ = common.load_model("tiny", eos_logit_bias=4.0)
+    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    reference = tiny_model(tokenizer, eos_logit_bias=4.0)  # the preset is the tiny checkpoints' model
+    assert torch.equal(first.lm_head.weight, reference.lm_head.weight)
+    unseeded = tiny_model(tokenizer)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        bias_eos(unseeded, tokenizer.eos_token_id, 4.0)
+    assert not torch.equal(first.lm_head.weight, unseeded.lm_head.weight)
+
+
 def test_workers_stop_with_their_parent_on_sigterm(tmp_path):
     """`timeout` (the GPU suite's step limit) sends SIGTERM to the benchmark process: its workers, in sessions of
     their own, must stop with it instead of holding the device for the next step."""
