@@ -155,7 +155,7 @@ def test_config_field_default_validation_and_cli(cls):
     base = dict(output_dir="/tmp/trl_cb_test", report_to=[], use_cpu=True)
     assert cls(**base).cb_keep_generation_weights is None
     assert cls(**base, cb_keep_generation_weights=False).cb_keep_generation_weights is False
-    with pytest.raises(ValueError, match="cb_keep_generation_weights must be True, False or None"):
+    with pytest.raises(TypeError, match="cb_keep_generation_weights must be bool or None"):
         cls(**base, cb_keep_generation_weights="no")
     (cfg,) = TrlParser((cls,)).parse_args_and_config(
         ["--output_dir", "/tmp/x", "--use_cpu", "--report_to", "none", "--cb_keep_generation_weights", "false"]
