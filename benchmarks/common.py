@@ -67,7 +67,7 @@ def add_options(p: argparse.ArgumentParser, out_name: str) -> None:
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", type=Path, default=DEFAULT_OUT, help="result directory (default: runs/benchmarks/)")
-    g.add_argument("--quick", action="store_true", help="a small sweep in seconds (smoke test, not for numbers)")
+    g.add_argument("--quick", action="store_true", help="the smallest sweep of every part (smoke test)")
     g.add_argument("--resume", type=Path, default=None, help=f"a {out_name}-*.json to complete: its points are kept")
     g.add_argument("--replot", type=Path, default=None, help=f"redraw the PNG of a {out_name}-*.json and exit")
     g.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -3,7 +3,7 @@ step's time goes.
 
     python benchmarks/engine_step.py                          # null, tiny x 32/128/512 rows (CPU default)
     python benchmarks/engine_step.py --models small --rows 32 128 512 1024   # compute-heavier, longer
-    python benchmarks/engine_step.py --quick                  # seconds, for smoke tests (not for numbers)
+    python benchmarks/engine_step.py --quick                  # ~20 s, for smoke tests (not for numbers)
     python benchmarks/engine_step.py --models llama-1b-random --device cuda --rows 32 256 --max-new-tokens 64 \\
         --variant 'no_graphs:{"use_cuda_graph": false}'      # + trl_cb without CUDA graphs, in the same run
     python benchmarks/engine_step.py --models null tiny --rows 32 128 512 --profile-steps   # + CPU per step kind

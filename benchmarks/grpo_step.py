@@ -3,7 +3,7 @@
     pip install -e . && python benchmarks/grpo_step.py    # tiny Qwen2, CPU, GSM8K-like: 8 prompts x G=8, <= 256 tokens
     python benchmarks/grpo_step.py --workload short       # the earlier default: 8 prompts x 4 completions x 48 tokens
     python benchmarks/grpo_step.py --trainers grpo --steps 10 --max-completion-length 128
-    python benchmarks/grpo_step.py --quick                        # seconds, smoke test
+    python benchmarks/grpo_step.py --quick                        # ~3 min (every backend once), smoke test
     python benchmarks/grpo_step.py --model small                  # 8 layers x 256 wide: compute-heavier
     python benchmarks/grpo_step.py --trainers grpo --backends trl_cb --background-load 0 2   # quiet vs loaded
     python benchmarks/grpo_step.py --device cuda --model llama-1b-random --trainers grpo --max-completion-length 512

@@ -1,7 +1,7 @@
 """The seed comparison: rollouts of GSM8K-shaped rounds with trl_cb, TRL's native CB call and plain `generate()`.
 
     pip install -e . && python benchmarks/gsm8k.py            # offline default: tiny Qwen2, CPU, 4-6 min on 2 cores
-    python benchmarks/gsm8k.py --quick                        # seconds, for smoke tests
+    python benchmarks/gsm8k.py --quick                        # ~1 min, for smoke tests
     python benchmarks/gsm8k.py --model small --num-generations 32 64   # 8 layers x 256 wide, CPU: compute-heavier
     python benchmarks/gsm8k.py --model llama-1b-random --device cuda --max-new-tokens 512 --num-generations 8 32 64
     python benchmarks/gsm8k.py --model tiny-qwen3.5     # Qwen3.5's hybrid layout (qwen3.5-0.8b-random: GPU size)

@@ -3,7 +3,7 @@
 async (in process or on a rollout server), several seeds each, and several configurations of the async backends.
 
     pip install -e . && python benchmarks/learning.py     # offline default: tiny Qwen2, CPU, 30 runs of ~20 s each
-    python benchmarks/learning.py --quick                 # seconds: schema smoke test (learns nothing)
+    python benchmarks/learning.py --quick                 # ~4 min, each backend once: a smoke test (learns nothing)
     python benchmarks/learning.py --trainers grpo --seeds 0 1 2 3 4 --steps 60
     # staleness sweep: async at depth 0..7 (staleness <= 1, 2, 4, 8), against sync and generate():
     python benchmarks/learning.py --backends generate trl_cb trl_cb_async --staleness-sweep 1 2 4 8

@@ -4,7 +4,7 @@ sync on a long-tailed agent task, and prefix reuse across turns.
     python benchmarks/learning.py --task agent                   # both parts, offline, CPU: ~5-8 min on 2 cores
     python benchmarks/learning.py --task agent --part prefix     # turn 2's prefill over a 1,000-token shared prefix
     python benchmarks/learning.py --task agent --part steps --seeds 0 1 2 --steps 16
-    python benchmarks/learning.py --task agent --quick           # seconds: schema smoke test
+    python benchmarks/learning.py --task agent --quick           # a smoke test (learns nothing)
 
 `steps` — the agent task (`trl_cb.offline.agent`): a scripted calculator policy calls the tool, then after each answer
 calls it again with probability p (`--p-again`, 0.7: rounds per sample are geometric, long-tailed); each call takes a

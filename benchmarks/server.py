@@ -1,7 +1,7 @@
 """Rollout-server benchmark (`trl-cb serve`): what an answer costs to move, and what the server sustains under load.
 
     python benchmarks/server.py                       # every default part: a few minutes on 2 CPU cores
-    python benchmarks/server.py --quick               # seconds: a smoke run
+    python benchmarks/server.py --quick               # ~1 min: a smoke run
     python benchmarks/server.py --parts scale         # 1,024 groups of 4 x 8,192 tokens in flight (minutes, ~5 GB)
 
 Parts (`--parts`); the first three use a **fake engine** (an answer's tokens exist at once, as Python lists like the
