@@ -1,21 +1,28 @@
 """Multi-turn async rollouts (`rollouts/multi_turn.py`) on the in-process engine, with a scripted conversation that
 answers each turn with fixed "tool" ids: every model token's recorded logprob equals teacher forcing over the full
 trajectory (the tool ids in context) under its recorded version (a turn in flight at an update: the new weights over
-the KV prefix the old ones wrote), fp32, std-0.2 weights, with later turns reusing their earlier turns' KV blocks
-under the same weights (`engine/_upstream_prefix.py`). Controls: the same tokens without the tool ids in context, and
-under the other version's weights, miss by far; blocks kept across updates (no epoch) are caught. Tool tokens: mask
-0, logprob 0, their neighbour's version."""
+the KV prefix the old ones wrote), std-0.2 weights, with later turns reusing their earlier turns' KV blocks under the
+same weights (`engine/_upstream_prefix.py`). Controls: the same tokens without the tool ids in context, and under the
+other version's weights, miss by far; blocks kept across updates (no epoch) are caught. Tool tokens: mask 0, logprob
+0, their neighbour's version.
+
+Precision (the 1e-5 target, in the form that can be asserted honestly): with float64 weights the engine's forward is
+exact and only its logprob is fp32 (the engine samples and records in fp32), so the gap is a few fp32 ulps of the
+logprob; in fp32, the model's own fp32 forward is already ~1e-5 from the float64 logprobs on these tokens, so the
+engine is held to that noise floor (as `trl-cb check-model --noise-floor` does), not to a fixed 1e-5 it cannot beat."""
 
 from __future__ import annotations
 
 import copy
 import itertools
 
+import pytest
 import torch
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
 from tests.conftest import sampling_config
 from tests.unit.rollouts.test_async import logprobs_of, perturb
+from tests.unit.serving.conftest import FP32_LOGPROB_TOL
 from trl_cb import ContinuousBatchingGenerator
 from trl_cb.offline.data import synthetic_gsm8k
 from trl_cb.offline.tiny import tiny_model
@@ -23,9 +30,13 @@ from trl_cb.rollouts.async_controller import AsyncRolloutController
 from trl_cb.rollouts.multi_turn import Conversation, with_turns
 
 TURN_TOKENS, COMPLETION_TOKENS, ROUNDS = 8, 40, 2
-#: The engine's fp32 logprobs against fp64 teacher forcing, max over ~360 tokens: 3.8e-6 to 8.6e-6 in most runs,
-#: up to 1.7e-5 (the engine's own fp32 noise, as on every path: tests/unit/serving/conftest.py, FP32_LOGPROB_TOL).
-TOL = 2e-5
+#: float64 weights: the engine against float64 teacher forcing, max over ~360 tokens, measured 4.8e-7 to 9.5e-7 (1-2
+#: ulps of the fp32 logprob the engine records); the issue's 1e-5 target with room for one more binade of logprob.
+FP64_TOL = 5e-6
+#: float32 weights: measured 4.6e-6 to 1.7e-5 (~35 runs), while the fp32 teacher-forced forward itself is 4.9e-6 to
+#: 1.3e-5 from the float64 logprobs on the same tokens (engine / forward up to 1.8x). Bound: the suite's fp32 bound or
+#: twice that floor, whichever is larger (`trl-cb check-model --noise-floor`'s rule).
+FLOOR_FACTOR = 2.0
 
 
 class ScriptedTools(Conversation):
@@ -68,10 +79,11 @@ def engine_logprobs(weights, context: list[int], tokens: list[int], versions: li
             out = weights[versions[a]](torch.tensor([feeds[a:b]]), past_key_values=cache, use_cache=True)
             cache, a = out.past_key_values, b
             logits.append(out.logits[0].double())
-    return torch.log_softmax(torch.cat(logits), -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].float()
+    return torch.log_softmax(torch.cat(logits), -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-def test_every_model_token_matches_teacher_forcing_under_its_version(tokenizer, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_every_model_token_matches_teacher_forcing_under_its_version(tokenizer, monkeypatch, dtype):
     """A turn's context is prefilled, then its tokens sampled; an update between two engine steps lands anywhere:
     inside the turn (later tokens: new weights over the KV the old ones wrote), or between the prefill of the
     context and its last position (forked samples: the engine prefills all but the prompt's last token before
@@ -83,7 +95,7 @@ def test_every_model_token_matches_teacher_forcing_under_its_version(tokenizer, 
     monkeypatch.setattr(
         PagedAttentionCache, "search_prefix_match", lambda *a: matched.append(search(*a)) or matched[-1]
     )
-    model = tiny_model(tokenizer, init_std=0.2)  # no EOS bias: turns run to their limit, updates land mid-turn
+    model = tiny_model(tokenizer, init_std=0.2).to(dtype)  # no EOS bias: turns run to their limit, updates mid-turn
     suffix = tokenizer.encode(" tool says 42.")
     rows = synthetic_gsm8k(20, seed=5)
     stream = ((r, tokenizer(r["prompt"])["input_ids"]) for r in itertools.cycle(rows))
@@ -95,7 +107,8 @@ def test_every_model_token_matches_teacher_forcing_under_its_version(tokenizer, 
         prefetch_depth=1, max_staleness=4,
     )  # fmt: skip
     with_turns(ctl, lambda row, k, ids: ScriptedTools(ids, suffix), COMPLETION_TOKENS, 2, max_turn_tokens=TURN_TOKENS)
-    weights = {0: copy.deepcopy(model).double()}  # the references in fp64: the gap is the engine's fp32 error
+    weights = {0: copy.deepcopy(model).double()}  # the references in fp64
+    forward = {0: copy.deepcopy(model)}  # fp32: the model's own forward, for the noise floor
     ctl.start()
     groups = []
     try:
@@ -103,11 +116,11 @@ def test_every_model_token_matches_teacher_forcing_under_its_version(tokenizer, 
             groups += ctl.take(2)[0]
             with ctl.weight_update():
                 perturb(model)
-            weights[step + 1] = copy.deepcopy(model).double()
+            weights[step + 1], forward[step + 1] = copy.deepcopy(model).double(), copy.deepcopy(model)
     finally:
         ctl.stop()
 
-    gaps, no_tools, other_version, updated, later_turns = [], [], [], 0, 0
+    gaps, floor, no_tools, other_version, updated, later_turns = [], [], [], [], 0, 0
     for group in groups:
         for k, ids in enumerate(group.completion_ids):
             mask, versions, logprobs = group.tool_masks[k], group.versions[k], torch.tensor(group.logprobs[k])
@@ -122,9 +135,11 @@ def test_every_model_token_matches_teacher_forcing_under_its_version(tokenizer, 
                 # turns (one sample each) prefill and sample in one step
                 prefills = {first, max(first - 1, 0)} if n == 0 else {first}
                 candidates = [engine_logprobs(weights, context, tokens, turn, v) for v in prefills]
-                gap = min((c - served).abs().max().item() for c in candidates)
-                gaps.append(gap)
-                updated += len(set(turn)) > 1 or (candidates[0] - served).abs().max().item() > TOL
+                gaps.append(min((c - served).abs().max().item() for c in candidates))
+                if dtype == torch.float32:  # the same computation by the fp32 model's own forward
+                    own = [engine_logprobs(forward, context, tokens, turn, v) for v in prefills]
+                    floor.append(min((o - c).abs().max().item() for o, c in zip(own, candidates, strict=True)))
+                updated += len(set(turn)) > 1 or (candidates[0] - served).abs().max().item() > 1e-3
                 fresh = logprobs_of(weights[first + 1], context, tokens)
                 other_version.append((fresh - served).abs().max().item())
                 if n > 0:  # the tool ids were in context: without them the same tokens are far off
@@ -132,9 +147,11 @@ def test_every_model_token_matches_teacher_forcing_under_its_version(tokenizer, 
                     kept = [t for i, t in enumerate(ids[:start]) if mask[i]]
                     alone = logprobs_of(weights[first], group.prompt_ids + kept, tokens)
                     no_tools.append((alone - served).abs().max().item())
-    print(f"\nmulti-turn vs teacher forcing max|d| = {max(gaps):.2e} over {len(gaps)} turns ({updated} with an update "
-          f"inside, {later_turns} after a tool); controls: no tool ids {min(no_tools):.3f}, other version "
-          f"{min(other_version):.3f}")  # fmt: skip
+    bound = FP64_TOL if dtype == torch.float64 else max(FP32_LOGPROB_TOL, FLOOR_FACTOR * max(floor))
+    print(f"\n{dtype}: multi-turn vs float64 teacher forcing max|d| = {max(gaps):.2e} over {len(gaps)} turns "
+          f"({updated} with an update inside, {later_turns} after a tool), bound {bound:.1e}"
+          + (f" (fp32 forward's own gap {max(floor):.2e})" if floor else "")
+          + f"; controls: no tool ids {min(no_tools):.3f}, other version {min(other_version):.3f}")  # fmt: skip
     assert sum(1 for m in matched if m) >= len(groups), "later turns reused their earlier turns' blocks"
-    assert later_turns >= len(groups) * 2 and max(gaps) <= TOL
+    assert later_turns >= len(groups) * 2 and max(gaps) <= bound
     assert min(no_tools) > 1e-2 and min(other_version) > 1e-2
