@@ -50,6 +50,9 @@ BACKENDS = {
     "sync": {},
     "async": {"cb_async_generation": True},
     "overlap": {"cb_async_generation": True, "cb_async_overlap": True},
+    # explicit prefetch depths (whatever the config's default for tool tasks is)
+    "async_depth0": {"cb_async_generation": True, "cb_async_prefetch_depth": 0},
+    "async_depth1": {"cb_async_generation": True, "cb_async_prefetch_depth": 1},
 }
 
 
@@ -58,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="learning.py --task agent", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--part", choices=["steps", "prefix", "all"], default="all")
-    p.add_argument("--backends", nargs="+", default=list(BACKENDS), help=f"subset of {list(BACKENDS)}")
+    p.add_argument("--backends", nargs="+", default=["sync", "async", "overlap"], choices=list(BACKENDS))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
     p.add_argument("--prompts-per-step", type=int, default=2)
@@ -67,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tool-latency", type=float, default=0.04, help="median seconds per tool call (lognormal)")
     p.add_argument("--learning-rate", type=float, default=0.003)
     p.add_argument("--threshold", type=float, default=0.8, help="evaluated reward for samples to threshold")
+    p.add_argument("--async-config", nargs="+", default=[], metavar="FIELD=VALUE",
+                   help="GRPOConfig fields for the async backends, e.g. cb_importance_sampling_mode=token_m2 (values "
+                   "parsed as JSON, else kept as text)")  # fmt: skip
     p.add_argument("--passes", type=int, default=5, help="prefix: measurements per case")
     p.add_argument("--prefix-tokens", type=int, default=1000)
     p.add_argument("--update-scale", type=float, nargs="+", default=[1e-3, 1e-2], help="prefix: relative noise")
@@ -102,6 +108,17 @@ class SlowCalculator:
             return calculator(expression)
 
         return slow_calculator
+
+
+#: Per-step metrics kept in each run's record (`step_logs`): what explains a collapse (staleness, the sampler-to-policy
+#: drift and the IS weights, entropy, gradient norm, lengths, tool calls, reward).
+DIAGNOSTICS = (
+    "async/staleness_mean", "async/staleness_max", "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/max", "sampling/importance_sampling_corrected/token_fraction", "entropy",
+    "grad_norm", "completions/mean_length", "completions/max_length", "tools/call_frequency", "reward",
+    "frac_reward_zero_std", "step_time",
+)  # fmt: skip
 
 
 def answered_after_one_call(completions: list[list[dict[str, Any]]], **kwargs: Any) -> list[float]:
@@ -146,6 +163,31 @@ def evaluated_reward(model: Any, trajectories: list[tuple[Any, Any]]) -> float:
     return statistics.fmean(values)
 
 
+def async_overrides(specs: list[str]) -> dict[str, Any]:
+    """`--async-config`'s FIELD=VALUE pairs as config keyword arguments."""
+    import json
+
+    out = {}
+    for spec in specs:
+        name, _, text = spec.partition("=")
+        try:
+            out[name] = json.loads(text)
+        except json.JSONDecodeError:
+            out[name] = text
+    return out
+
+
+def weight_norms(model: Any) -> dict[str, float]:
+    """Frobenius norms of the layer's output projections (zero in the scripted policy: whatever they write into the
+    unit-norm residual stream is what moves every scripted transition's margin at once) and of the LM head."""
+    layer = model.model.layers[0]
+    return {
+        "o_proj": layer.self_attn.o_proj.weight.norm().item(),
+        "down_proj": layer.mlp.down_proj.weight.norm().item(),
+        "lm_head": model.lm_head.weight.norm().item(),
+    }
+
+
 def train_run(backend: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from datasets import Dataset
@@ -166,12 +208,15 @@ def train_run(backend: str, seed: int, args: argparse.Namespace) -> dict[str, An
         max_steps=args.steps, logging_steps=1, learning_rate=args.learning_rate, lr_scheduler_type="constant",
         beta=0.0, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False, seed=seed,
         use_transformers_continuous_batching=True, **BACKENDS[backend],
+        **(async_overrides(args.async_config) if backend != "sync" else {}),
     )  # fmt: skip
     curve = [evaluated_reward(model, trajectories)]
+    weights = [weight_norms(model)]
 
     class Evaluate(TrainerCallback):
         def on_step_end(self, *a: Any, **k: Any) -> None:
             curve.append(evaluated_reward(model, trajectories))
+            weights.append(weight_norms(model))
 
     torch.manual_seed(seed)
     trainer = GRPOTrainer(
@@ -192,6 +237,8 @@ def train_run(backend: str, seed: int, args: argparse.Namespace) -> dict[str, An
         "samples_to_threshold": samples_to(curve, args.threshold, batch),
         "tool_calls_per_sample": statistics.fmean(e["tools/call_frequency"] for e in logs),
         "batch_reward": [e["reward"] for e in logs],
+        "step_logs": [{k: e[k] for k in DIAGNOSTICS if k in e} for e in logs],
+        "weight_norms": weights,
     }
 
 

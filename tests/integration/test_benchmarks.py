@@ -675,14 +675,18 @@ def test_gpu_suite_runs_end_to_end_on_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_learning_agent_task_quick(tmp_path):
-    """The multi-turn agent task's schema: per backend a step time, an evaluated-reward curve and samples to the
-    threshold; the prefix part's CPU times per case and the keep / recompute gaps after an update."""
+    """The multi-turn agent task's schema: per backend a step time, an evaluated-reward curve, samples to the
+    threshold and per-step diagnostics; the prefix part's CPU times per case and the keep / recompute gaps after an
+    update."""
     proc = run(str(ROOT / "benchmarks" / "learning.py"), "--task", "agent", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
     assert payload["benchmark"] == "learning_agent" and len(list(tmp_path.glob("learning_agent-*.json"))) == 1
     assert {s["backend"] for s in payload["summary"]} == {"sync", "async", "overlap"}
     assert all(len(r["evaluated_reward"]) == 4 and r["tool_calls_per_sample"] > 0 for r in payload["runs"])
+    # per-step diagnostics (what explains a collapse): the staleness and IS drift of async steps, the weights' norms
+    assert all(len(r["weight_norms"]) == 4 and len(r["step_logs"]) == 3 for r in payload["runs"])
+    assert all("async/staleness_max" in r["step_logs"][0] for r in payload["runs"] if r["backend"] != "sync")
     prefix = payload["prefix"]
     assert set(prefix["cpu_s"]) == {"reused", "cold"} and prefix["cpu_ratio"]["median"] > 0
     assert {"keep_mean_abs_log_ratio", "recompute_mean_abs_log_ratio"} <= set(prefix["after_update"][0])

@@ -189,7 +189,7 @@ def test_async_generation_defaults_to_the_off_policy_mode_sync_keeps_trls():
 @pytest.mark.parametrize("cls", CONFIGS)
 def test_prefetch_depth_defaults_to_0_with_overlap_1_otherwise_explicit_wins(cls):
     """Overlap's engine generates through the training step, so its measured default window is one step shorter."""
-    from trl_cb.configs import DEFAULT_OVERLAP_PREFETCH_DEPTH, DEFAULT_PREFETCH_DEPTH
+    from trl_cb.configs import DEFAULT_OVERLAP_PREFETCH_DEPTH, DEFAULT_PREFETCH_DEPTH, prefetch_depth_was_set
 
     assert (DEFAULT_OVERLAP_PREFETCH_DEPTH, DEFAULT_PREFETCH_DEPTH) == (0, 1)
     async_cb = dict(use_transformers_continuous_batching=True, cb_async_generation=True)
@@ -197,6 +197,9 @@ def test_prefetch_depth_defaults_to_0_with_overlap_1_otherwise_explicit_wins(cls
     assert make(cls, **async_cb).cb_async_prefetch_depth == 1
     assert make(cls, cb_async_overlap=True, **async_cb).cb_async_prefetch_depth == 0
     assert make(cls, cb_async_overlap=True, cb_async_prefetch_depth=1, **async_cb).cb_async_prefetch_depth == 1
+    # the trainer's tools default (DEFAULT_TOOLS_PREFETCH_DEPTH) applies only where the user set nothing
+    assert not prefetch_depth_was_set(make(cls, **async_cb))
+    assert prefetch_depth_was_set(make(cls, cb_async_prefetch_depth=1, **async_cb))
     with pytest.raises(ValueError, match="cb_async_prefetch_depth must be >= 0"):
         make(cls, cb_async_prefetch_depth=-1, **async_cb)
 

@@ -106,6 +106,17 @@ class AsyncRolloutsMixin(RolloutStateMixin):
                 "cb_async_generation with tools or environments runs on one process (each sample's tool loop and "
                 "environment live beside the rollout producer); use one process, or sync mode for several."
             )
+        from ..configs import DEFAULT_TOOLS_PREFETCH_DEPTH, prefetch_depth_was_set  # configs imports the trainers
+
+        if getattr(self, "tools", None) and not prefetch_depth_was_set(args):
+            # multi-turn: staleness <= 1 (measured: DEFAULT_TOOLS_PREFETCH_DEPTH's comment, trl_cb/configs.py)
+            if args.cb_async_prefetch_depth != DEFAULT_TOOLS_PREFETCH_DEPTH:
+                logger.info(
+                    "Async rollouts with tools: cb_async_prefetch_depth %d (unset; %d without tools).",
+                    DEFAULT_TOOLS_PREFETCH_DEPTH,
+                    args.cb_async_prefetch_depth,
+                )
+            args.cb_async_prefetch_depth = DEFAULT_TOOLS_PREFETCH_DEPTH
         self.add_callback(_PauseEngineForOptimizerStep(self))
         self.add_callback(_SaveAsyncState(self))
 

@@ -1,20 +1,27 @@
 """Async multi-turn training beyond parity (tests/parity/test_tools.py holds the comparisons with TRL's sync loop):
 a tool that hangs is answered with an error after `cb_async_tool_timeout` and counted as a failure (the run goes on), a
-scripted policy trains with moving weights against a rollout server (turns on the server, tools in the trainer), and
-the settings are validated."""
+scripted policy trains with moving weights against a rollout server (turns on the server, tools in the trainer), the
+IS correction of a stale run gets every model token's sampling logprob and mask right, and the settings are
+validated."""
 
 from __future__ import annotations
 
+import copy
 import threading
 from pathlib import Path
 
 import pytest
+import torch
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from tests.parity.scripted import chat_tokenizer, scripted_model
 from tests.parity.test_tools import finished_reward, multiply
+from tests.unit.rollouts.test_async import logprobs_of
+from tests.unit.rollouts.test_multi_turn import engine_logprobs, turns_of
 from tests.unit.serving.conftest import KEY, running_server
 from trl_cb import GRPOConfig, GRPOTrainer
+from trl_cb.offline.agent import agent_tokenizer, calculator, scripted_agent
 
 RELEASE = threading.Event()
 
@@ -61,6 +68,15 @@ def test_a_hanging_tool_times_out_as_a_failure(tmp_path):
     assert entry["tools/call_frequency"] == 1.0 and entry["tools/failure_frequency"] == 1.0
 
 
+@pytest.mark.parametrize(("tools", "depth", "expected"), [(True, None, 0), (True, 1, 1), (False, None, 1)])
+def test_tools_default_to_prefetch_depth_0_an_explicit_depth_wins(tmp_path, tools, depth, expected):
+    """Multi-turn async rollouts default to staleness <= 1 (`DEFAULT_TOOLS_PREFETCH_DEPTH`, measured); a depth the
+    user set is kept, and without tools the general default (1) stays."""
+    overrides = {} if depth is None else {"cb_async_prefetch_depth": depth}
+    run = trainer(tmp_path, chat_tokenizer(), [multiply] if tools else None, **overrides)
+    assert run.args.cb_async_prefetch_depth == expected
+
+
 @pytest.mark.parametrize(("field", "value"), [("cb_async_tool_workers", 0), ("cb_async_tool_timeout", 0.0)])
 def test_tool_settings_are_validated(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):
@@ -85,3 +101,89 @@ def test_async_tools_train_against_a_rollout_server(tmp_path):
     assert len(logs) == 3 and [e["async/policy_version"] for e in logs] == [1.0, 2.0, 3.0]
     assert all(e["tools/call_frequency"] == 1.0 and e["rewards/finished_reward/mean"] > 1.0 for e in logs)
     assert logs[0]["sampling/sampling_logp_difference/max"] < 1e-4  # fresh weights: the server's logprobs exact
+
+
+@pytest.mark.slow
+def test_every_model_token_is_corrected_with_the_logprob_that_sampled_it(tmp_path):
+    """The IS correction of an async tool run with moving weights (staleness >= 1, turns in flight at updates): in the
+    scored batch, every model token of every turn carries the logprob the engine sampled it with (= teacher forcing
+    over the whole trajectory, tool results in context, under the version recorded for it), counts in the IS mask,
+    and every tool token is masked out. float64 weights: the gap is the engine's fp32 logprob (a few ulps), not the
+    forward's fp32 noise. Controls: the same tokens without the tool results in context, and under the next
+    version's weights, are far off."""
+    tokenizer = agent_tokenizer()
+    model = scripted_agent(tokenizer, p_again=0.5, margin=8.0).double()
+    noise = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # attention and MLP outputs: the next token depends on the whole context, not the last one
+        for layer in model.model.layers:
+            for weight in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight):
+                weight.copy_(0.05 * torch.randn(weight.shape, generator=noise, dtype=weight.dtype))
+    versions = {0: copy.deepcopy(model)}
+    taken, scored = [], []
+
+    class Snapshot(TrainerCallback):
+        def on_optimizer_step(self, *a, **k):  # before the engine resumes: the weights of the next version
+            snapshot = versions[len(versions)] = copy.deepcopy(versions[0])  # its config: sdpa, not the engine's
+            snapshot.load_state_dict(model.state_dict())
+
+    class Recording(GRPOTrainer):
+        def _cb_async_take(self, inputs):
+            rows = super()._cb_async_take(inputs)
+            taken.append(self.rollout_state.async_rollouts.step_groups)
+            return rows
+
+        def _cb_correct(self, output, sampled):
+            keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask")
+            scored.append({k: output[k].clone() for k in (*keys, "sampling_per_token_logps")})
+            super()._cb_correct(output, sampled)
+
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} halved?"}]} for i in range(16)]
+    args = GRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=40,
+        max_tool_calling_iterations=3, max_steps=4, logging_steps=1, learning_rate=5e-3, lr_scheduler_type="constant",
+        report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False, beta=0.0,
+        use_transformers_continuous_batching=True, cb_async_generation=True, cb_async_prefetch_depth=1,
+    )  # fmt: skip
+    run = Recording(
+        model=model, reward_funcs=lambda completions, **k: [float(len(str(c)) % 7) for c in completions], args=args,
+        train_dataset=Dataset.from_list(rows), processing_class=tokenizer, tools=[calculator],
+        callbacks=[Snapshot()],
+    )  # fmt: skip
+    run.train()
+
+    gaps, no_tools, other_version, updated, later_turns = [], [], [], 0, 0
+    for groups, batch in zip(taken, scored, strict=True):
+        samples = [(g, k) for g in groups for k in range(len(g.completion_ids))]
+        for i, (group, k) in enumerate(samples):
+            ids, mask, turn_versions = group.completion_ids[k], group.tool_masks[k], group.versions[k]
+            n = len(ids)
+            prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()].tolist()
+            assert prompt == group.prompt_ids and batch["completion_ids"][i, :n].tolist() == ids
+            assert batch["completion_mask"][i, :n].all() and batch["tool_mask"][i, :n].tolist() == mask
+            sampled = batch["sampling_per_token_logps"][i, :n]
+            assert all(sampled[t] == 0 for t in range(n) if not mask[t]), "tool tokens: logprob 0, masked"
+            for turn, (start, end) in enumerate(turns_of(mask)):
+                context, tokens, version = prompt + ids[:start], ids[start:end], turn_versions[start:end]
+                first = version[0]
+                updated += len(set(version)) > 1  # an update landed inside the turn
+                prefills = {first, max(first - 1, 0)} if turn == 0 else {first}
+                gaps.append(min(
+                    (engine_logprobs(versions, context, tokens, version, v) - sampled[start:end]).abs().max().item()
+                    for v in prefills
+                ))  # fmt: skip
+                if first + 1 in versions:
+                    fresh = logprobs_of(versions[first + 1], context, tokens)
+                    other_version.append((fresh - sampled[start:end]).abs().max().item())
+                if turn > 0:
+                    later_turns += 1
+                    kept = [t for t, m in zip(ids[:start], mask[:start], strict=True) if m]
+                    alone = logprobs_of(versions[first], prompt + kept, tokens)
+                    no_tools.append((alone - sampled[start:end]).abs().max().item())
+    logs = [e for e in run.state.log_history if "loss" in e]
+    staleness = [e["async/staleness_max"] for e in logs]
+    print(f"\ntrainer batches vs teacher forcing max|d| = {max(gaps):.2e} over {len(gaps)} turns ({later_turns} "
+          f"after a tool, {updated} with an update inside); staleness max per step {staleness}; controls: no tool "
+          f"ids {min(no_tools):.3f}, next version {min(other_version):.3f}")  # fmt: skip
+    assert len(scored) == 4 and max(staleness) >= 1 and later_turns >= 4
+    assert max(gaps) <= 5e-6
+    assert min(no_tools) > 1e-2 and min(other_version) > 1e-2
