@@ -13,9 +13,11 @@ is 1 for a rollout that answers right after its first tool answer, so learning m
 evaluated exactly from its weights after every step: the probability of a rewarded trajectory (one call, its answer,
 the final answer: the product of its model tokens' probabilities) on held-out problems, no sampling noise.
 Backends: `sync` (TRL's tool loop: tools run one sample after another, the next turn of all samples together),
-`async` (in process: each sample's loop in the producer, tools on worker threads), `overlap` (cb_async_overlap).
-Reported per backend: mean step time (steps 2..N), samples to the threshold (`--threshold`), and their ratios to
-sync in the same run.
+`async` (in process: each sample's loop in the producer, tools on worker threads; the tools default, prefetch depth 0),
+`overlap` (cb_async_overlap); on request `async_depth0` / `async_depth1` (explicit prefetch depths), and
+`--async-config` for any other setting of the async backends. Reported per backend: mean step time (steps 2..N),
+samples to the threshold (`--threshold`), and their ratios to sync in the same run; per run, the per-step diagnostics
+(`step_logs`: staleness, drift, IS weights, entropy, gradient norm, lengths) and the weights' norms.
 
 `prefix` — a small Qwen2 (8 layers x 256), a 1,000-token first turn, its 16-token completion and a tool answer: the
 second turn's request (1 new token) with the first turn's KV blocks reused, against the same request after an epoch
