@@ -41,7 +41,7 @@ DEFAULT_OVERLAP_PREFETCH_DEPTH = 0
 #: trainer (the config does not know its tools). Measured on the long-tailed tool task (docs/benchmarks.md,
 #: "Multi-turn agents"; 10 seeds in two runs of every backend): at depth 1 (staleness up to 2) 5 runs of 10 ended
 #: collapsed (evaluated reward < 0.5 at the last step), at depth 0 1 of 10, as sync (1 of 10); step time 0.27x
-#: sync's instead of 0.20x.
+#: sync's instead of 0.20x. At lr 2e-3 (sync stable): depth 0 0.92x sync's samples, depth 1 collapsed 2 runs of 6.
 DEFAULT_TOOLS_PREFETCH_DEPTH = 0
 
 #: The IS modes for `cb_async_generation=True` when none is set, self-normalised (`cb_importance_sampling_normalize`):
