@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -104,12 +103,10 @@ def _settled_holders() -> int:
     return openmp._holders
 
 
-def _wait_for_holders(count: int, timeout: float = 10.0) -> None:
-    """Releases queued by finalizers are applied by the guard thread: wait for them."""
-    deadline = time.monotonic() + timeout
-    while openmp._holders != count and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert openmp._holders == count, (openmp._holders, count)
+def _wait_for_holders(count: int) -> None:
+    """Releases queued by finalizers are applied in order by the guard thread: `_settled_holders` waits for them
+    through a release of its own (an event, not a timeout)."""
+    assert _settled_holders() == count, (openmp._holders, count)
 
 
 def test_guard_lives_with_the_generator(model, tokenizer):
