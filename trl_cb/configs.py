@@ -379,6 +379,8 @@ def _validate_async_fields(args: ContinuousBatchingArguments) -> None:
         raise ValueError(
             f"cb_async_overlap_engine_threads must be >= 1 or None, got {args.cb_async_overlap_engine_threads}."
         )
+    if args.cb_async_overlap_engine_threads is not None and not args.cb_async_overlap:
+        raise ValueError("cb_async_overlap_engine_threads sets the overlapping engine's threads: set cb_async_overlap")
     if args.cb_async_overlap:
         if not args.cb_async_generation:
             raise ValueError("cb_async_overlap needs cb_async_generation=True (it is a mode of in-process async).")

@@ -59,13 +59,13 @@ def main() -> None:
         train_dataset=Dataset.from_list(synthetic_gsm8k(32, seed=1)),
     )  # fmt: skip
     takes: list[dict[str, Any]] = []
-    controllers: list[str] = []
+    backends: list[str] = []
     original_take = trainer._cb_async_take
 
     def recording_take(inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows = original_take(inputs)
         controller = trainer.rollout_state.async_rollouts.source
-        controllers.append(type(controller).__name__)
+        backends.append(type(controller.backend).__name__)
         versions = [
             [int(v) for v in seq] for g in trainer.rollout_state.async_rollouts.step_groups for seq in g.versions
         ]
@@ -85,7 +85,7 @@ def main() -> None:
         "rank": rank,
         "world_size": dist.get_world_size(),
         "wrapper": type(trainer.model_wrapped).__name__,
-        "controllers": sorted(set(controllers)),
+        "backends": sorted(set(backends)),
         "takes": takes,
         "max_staleness": trainer._cb_max_staleness(),
         "logs": [e for e in trainer.state.log_history if "loss" in e],

@@ -187,7 +187,7 @@ def test_ddp_overlap_two_processes(tmp_path):
     reports = _launch(cmd, tmp_path)
     for r in reports:
         assert r["world_size"] == 2 and r["wrapper"] == "DistributedDataParallel", r["wrapper"]
-        assert r["controllers"] == ["OverlapRolloutController"] and r["controller_stopped"]
+        assert r["backends"] == ["OverlapEngineBackend"] and r["controller_stopped"]
         assert len(r["logs"]) == 4 and r["logs"][-1]["async/policy_version"] == 3
         assert all(math.isfinite(e["loss"]) for e in r["logs"])
         assert r["num_changed"] > 0 and r["max_rank_weight_diff"] == 0.0 and r["engine_threads_left"] == 0

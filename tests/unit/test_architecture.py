@@ -197,5 +197,13 @@ def test_architecture_doc_lists_every_module():
     assert "`engine/not_a_module.py`" not in listed
 
 
+def write_module_table() -> None:
+    """Regenerate docs/architecture.md's module list in place."""
+    path = PACKAGE.parent / "docs" / "architecture.md"
+    doc = path.read_text()
+    head, rest = doc[: doc.index(MODULE_LIST_START) + len(MODULE_LIST_START)], doc[doc.index(MODULE_LIST_END) :]
+    path.write_text(head + module_table() + rest)
+
+
 if __name__ == "__main__":
-    print(module_table(), end="")
+    write_module_table()

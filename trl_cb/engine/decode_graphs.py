@@ -32,7 +32,6 @@ __all__ = [
     "CudaGraphBackend",
     "DecodeGraphs",
     "GraphBackend",
-    "GraphStats",
     "WeightFingerprint",
     "backend_available",
     "backend_for",
@@ -105,26 +104,21 @@ class WeightFingerprint:
 
 
 @dataclass
-class GraphStats:
-    """What the engine's graphs did since it was built."""
-
-    captures: int = 0
-    replays: int = 0
-    eager_steps: int = 0
-    #: Times every graph was dropped because a weight moved (`DecodeGraphs.check`).
-    invalidations: int = 0
-
-
-@dataclass
 class DecodeGraphs:
-    """The graphs of one engine, keyed by padded row count, and the fingerprint of the weights they read."""
+    """The graphs of one engine, keyed by padded row count, the fingerprint of the weights they read, and what they did
+    since the engine was built (the counts)."""
 
     backend: GraphBackend
     fingerprint: WeightFingerprint | None = None
     graphs: dict[int, Graph] = field(default_factory=dict)
-    stats: GraphStats = field(default_factory=GraphStats)
     #: Called after each replay with the padded row count (state a step's Python keeps beside its tensors).
     after_replay: list[Callable[[int], None]] = field(default_factory=list)
+    captures: int = 0
+    replays: int = 0
+    #: Steps run without a graph (prefill and mixed steps, `graphed_compute`).
+    eager_steps: int = 0
+    #: Times every graph was dropped because a weight moved (`check`).
+    invalidations: int = 0
     _warned: bool = False
 
     def check(self, module: torch.nn.Module) -> bool:
@@ -146,7 +140,7 @@ class DecodeGraphs:
         self._warned = True
         self.graphs.clear()
         self.fingerprint = None
-        self.stats.invalidations += 1
+        self.invalidations += 1
         return True
 
     def step(self, key: int, run: Callable[[], None], stream: Any, module: torch.nn.Module) -> None:
@@ -156,11 +150,11 @@ class DecodeGraphs:
             if self.fingerprint is None:
                 self.fingerprint = WeightFingerprint.of(module)
             self.graphs[key] = self.backend.capture(run, stream, module)
-            self.stats.captures += 1
+            self.captures += 1
             return
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             graph.replay()
-        self.stats.replays += 1
+        self.replays += 1
         for hook in self.after_replay:
             hook(key)
 
@@ -220,7 +214,7 @@ def graphed_compute(runner: Any, ios: Any, graphs: DecodeGraphs, eager: Callable
         if stream is not None:  # the batch was prepared on this thread's current stream: the step runs after it
             stream.wait_stream(torch.cuda.current_stream(stream.device))
         if not ios.use_block_table:
-            graphs.stats.eager_steps += 1
+            graphs.eager_steps += 1
             return eager(module, batch_data)
         if runner.supports_logits_to_keep(module):
             batch_data["logits_to_keep"] = batch_data["logits_indices"]

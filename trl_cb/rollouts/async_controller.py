@@ -1,174 +1,32 @@
-"""`AsyncRolloutController`: the async core (`async_core.py`) on the trainer's own CB engine (`EngineBackend`).
+"""`AsyncRolloutController`: the async core (`async_core.py`) on this process's CB engine, the trainer's own.
 
 The engine's own thread produces; the core, called from the trainer's thread, keeps it fed and hands whole groups to
-the trainer (bounded, exactly once, FIFO, staleness, resume, metrics: `async_core.py`). What this backend adds
-(details and measurements: docs/async.md, docs/architecture.md):
-- No thread of its own, so nothing to leak; the engine is sized once for `capacity_groups * G` requests and the
-  longest prompt (`max_prompt_len`), and a longer prompt is refused naming its stream item.
-- Versions: a token sampled between weight updates k-1 and k has version k-1 (`InFlightGroups.mark_weight_update`,
-  called with the engine held). IS uses the recorded logprobs.
-- Exclusive: the engine runs only inside `take`, holding `guards.module_lock(module)`, in eval mode on the generation
-  weights; whenever it is held the module has its own training tensors and mode.
-- Errors in the engine, and Ctrl-C inside `take`, reach the trainer's thread; `stop` hard-stops (nothing drains).
+the trainer (bounded, exactly once, FIFO, staleness, resume, metrics: `async_core.py`). Where the engine runs is the
+backend's business (details and measurements: docs/async.md, docs/architecture.md):
+- `engine_backend.EngineBackend` (the default): on the training module, taking turns with the trainer (the engine runs
+  only inside `take`, holding the module lock);
+- `overlap.OverlapEngineBackend` (`overlap=True`): on a view of the training weights, generating through the trainer's
+  forward and backward and paused only for the optimizer step.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from collections.abc import Iterator
 from typing import Any, Unpack
 
-import torch
 from transformers import PreTrainedModel
 
-from ..engine import _upstream, guards
-from ..engine.sizing import Workload
-from .async_core import AsyncOptions, AsyncRollouts, RolloutBackend
-from .engine_hold import EngineHold
+from .async_core import AsyncOptions, AsyncRollouts
+from .engine_backend import EngineBackend, LocalEngineBackend
 from .generator import ContinuousBatchingGenerator
-from .rollout_groups import InFlightGroups, RolloutGroup
+from .overlap import OverlapEngineBackend
 
-logger = logging.getLogger(__name__)
-
-
-class LocalEngineBackend(RolloutBackend):
-    """What both in-process backends share: groups submitted to, and collected from, one CB engine of this process
-    (`manager`, built by the subclass's `start`), and the prompt checks. `EngineBackend` runs it on the training
-    module, taking turns with the trainer; `overlap.OverlapEngineBackend` on a view of it, alongside the trainer."""
-
-    def __init__(
-        self,
-        generator: ContinuousBatchingGenerator,
-        module: PreTrainedModel,
-        num_generations: int,
-        max_prompt_len: int,
-    ) -> None:
-        self.generator = generator
-        self.module = module
-        self.num_generations = num_generations
-        self.max_prompt_len = max_prompt_len
-        self.manager: _upstream.ContinuousBatchingManager | None = None
-        #: Prompts reuse the KV blocks of earlier ones under the same weights (multi-turn: `multi_turn.with_turns`).
-        self.share_prefixes = False
-        self._groups = InFlightGroups()
-
-    def workload(self, capacity_groups: int) -> Workload:
-        """Every group that may be in flight (`capacity_groups` x G requests) with the longest prompt."""
-        max_new = int(self.generator.generation_config.max_new_tokens)
-        requests = capacity_groups * self.num_generations
-        return Workload(requests, self.max_prompt_len, max_new, capacity_groups * self.max_prompt_len, capacity_groups)
-
-    def validate(self, prompt_ids: list[int]) -> None:
-        """The synchronous checks, then the length the engine was sized for (a longer prompt cannot be scheduled)."""
-        self.generator.validate_prompts([prompt_ids], self.module)
-        if len(prompt_ids) > self.max_prompt_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens, more than max_prompt_len={self.max_prompt_len} the engine was "
-                "sized for; pass the longest prompt of the stream."
-            )
-
-    def submit(self, group: RolloutGroup) -> None:
-        max_new = group.max_new_tokens or int(self.generator.generation_config.max_new_tokens)
-        self._groups.submit(self.manager, group, group.num_samples or self.num_generations, max_new)
-
-    def poll(self, timeout: float) -> list[RolloutGroup]:
-        self._groups.collect(self.manager)
-        if not self._groups.ready and timeout > 0:
-            self._groups.wait(self.manager, timeout)  # `EngineDiedError` if the engine stopped meanwhile
-            self._groups.collect(self.manager)
-        finished = list(self._groups.ready)
-        self._groups.ready.clear()
-        return finished
+__all__ = ["AsyncRolloutController"]
 
 
-class EngineBackend(LocalEngineBackend):
-    """The trainer's CB engine as a `RolloutBackend`: it shares the training module, so it runs only while held by
-    `running` (the module lock, eval mode, generation weights) and is paused otherwise (`engine_hold.py`)."""
-
-    def __init__(
-        self,
-        generator: ContinuousBatchingGenerator,
-        module: PreTrainedModel,
-        num_generations: int,
-        max_prompt_len: int,
-    ) -> None:
-        _check_async_safe(module)
-        super().__init__(generator, module, num_generations, max_prompt_len)
-        self.hold = EngineHold(generator, module)
-        self.lock = guards.module_lock(module)
-        self._close_priority = 0  # at exit, release the held engine before generators are closed
-        guards.close_at_exit(self)
-
-    def start(self, capacity_groups: int) -> None:
-        """Build (or reuse) the engine, sized for every group that may be in flight, and hold it."""
-        if self.manager is not None:
-            return
-        workload = self.workload(capacity_groups)
-        with guards.acquired(self.lock), guards.deferred_interrupts():
-            self.hold.apply_generation_weights()  # the engine (and its KV cache dtype) is built on these weights
-            try:
-                engine = self.generator.engine_for(self.module, workload, share_prefixes=self.share_prefixes)
-                self.manager = self.hold.manager = engine
-            except BaseException:
-                self.hold.restore_training_weights()
-                raise
-            self.hold.mode_before_run = self.module.training
-            self.hold.hold()  # the trainer owns the model; the engine runs only inside `take`
-
-    @contextlib.contextmanager
-    def running(self, timeout: float | None) -> Iterator[None]:
-        """The module lock (waited for at most `timeout` s), interrupts deferred, the engine released meanwhile."""
-        with guards.acquired(self.lock, timeout), guards.deferred_interrupts(), self.hold.running():
-            yield
-
-    def begin_weight_update(self, new_version: int) -> None:
-        """Hold the engine for an in-place weight update and record where each in-flight request stands."""
-        if self.manager is None:
-            return
-        self.hold.hold()
-        self._groups.mark_weight_update(self.manager, new_version)
-
-    def end_weight_update(self) -> None:
-        """Release the hold: in-flight requests continue on the new weights."""
-        if self.manager is not None:
-            self.hold.release()
-
-    def stop(self) -> None:
-        """Hard-stop the engine (the thread has exited on return) and give the module back its train/eval mode.
-        Interrupt-safe like `generator.close`."""
-        with guards.deferred_interrupts(), guards.acquired(self.lock):
-            self._stop()
-
-    def _stop(self) -> None:
-        manager = self.manager
-        if manager is not None:
-            # Ask for the hard stop while the engine is still held: once released, the loop exits after at most one
-            # batch instead of generating what is in flight. That batch runs in eval mode, like every engine forward.
-            _upstream.request_hard_stop(manager)
-            self.module.eval()
-            self.hold.apply_generation_weights()  # that batch must read the weights the KV cache was built with
-        self.hold.depth = 0
-        try:
-            self.hold.unpause()
-            self.generator.close()
-            if manager is not None:
-                self.module.train(self.hold.mode_before_run)
-            self.manager = self.hold.manager = None
-            self._groups.clear()
-        finally:
-            self.hold.restore_training_weights()
-
-    def _close_at_exit(self) -> None:
-        if self.manager is not None and self.lock.acquire(timeout=10):
-            try:
-                self._stop()
-            finally:
-                self.lock.release()
-
-
-class AsyncRolloutController(AsyncRollouts[EngineBackend]):
-    """The async core on the trainer's engine: `AsyncRollouts(EngineBackend(...), ...)` plus `hold`/`release`.
+class AsyncRolloutController(AsyncRollouts[LocalEngineBackend]):
+    """The async core on the trainer's engine: `AsyncRollouts(EngineBackend(...), ...)`, or with `overlap=True`
+    `AsyncRollouts(OverlapEngineBackend(...), ...)`.
 
     Args:
         generator: The trainer's generator (its engine is reused; block sharing is turned off).
@@ -177,6 +35,8 @@ class AsyncRolloutController(AsyncRollouts[EngineBackend]):
             `AsyncRollouts`.
         max_prompt_len: Covers every prompt the stream will yield (the engine is sized for it; a longer prompt raises
             `ValueError` at submission): the trainer passes its dataset's longest prompt.
+        overlap: Run the engine on a view of the weights, alongside the trainer (`overlap.py`).
+        engine_threads: With `overlap`, on CPU: the engine's intra-op threads (`None`: the caller's count).
     """
 
     def __init__(
@@ -186,30 +46,19 @@ class AsyncRolloutController(AsyncRollouts[EngineBackend]):
         prompt_stream: Iterator[tuple[Any, list[int]]],
         *,
         max_prompt_len: int,
+        overlap: bool = False,
+        engine_threads: int | None = None,
         **options: Unpack[AsyncOptions],
     ) -> None:
-        backend = EngineBackend(generator, module, options["num_generations"], max_prompt_len)
+        num_generations = options["num_generations"]
+        if overlap:
+            backend: LocalEngineBackend = OverlapEngineBackend(
+                generator, module, num_generations, max_prompt_len, engine_threads
+            )
+        elif engine_threads is not None:
+            raise ValueError("engine_threads sets the overlapping engine's threads: it needs overlap=True.")
+        else:
+            backend = EngineBackend(generator, module, num_generations, max_prompt_len)
         super().__init__(backend, prompt_stream, **options)
-        self.engine_backend = backend  # also when a multi-turn backend wraps it (`multi_turn.with_turns`)
         self.generator = generator
         self.module = module
-
-    def hold(self) -> None:
-        """Pause the engine (reentrant; `engine_hold.py`): it runs only inside `take`."""
-        self.engine_backend.hold.hold()
-
-    def release(self) -> None:
-        self.engine_backend.hold.release()
-
-
-def _check_async_safe(module: torch.nn.Module) -> None:
-    """The engine keeps the attention implementation it was built with for its whole life, while the trainer trains
-    between rounds: refuse implementations CB would switch on the shared config (eager -> paged|eager), which would
-    route the training forward through the paged path. (Dropout needs no check: the engine only samples with the
-    module in eval mode.)"""
-    if _upstream.attention_implementation(module) in ("eager", "paged|eager"):
-        raise ValueError(
-            "cb_async_generation needs an attention implementation the engine can share with training (sdpa or "
-            "flash); with 'eager' the engine would switch the shared config to 'paged|eager' under the training "
-            "forward."
-        )

@@ -1,6 +1,6 @@
 """`AsyncRollouts`: the one async rollout core, generating ahead of the trainer on any `RolloutBackend`.
 
-A backend submits a group and reports finished ones (in-process engine: `async_controller.EngineBackend`; rollout
+A backend submits a group and reports finished ones (in-process engine: `engine_backend.EngineBackend`; rollout
 servers: `serving.remote_rollouts.ServerBackend`), as vLLM's `EngineCoreClient` has an in-process and a remote client.
 The core owns everything else, once (details: docs/async.md, docs/architecture.md):
 - Bounded: at most `capacity_groups = (prefetch_depth + 1) * groups_per_step` groups submitted and not handed out.

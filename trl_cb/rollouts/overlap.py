@@ -20,43 +20,39 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import Any, Unpack
+from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
 
 from ..engine import _upstream, guards
 from ..engine.engine_stream import EngineStream
 from ..engine.model_view import EngineView
-from .async_controller import LocalEngineBackend
-from .async_core import AsyncOptions, AsyncRollouts
-from .generator import ContinuousBatchingGenerator
+from .engine_backend import LocalEngineBackend
 from .inflight_update import paused_for_weight_update
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OverlapEngineBackend", "OverlapRolloutController"]
+__all__ = ["OverlapEngineBackend"]
 
 
+@dataclass(eq=False, repr=False)
 class OverlapEngineBackend(LocalEngineBackend):
-    """The trainer's CB engine on a view of the training module, running except during optimizer steps."""
+    """The trainer's CB engine on a view of the training module, running except during optimizer steps.
+
+    Args:
+        generator, module, num_generations, max_prompt_len: as for `LocalEngineBackend`.
+        engine_threads: CPU: the engine's intra-op threads (`None`: the caller's count); the trainer keeps its own.
+    """
 
     generates_between_takes = True
 
-    def __init__(
-        self,
-        generator: ContinuousBatchingGenerator,
-        module: PreTrainedModel,
-        num_generations: int,
-        max_prompt_len: int,
-        engine_threads: int | None = None,
-    ) -> None:
-        super().__init__(generator, module, num_generations, max_prompt_len)
-        self.view = EngineView(module)  # `ValueError` for sharded parameters
+    engine_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        self.view = EngineView(self.module)  # `ValueError` for sharded parameters
         self.stream = EngineStream.for_device(self.view.module.device)  # CUDA: the engine's own stream; CPU: None
-        self.engine_threads = engine_threads
-        if engine_threads is not None:  # runs on the engine's thread only: the trainer never runs the view
-            self.view.module.register_forward_pre_hook(_ThreadCap(engine_threads))
+        if self.engine_threads is not None:  # runs on the engine's thread only: the trainer never runs the view
+            self.view.module.register_forward_pre_hook(_ThreadCap(self.engine_threads))
         self._weights: contextlib.ExitStack | None = None  # generation-dtype copies applied to the view
         self._update: contextlib.ExitStack | None = None  # the pause held across an optimizer step
         self._close_priority = 0  # at exit, stop the running engine before generators are closed
@@ -178,31 +174,3 @@ def _intra_op_threads(threads: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(own)  # also what threads started from now on take
-
-
-class OverlapRolloutController(AsyncRollouts[OverlapEngineBackend]):
-    """The async core on `OverlapEngineBackend`: `AsyncRollouts(OverlapEngineBackend(...), ...)`.
-
-    Args:
-        generator: The trainer's generator (its engine runs the view; block sharing is turned off).
-        module: The plain transformers model being trained (single process or DDP: parameters are local).
-        prompt_stream, num_generations, groups_per_step, prefetch_depth, max_staleness, keep_stale, timeout: as for
-            `AsyncRollouts`.
-        max_prompt_len: Covers every prompt the stream will yield (as for `AsyncRolloutController`).
-        engine_threads: CPU: the engine's intra-op threads (`None`: the caller's count); the trainer keeps its own.
-    """
-
-    def __init__(
-        self,
-        generator: ContinuousBatchingGenerator,
-        module: PreTrainedModel,
-        prompt_stream: Iterator[tuple[Any, list[int]]],
-        *,
-        max_prompt_len: int,
-        engine_threads: int | None = None,
-        **options: Unpack[AsyncOptions],
-    ) -> None:
-        backend = OverlapEngineBackend(generator, module, options["num_generations"], max_prompt_len, engine_threads)
-        super().__init__(backend, prompt_stream, **options)
-        self.generator = generator
-        self.module = module

@@ -29,7 +29,6 @@ from ..rollouts.async_core import AsyncBounds, AsyncRolloutSource, PromptStream
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.model_access import plain_module
 from ..rollouts.multi_turn import with_turns
-from ..rollouts.overlap import OverlapRolloutController
 from ..rollouts.rollout_groups import TokenValues, as_lists
 from . import tool_turns, trl_internals
 from .rollout_state import RolloutStateMixin
@@ -239,15 +238,15 @@ class AsyncRolloutsMixin(RolloutStateMixin):
             )
             if state.longest_prompt is None:
                 state.longest_prompt = self._cb_scan_prompts(lambda ids: generator.validate_prompts(ids, module))
-            overlap = {"engine_threads": args.cb_async_overlap_engine_threads} if args.cb_async_overlap else {}
-            controller = (OverlapRolloutController if args.cb_async_overlap else AsyncRolloutController)(
+            controller = AsyncRolloutController(
                 generator,
                 module,
                 self._cb_prompt_stream(state.stream_start),
                 max_prompt_len=state.longest_prompt + self._cb_turn_context(),
+                overlap=args.cb_async_overlap,
+                engine_threads=args.cb_async_overlap_engine_threads,
                 num_generations=self.num_generations,
                 groups_per_step=groups_per_step,
-                **overlap,
                 **bounds,
             )
         turns = self._cb_turns()

@@ -55,9 +55,9 @@ def test_graphed_decode_samples_exactly(sharp_model, tokenizer, prompts, monkeyp
     with ContinuousBatchingGenerator(sharp_model, cfg, {"max_batch_tokens": 16}) as gen:
         result = gen.generate(prompts, num_generations=G)
         graphs = _graphs(gen)
-    assert graphs is not None and graphs.stats.captures > 0
-    assert graphs.stats.replays > graphs.stats.captures, "decode steps must replay their graphs"
-    assert graphs.stats.eager_steps > 0, "prefill steps run eagerly"
+    assert graphs is not None and graphs.captures > 0
+    assert graphs.replays > graphs.captures, "decode steps must replay their graphs"
+    assert graphs.eager_steps > 0, "prefill steps run eagerly"
     assert set(graphs.graphs) <= {1, 2, 4, 8, 16}, "decode steps are padded to powers of two rows"
     assert _worst(sharp_model, prompts, result, temperature, top_k, top_p) < 1e-4
     if top_p < 1.0:  # the recorder's values come out of the replayed graph
@@ -72,7 +72,7 @@ def test_graphs_survive_optimizer_steps(tokenizer, prompts, monkeypatch):
     cfg = sampling_config(tokenizer)
     with ContinuousBatchingGenerator(model, cfg) as gen:
         gen.generate(prompts, num_generations=G)
-        captured = _graphs(gen).stats.captures
+        captured = _graphs(gen).captures
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         for _ in range(10):
             model.train()
@@ -83,11 +83,11 @@ def test_graphs_survive_optimizer_steps(tokenizer, prompts, monkeypatch):
             model.eval()
             result = gen.generate(prompts, num_generations=G)
             assert _worst(model, prompts, result) < 1e-4
-        stats = _graphs(gen).stats
+        graphs = _graphs(gen)
     moved = max((p.detach() - before[n]).abs().max().item() for n, p in model.named_parameters())
     assert moved > 1e-2, "the weights must change, or the test shows nothing"
-    assert stats.invalidations == 0
-    assert stats.captures <= captured + 2, "in-place updates keep the graphs (a new padded size may still appear)"
+    assert graphs.invalidations == 0
+    assert graphs.captures <= captured + 2, "in-place updates keep the graphs (a new padded size may still appear)"
 
 
 def _move_and_change(model: torch.nn.Module) -> None:
@@ -108,10 +108,10 @@ def test_a_moved_weight_is_recaptured_never_replayed_stale(tokenizer, prompts, m
         _move_and_change(model)
         with caplog.at_level("WARNING", logger="trl_cb.engine.decode_graphs"):
             result = gen.generate(prompts, num_generations=G)
-        stats = _graphs(gen).stats
+        graphs = _graphs(gen)
     worst = _worst(model, prompts, result)
     if recheck:
-        assert stats.invalidations == 1
+        assert graphs.invalidations == 1
         assert "model.layers.0.mlp.down_proj.weight" in caplog.text
         assert worst < 1e-4
     else:
@@ -248,7 +248,7 @@ def test_graphed_decode_honours_a_soft_cap(tokenizer, prompts, monkeypatch, soft
                 p.normal_(0.0, 0.2)
     with ContinuousBatchingGenerator(model, sampling_config(tokenizer)) as gen:
         result = gen.generate(prompts, num_generations=G)
-        assert _graphs(gen).stats.replays > 0
+        assert _graphs(gen).replays > 0
     reference = model
     if not softcap:
         reference = copy.deepcopy(model)

@@ -83,5 +83,5 @@ def test_a_built_engine_runs_the_composed_methods_with_the_graph_innermost(model
         runner._forward_process_and_sample = record
         gen.generate(prompts[:2], num_generations=2)
         graphs = decode_graphs.decode_graphs(manager)
-    assert graphs.stats.replays > 0
+    assert graphs.replays > 0
     assert placeholder_seen and all(placeholder_seen), "a graph step ran without the mask placeholder"

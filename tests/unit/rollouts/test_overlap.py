@@ -32,7 +32,7 @@ from trl_cb.engine import _upstream
 from trl_cb.engine.model_view import EngineView
 from trl_cb.offline.data import synthetic_gsm8k
 from trl_cb.offline.tiny import tiny_model
-from trl_cb.rollouts.overlap import OverlapRolloutController
+from trl_cb.rollouts.async_controller import AsyncRolloutController
 
 #: |engine logprob - teacher-forced reference| allowed in fp32: the server tests' bound (fp32 noise only; the engine
 #: batches tokens of many requests, the reference one sequence). Measured here 7.8e-6 to 1.1e-5 over runs; every
@@ -83,13 +83,13 @@ def phi3_with_dropout(tokenizer, p: float = 0.5) -> PreTrainedModel:
 
 def overlap_controller(
     model: PreTrainedModel, tokenizer, max_new_tokens: int = 64, **kwargs
-) -> OverlapRolloutController:
+) -> AsyncRolloutController:
     rows = synthetic_gsm8k(40, seed=4)
     stream = ((r, tokenizer(r["prompt"])["input_ids"]) for r in itertools.cycle(rows))
     gen = ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=max_new_tokens))
     options = dict(num_generations=2, groups_per_step=2, prefetch_depth=2, max_staleness=1, keep_stale=True)
     options.update(kwargs)
-    ctl = OverlapRolloutController(gen, model, stream, max_prompt_len=64, **options)
+    ctl = AsyncRolloutController(gen, model, stream, max_prompt_len=64, overlap=True, **options)
     ctl.start()
     return ctl
 
@@ -224,8 +224,8 @@ def test_bf16_generation_copies_live_on_the_view_and_are_refreshed_in_the_pause(
     rows = synthetic_gsm8k(8, seed=4)
     stream = ((r, tokenizer(r["prompt"])["input_ids"]) for r in itertools.cycle(rows))
     gen = ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=8), cast_dtype=torch.bfloat16)
-    ctl = OverlapRolloutController(
-        gen, model, stream, max_prompt_len=64, num_generations=2, groups_per_step=2, max_staleness=2
+    ctl = AsyncRolloutController(
+        gen, model, stream, max_prompt_len=64, overlap=True, num_generations=2, groups_per_step=2, max_staleness=2
     )
     ctl.start()
     try:
@@ -301,7 +301,7 @@ def test_every_token_matches_its_version_over_its_kv_prefix_across_5_updates(tok
 
 
 def train_three_steps(
-    model: PreTrainedModel, ctl: OverlapRolloutController, throttle: EngineThrottle | None, batch: torch.Tensor
+    model: PreTrainedModel, ctl: AsyncRolloutController, throttle: EngineThrottle | None, batch: torch.Tensor
 ):
     """Three optimizer steps of a next-token loss on `batch`; with a `throttle` the engine runs during forward and
     backward (each waits for an engine forward to start), without one it is paused for them. Returns each step's
@@ -421,7 +421,7 @@ def test_dropout_and_gradient_checkpointing_in_the_trainer_leave_engine_logprobs
 # ------------------------------------------------------------------------------------------------- reliability
 
 
-def heavy_overlap(tokenizer, **kwargs) -> OverlapRolloutController:
+def heavy_overlap(tokenizer, **kwargs) -> AsyncRolloutController:
     """In-flight groups that take many seconds to generate (a compute-heavier tiny model, 160 tokens, no EOS)."""
     from tests.unit.rollouts.test_reliability import far_from_uniform
 
@@ -505,7 +505,7 @@ def test_interpreter_exit_with_a_running_overlap_engine_prints_nothing_and_does_
             import itertools
             from transformers import GenerationConfig
             from trl_cb import ContinuousBatchingGenerator
-            from trl_cb.rollouts.overlap import OverlapRolloutController
+            from trl_cb.rollouts.async_controller import AsyncRolloutController
             from trl_cb.offline.tiny import bias_eos, tiny_model, tiny_tokenizer
 
             tok = tiny_tokenizer()
@@ -514,8 +514,8 @@ def test_interpreter_exit_with_a_running_overlap_engine_prints_nothing_and_does_
             model = tiny_model(tok, init_std=0.2)
             bias_eos(model, tok.eos_token_id, -30.0)
             stream = (({"i": i}, [5, 6, 7 + i % 50]) for i in itertools.count())
-            ctl = OverlapRolloutController(ContinuousBatchingGenerator(model, cfg), model, stream, max_prompt_len=8,
-                                           num_generations=2, groups_per_step=2)
+            ctl = AsyncRolloutController(ContinuousBatchingGenerator(model, cfg), model, stream, max_prompt_len=8,
+                                         overlap=True, num_generations=2, groups_per_step=2)
             ctl.start()
             print("exiting while generating", flush=True)
             """
@@ -545,7 +545,22 @@ def test_overlap_config_validation():
             cb_async_overlap=True,
             cb_server_urls=["http://127.0.0.1:1"],
         )
+    with pytest.raises(ValueError, match="overlapping engine's threads: set cb_async_overlap"):
+        make(use_transformers_continuous_batching=True, cb_async_generation=True, cb_async_overlap_engine_threads=1)
+    threads = dict(cb_async_generation=True, cb_async_overlap_engine_threads=1)
+    assert make(use_transformers_continuous_batching=True, cb_async_overlap=True, **threads).cb_async_overlap
     assert not make().cb_async_overlap
+
+
+def test_engine_threads_without_overlap_is_refused_not_dropped(tokenizer):
+    model = sharp_model(tokenizer)
+    gen = ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=4))
+    options = dict(max_prompt_len=8, engine_threads=1, num_generations=2, groups_per_step=1)
+    with pytest.raises(ValueError, match="engine_threads .* needs overlap=True"):
+        AsyncRolloutController(gen, model, iter([]), **options)
+    ctl = AsyncRolloutController(gen, model, iter([]), overlap=True, **options)
+    assert ctl.backend.engine_threads == 1
+    ctl.stop()
 
 
 def test_trainer_refuses_sharded_parameters_at_construction_naming_rollout_servers(tokenizer, tmp_path, monkeypatch):

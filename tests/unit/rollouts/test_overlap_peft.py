@@ -28,8 +28,8 @@ from tests.unit.rollouts.test_overlap import (
 )
 from trl_cb import ContinuousBatchingGenerator
 from trl_cb.offline.data import synthetic_gsm8k
+from trl_cb.rollouts.async_controller import AsyncRolloutController
 from trl_cb.rollouts.model_access import plain_module
-from trl_cb.rollouts.overlap import OverlapRolloutController
 
 peft = pytest.importorskip("peft")
 
@@ -60,9 +60,9 @@ def test_lora_overlap_matches_each_version_and_leaves_the_base_untouched(tokeniz
     rows = synthetic_gsm8k(40, seed=4)
     stream = ((r, tokenizer(r["prompt"])["input_ids"]) for r in itertools.cycle(rows))
     generator = ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=64))
-    ctl = OverlapRolloutController(
-        generator, module, stream, max_prompt_len=64, num_generations=2, groups_per_step=2, prefetch_depth=2,
-        max_staleness=STEPS, keep_stale=True,
+    ctl = AsyncRolloutController(
+        generator, module, stream, max_prompt_len=64, overlap=True, num_generations=2, groups_per_step=2,
+        prefetch_depth=2, max_staleness=STEPS, keep_stale=True,
     )  # fmt: skip
     ctl.start()
     optimizer = torch.optim.AdamW(trainable, lr=5e-2)
@@ -128,14 +128,14 @@ def test_trainer_with_lora_and_overlap_trains_the_adapters_only(tokenizer, tmp_p
 
     def recording_take(inputs: list) -> list:
         rows = take(inputs)
-        controllers.append(type(trainer.rollout_state.async_rollouts.source).__name__)
+        controllers.append(type(trainer.rollout_state.async_rollouts.source.backend).__name__)
         return rows
 
     trainer._cb_async_take = recording_take
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     assert len(logs) == 3 and logs[-1]["async/policy_version"] == 2
-    assert set(controllers) == {"OverlapRolloutController"}
+    assert set(controllers) == {"OverlapEngineBackend"}
     moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p)}
     assert moved and all("lora_" in n for n in moved), sorted(moved)[:5]
     assert trainer.rollout_state.async_rollouts.source is None and not engine_threads()

@@ -31,7 +31,7 @@ from trl_cb import ContinuousBatchingGenerator
 from trl_cb.engine import engine_stream
 from trl_cb.engine.engine_stream import EngineStream
 from trl_cb.offline.data import synthetic_gsm8k
-from trl_cb.rollouts.overlap import OverlapRolloutController
+from trl_cb.rollouts.async_controller import AsyncRolloutController
 
 
 class FakeStream:
@@ -154,8 +154,8 @@ def test_cuda_engine_runs_on_its_stream_and_matches_each_version(tokenizer, monk
     generator = ContinuousBatchingGenerator(
         model, sampling_config(tokenizer, max_new_tokens=64), continuous_batching_config=sync_engine
     )
-    ctl = OverlapRolloutController(
-        generator, model, stream_of_prompts, max_prompt_len=64, num_generations=2, groups_per_step=2,
+    ctl = AsyncRolloutController(
+        generator, model, stream_of_prompts, max_prompt_len=64, overlap=True, num_generations=2, groups_per_step=2,
         prefetch_depth=2, max_staleness=1, keep_stale=True,
     )  # fmt: skip
     ctl.start()
