@@ -3,7 +3,8 @@
 `copy_state` must return what `copy.deepcopy` returns for a request state with every kind of field set (token and
 logprob lists, a nested processor-kwargs dict, an alias between two fields, enums, tuples): equal fields, no mutable
 object shared with the original, the same aliases; a shallow copy fails the same check (control). In an engine, every
-fork goes through it (counted), with the same tokens and logprobs as `TRL_CB_FAST_FORK=0`, which never calls it.
+fork goes through it (counted), with the same tokens and logprobs as transformers' own `deepcopy` fork (the fast
+fork patched out), which never calls it.
 """
 
 from __future__ import annotations
