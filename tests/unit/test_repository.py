@@ -31,6 +31,14 @@ def test_readme_test_commands_are_what_ci_runs():
     assert readme_test_commands()[0] == 'python -m pip install -e ".[test]"'
 
 
+def test_every_ci_command_fails_the_run_on_its_own():
+    """`.ci/run` is `set -e`, which ignores a failure anywhere in an `a && b` or `a || b` list but its last command:
+    `ruff check ... && ruff format --check ...` let lint errors through a green run. One command a line."""
+    assert not [c for c in ci_test_commands() if "&&" in c or "||" in c or c.rstrip().endswith("\\")]
+    script = (ROOT / ".ci" / "run").read_text()
+    assert "set -euo pipefail" in script
+
+
 def test_test_extra_installs_what_the_suite_imports():
     """`pip install -e ".[test]"` must bring DeepSpeed and PEFT: without them the ZeRO-3 / LoRA tests skip."""
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11

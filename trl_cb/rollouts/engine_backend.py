@@ -1,7 +1,7 @@
 """`EngineBackend`: the async core's backend on the trainer's own CB engine, taking turns with the trainer.
 
-`LocalEngineBackend` is what it shares with the overlap backend (`overlap.OverlapEngineBackend`, the engine on a view of
-the weights, alongside the trainer): groups submitted to and collected from one CB engine of this process.
+`LocalEngineBackend` is what it shares with the overlap backend (`overlap.OverlapEngineBackend`, the engine on a view
+of the weights, alongside the trainer): groups submitted to and collected from one CB engine of this process.
 
 - No thread of its own, so nothing to leak; the engine is sized once for `capacity_groups * G` requests and the
   longest prompt (`max_prompt_len`), and a longer prompt is refused naming its stream item.
