@@ -296,15 +296,16 @@ def _train(
 
 
 def _trainer_settings(trainer: Any) -> dict[str, Any]:
-    """The async and IS settings the trainer ran with (the staleness bound as resolved when unset)."""
+    """The async and IS settings the trainer ran with (the prefetch depth and staleness bound as resolved when unset:
+    with tools the trainer's default depth differs from the config's)."""
     a = trainer.args
     out = {name: getattr(a, name, None) for name in (
         "cb_async_prefetch_depth", "cb_async_max_staleness", "cb_async_keep_stale", "cb_importance_sampling_mode",
         "cb_importance_sampling_clip_min", "cb_importance_sampling_clip_max",
     )}  # fmt: skip
-    resolve = getattr(trainer, "_cb_max_staleness", None)
-    if getattr(a, "cb_async_generation", False) and callable(resolve):
-        out["max_staleness_resolved"] = resolve()
+    if getattr(a, "cb_async_generation", False) and hasattr(trainer, "_cb_max_staleness"):
+        out["cb_async_prefetch_depth"] = trainer._cb_prefetch_depth()
+        out["max_staleness_resolved"] = trainer._cb_max_staleness()
     return out
 
 

@@ -37,11 +37,12 @@ from .trainers.trl_internals import trl_config_post_init
 #: 0.98 and sync's learning curve, depth 1 staleness 1.93 and 1.08-1.20x samples (docs/async.md).
 DEFAULT_PREFETCH_DEPTH = 1
 DEFAULT_OVERLAP_PREFETCH_DEPTH = 0
-#: `cb_async_prefetch_depth` when unset and the trainer has tools or environments (multi-turn rollouts), set by the
-#: trainer (the config does not know its tools). Measured on the long-tailed tool task (docs/benchmarks.md,
-#: "Multi-turn agents"; 10 seeds in two runs of every backend): at depth 1 (staleness up to 2) 5 runs of 10 ended
-#: collapsed (evaluated reward < 0.5 at the last step), at depth 0 1 of 10, as sync (1 of 10); step time 0.27x
-#: sync's instead of 0.20x. At lr 2e-3 (sync stable): depth 0 0.92x sync's samples, depth 1 collapsed 2 runs of 6.
+#: `cb_async_prefetch_depth` when unset and the trainer has tools or environments (multi-turn rollouts), chosen by the
+#: trainer (`_cb_prefetch_depth`: the config does not know its tools, and is left as the user built it). Measured on
+#: the long-tailed tool task (docs/benchmarks.md, "Multi-turn agents"; 10 seeds in two runs of every backend): at
+#: depth 1 (staleness up to 2) 5 runs of 10 ended collapsed (evaluated reward < 0.5 at the last step), at depth 0 1 of
+#: 10, as sync (1 of 10); step time 0.27x sync's instead of 0.20x. At lr 2e-3 (sync stable): depth 0 0.92x sync's
+#: samples, depth 1 collapsed 2 runs of 6.
 DEFAULT_TOOLS_PREFETCH_DEPTH = 0
 
 #: The IS modes for `cb_async_generation=True` when none is set, self-normalised (`cb_importance_sampling_normalize`):

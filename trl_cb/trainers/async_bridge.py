@@ -105,17 +105,12 @@ class AsyncRolloutsMixin(RolloutStateMixin):
                 "cb_async_generation with tools or environments runs on one process (each sample's tool loop and "
                 "environment live beside the rollout producer); use one process, or sync mode for several."
             )
-        from ..configs import DEFAULT_TOOLS_PREFETCH_DEPTH, prefetch_depth_was_set  # configs imports the trainers
-
-        if getattr(self, "tools", None) and not prefetch_depth_was_set(args):
-            # multi-turn: staleness <= 1 (measured: DEFAULT_TOOLS_PREFETCH_DEPTH's comment, trl_cb/configs.py)
-            if args.cb_async_prefetch_depth != DEFAULT_TOOLS_PREFETCH_DEPTH:
-                logger.info(
-                    "Async rollouts with tools: cb_async_prefetch_depth %d (unset; %d without tools).",
-                    DEFAULT_TOOLS_PREFETCH_DEPTH,
-                    args.cb_async_prefetch_depth,
-                )
-            args.cb_async_prefetch_depth = DEFAULT_TOOLS_PREFETCH_DEPTH
+        if self._cb_prefetch_depth() != args.cb_async_prefetch_depth:
+            logger.info(
+                "Async rollouts with tools: cb_async_prefetch_depth %d (unset; %d without tools).",
+                self._cb_prefetch_depth(),
+                args.cb_async_prefetch_depth,
+            )
         self.add_callback(_PauseEngineForOptimizerStep(self))
         self.add_callback(_SaveAsyncState(self))
 
@@ -206,7 +201,7 @@ class AsyncRolloutsMixin(RolloutStateMixin):
         args = self.args
         groups_per_step = args.generation_batch_size // self.accelerator.num_processes // self.num_generations
         bounds = AsyncBounds(
-            prefetch_depth=args.cb_async_prefetch_depth,
+            prefetch_depth=self._cb_prefetch_depth(),
             max_staleness=self._cb_max_staleness(),
             keep_stale=args.cb_async_keep_stale,
             timeout=args.cb_generation_timeout,
@@ -263,6 +258,16 @@ class AsyncRolloutsMixin(RolloutStateMixin):
         the completion so far (at most `max_completion_length`)."""
         return int(self.args.max_completion_length) if self._cb_turns() is not None else 0
 
+    def _cb_prefetch_depth(self) -> int:
+        """`args.cb_async_prefetch_depth`, or, unset with tools or environments, `DEFAULT_TOOLS_PREFETCH_DEPTH`
+        (multi-turn: staleness <= 1, measured; its comment in trl_cb/configs.py). The config is the user's and may
+        serve another trainer: it is read, never written."""
+        from ..configs import DEFAULT_TOOLS_PREFETCH_DEPTH, prefetch_depth_was_set  # configs imports the trainers
+
+        if getattr(self, "tools", None) and not prefetch_depth_was_set(self.args):
+            return DEFAULT_TOOLS_PREFETCH_DEPTH
+        return self.args.cb_async_prefetch_depth
+
     def _cb_max_staleness(self) -> int:
         """`args.cb_async_max_staleness`, or (unset) the bound that drops nothing for this schedule: rollouts are
         taken once every `steps_per_generation * num_iterations / gradient_accumulation_steps` optimizer steps."""
@@ -270,7 +275,7 @@ class AsyncRolloutsMixin(RolloutStateMixin):
         if args.cb_async_max_staleness is not None:
             return args.cb_async_max_staleness
         steps_per_take = args.steps_per_generation * self.num_iterations / args.gradient_accumulation_steps
-        return default_max_staleness(args.cb_async_prefetch_depth, steps_per_take)
+        return default_max_staleness(self._cb_prefetch_depth(), steps_per_take)
 
     def _cb_async_take(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Replace the sampler's rows by those of finished groups; keep the groups for `_generate_single_turn`."""
