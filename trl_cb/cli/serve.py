@@ -78,13 +78,12 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..offline.names import is_tiny_model_name
-    from ..offline.tiny import tiny_model_path
+    from ..offline.tiny import resolve_model_name
     from ..serving.server import create_app
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = tiny_model_path(args.model) if is_tiny_model_name(args.model) else args.model
+    path = resolve_model_name(args.model)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     return create_app(
         model,
