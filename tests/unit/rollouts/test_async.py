@@ -34,6 +34,14 @@ def controller(model, tokenizer, max_new_tokens=24, cb_config=None, **kwargs) ->
     return ctl
 
 
+def run_until_decoding(ctl: AsyncRolloutController) -> None:
+    """Let the held engine run until a request in flight has sampled some (not all) of its tokens: an update made now
+    lands mid-request (proven, not assumed; no race against a sleep)."""
+    while not any(_upstream.inflight_generated_lengths(ctl.backend.manager).values()):
+        with ctl.backend.hold.running():
+            time.sleep(0.002)
+
+
 def perturb(model: torch.nn.Module, scale: float = 0.05) -> None:
     with torch.no_grad():
         for p in model.parameters():
@@ -115,10 +123,7 @@ def test_behaviour_logprobs_across_a_weight_update(tokenizer):
     ctl = controller(model, tokenizer, max_new_tokens=48, cb_config={"max_requests_per_batch": 4}, prefetch_depth=2)
     try:
         ctl.take(2)  # leaves prefetched groups in flight
-        # Proven, not assumed: let the engine run until a held request has sampled some (not all) of its tokens.
-        while not any(_upstream.inflight_generated_lengths(ctl.backend.manager).values()):
-            with ctl.backend.hold.running():
-                time.sleep(0.002)
+        run_until_decoding(ctl)
         old = copy.deepcopy(model)
         with ctl.weight_update():
             perturb(model)

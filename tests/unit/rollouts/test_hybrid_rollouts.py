@@ -6,20 +6,15 @@ GRPO async and overlapped with training, and TRL's GRPO / RLOO on the class TRL'
 from __future__ import annotations
 
 import copy
-import itertools
-import time
 
 import pytest
 import torch
 
-from tests.conftest import sampling_config
 from tests.hybrid_reference import StepTrace, replay_logprobs
 from tests.model_zoo import HYBRID, tiny_arch_model
+from tests.unit.rollouts.test_async import controller, perturb, run_until_decoding
 from tests.unit.trainers.test_trainers import make_trainer
-from trl_cb import ContinuousBatchingGenerator
-from trl_cb.engine import _upstream
 from trl_cb.offline.data import synthetic_gsm8k
-from trl_cb.rollouts.async_controller import AsyncRolloutController
 
 QWEN3_5 = next(a for a in HYBRID if a.model_type == "qwen3_5_text")
 #: The fp32 trainer against the fp32 engine: Gated DeltaNet's chunked (training) and recurrent (decode) kernels differ
@@ -28,33 +23,16 @@ QWEN3_5 = next(a for a in HYBRID if a.model_type == "qwen3_5_text")
 FP32_HYBRID_TOL = 1e-3
 
 
-def perturb(model: torch.nn.Module, scale: float = 0.05) -> None:
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn_like(p))
-
-
 def test_async_weight_update_mid_request_keeps_the_state_the_old_weights_wrote(tokenizer, monkeypatch):
     """Async rollouts, weights updated while requests are mid-generation (float64): every token equals the cached
     computation with the old weights up to the update and the new weights after it, on the recurrent state (and KV)
     the old weights wrote. Control: the new weights recomputing the prefix miss by > 1e-3."""
     model = tiny_arch_model(QWEN3_5, len(tokenizer), dtype=torch.float64)  # no EOS bias: completions run to the end
     trace = StepTrace().install(monkeypatch)
-    rows = synthetic_gsm8k(40, seed=4)
-    stream = ((r, tokenizer(r["prompt"])["input_ids"]) for r in itertools.cycle(rows))
-    gen = ContinuousBatchingGenerator(
-        model, sampling_config(tokenizer, max_new_tokens=24), continuous_batching_config={"max_requests_per_batch": 4}
-    )
-    options = dict(num_generations=2, groups_per_step=2, prefetch_depth=2, max_staleness=1)
-    ctl = AsyncRolloutController(gen, model, stream, max_prompt_len=64, **options)
-    ctl.start()
+    ctl = controller(model, tokenizer, max_new_tokens=24, cb_config={"max_requests_per_batch": 4}, prefetch_depth=2)
     try:
         ctl.take(2)  # leaves prefetched groups in flight
-        deadline = time.monotonic() + 120
-        while not any(_upstream.inflight_generated_lengths(ctl.backend.manager).values()):
-            assert time.monotonic() < deadline, "no request started decoding"
-            with ctl.backend.hold.running():
-                time.sleep(0.002)
+        run_until_decoding(ctl)
         old = copy.deepcopy(model)
         with ctl.weight_update():
             perturb(model)

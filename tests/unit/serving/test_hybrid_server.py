@@ -8,16 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.unit.rollouts.test_hybrid_rollouts import FP32_HYBRID_TOL
 from tests.unit.serving.conftest import KEY
-from tests.unit.serving.test_inflight import pause_push_resume, straddling_reference
-from tests.unit.serving.test_server import perturbed
+from tests.unit.serving.test_inflight import straddling_reference, update_inside_a_request
 from trl_cb.offline.tiny import tiny_model
 from trl_cb.serving.client import RolloutClient
 from trl_cb.serving.weight_sync import WeightSender
-
-#: fp32 engine (server process) against fp32 references here: Gated DeltaNet's chunked and recurrent kernels differ
-#: by up to ~2e-4 nats on these sharp weights (tests/unit/engine/test_hybrid_engine.py); the controls miss by far more.
-FP32_HYBRID_TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -34,18 +30,7 @@ def test_update_mid_request_on_a_hybrid_server(server, local_model, prompts):
     client = RolloutClient([url], api_key=KEY, timeout=300)
     sender = WeightSender(url, api_key=KEY, timeout=60)
     batch = [p for p in prompts for _ in range(2)][:8]
-    old, max_tokens, decoding_s = local_model, 48, 0.08
-    for version in range(1, 6):  # retried longer / later until an update lands inside a request (as test_inflight)
-        new_model = perturbed(old)
-        result, state = pause_push_resume(url, client, sender, batch, new_model, version, max_tokens, decoding_s)
-        switches = [v.index(version) if version in v else len(v) for v in result.token_weight_versions]
-        if any(0 < s < len(t) for s, t in zip(switches, result.completion_ids)):
-            break
-        if all(s == len(t) for s, t in zip(switches, result.completion_ids)):
-            max_tokens *= 4
-        else:
-            decoding_s *= 4
-        old = new_model
+    result, _, old, new_model, version = update_inside_a_request(url, client, sender, batch, local_model, 48)
     sender.close()
     gaps, new_prefix = [], []
     for i, (tokens, logprobs, versions) in enumerate(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from typing import Any
 
 import pytest
 import requests
@@ -83,19 +84,16 @@ def pause_push_resume(
     return outcome["result"], state
 
 
-def test_update_mid_request_switches_versions_per_token_exactly(server, local_model, prompts):
-    """Pause while requests are mid-generation, push new weights, resume: each token reports the weights that
-    sampled it, and its logprob is exactly that of old weights before the switch and new weights (over the old KV
-    prefix) after it. Controls: the old weights alone, and the new weights recomputing the prefix, both miss.
+def update_inside_a_request(
+    url: str, client: RolloutClient, sender: WeightSender, batch: list, model: torch.nn.Module, max_tokens: int
+) -> tuple[Any, dict, torch.nn.Module, torch.nn.Module, int]:
+    """Push perturbed weights while `batch` generates, retried until the update lands inside a request.
 
-    "Mid-generation" is proven from the per-token versions, not assumed from a sleep: if every completion ended
-    before the pause (a fast machine) the next try generates 4x longer; if none had started decoding (a slow one),
-    the next try waits 4x longer before pausing."""
-    _, url = server
-    client = RolloutClient([url], api_key=KEY, timeout=300)
-    sender = WeightSender(url, api_key=KEY, timeout=60)
-    batch = [p for p in prompts for _ in range(2)][:12]
-    old, max_tokens, decoding_s = local_model, 64, 0.08  # completions without an EOS bias run to max_tokens
+    "Mid-generation" is proven from the per-token versions, not assumed from a sleep: if every completion ended before
+    the pause (a fast machine) the next try generates 4x longer; if none had started decoding (a slow one), the next
+    try waits 4x longer before pausing. Returns the result, the server's state while paused, the weights before and
+    after the update that landed, and its version."""
+    old, decoding_s = model, 0.08
     for version in range(1, 6):
         new_model = perturbed(old)
         result, state = pause_push_resume(url, client, sender, batch, new_model, version, max_tokens, decoding_s)
@@ -108,6 +106,20 @@ def test_update_mid_request_switches_versions_per_token_exactly(server, local_mo
         else:
             decoding_s *= 4  # the pause came before decoding
         old = new_model
+    return result, state, old, new_model, version
+
+
+def test_update_mid_request_switches_versions_per_token_exactly(server, local_model, prompts):
+    """Pause while requests are mid-generation, push new weights, resume: each token reports the weights that
+    sampled it, and its logprob is exactly that of old weights before the switch and new weights (over the old KV
+    prefix) after it. Controls: the old weights alone, and the new weights recomputing the prefix, both miss.
+    "Mid-generation" is proven, not assumed (`update_inside_a_request`)."""
+    _, url = server
+    client = RolloutClient([url], api_key=KEY, timeout=300)
+    sender = WeightSender(url, api_key=KEY, timeout=60)
+    batch = [p for p in prompts for _ in range(2)][:12]
+    # completions without an EOS bias run to max_tokens
+    result, state, old, new_model, version = update_inside_a_request(url, client, sender, batch, local_model, 64)
     assert state["weight_updates_in_flight"] >= 1
 
     gaps, old_only, new_prefix, straddling = [], [], [], 0
@@ -125,7 +137,8 @@ def test_update_mid_request_switches_versions_per_token_exactly(server, local_mo
             old_only.append((straddling_reference(old, old, prompt, tokens, 0) - got).abs().max())
             new_prefix.append((straddling_reference(new_model, new_model, prompt, tokens, 0) - got).abs().max())
     print(
-        f"\n{straddling}/{len(gaps)} completions straddle update {version} ({max_tokens} tokens); "
+        f"\n{straddling}/{len(gaps)} completions straddle update {version} "
+        f"({max(len(t) for t in result.completion_ids)} tokens); "
         f"max|d|={max(gaps):.2e}; controls: old weights "
         f"{min(old_only):.3f}, new weights over a recomputed prefix {min(new_prefix):.3f}"
     )
