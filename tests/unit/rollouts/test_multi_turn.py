@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -82,6 +83,40 @@ def engine_logprobs(weights, context: list[int], tokens: list[int], versions: li
     return torch.log_softmax(torch.cat(logits), -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
+@dataclass
+class TurnGaps:
+    """One turn of a multi-turn sample against float64 teacher forcing (`turn_gaps`)."""
+
+    #: The versions that may have prefilled the turn's context, and the engine-path recomputation under each.
+    prefills: list[int]
+    candidates: list[torch.Tensor]
+    #: The closest candidate's max |logprob - served|.
+    gap: float
+    #: Controls: the next version's weights (None when there is none), and, after a tool, the context without the
+    #: tool's ids (None for a first turn): each must miss by far more than `gap`.
+    other_version: float | None
+    no_tools: float | None
+
+
+def turn_gaps(weights, prompt: list[int], ids: list[int], mask: list[int], versions: list[int], served: torch.Tensor,
+              turn: int, start: int, end: int) -> TurnGaps:  # fmt: skip
+    """Turn `turn` (`ids[start:end]`, logprobs `served`) of a sample: a forked first turn may be prefilled (all but its
+    last prompt token) before an update; later turns (one sample each) prefill and sample in one step."""
+    context, tokens, sampled_by = prompt + ids[:start], ids[start:end], versions[start:end]
+    first = sampled_by[0]
+    prefills = sorted({first, max(first - 1, 0)}) if turn == 0 else [first]
+    candidates = [engine_logprobs(weights, context, tokens, sampled_by, v) for v in prefills]
+    gap = min((c - served).abs().max().item() for c in candidates)
+    other = None
+    if first + 1 in weights:
+        other = (logprobs_of(weights[first + 1], context, tokens) - served).abs().max().item()
+    no_tools = None
+    if turn > 0:  # the tool ids were in context: without them the same tokens are far off
+        kept = [t for t, m in zip(ids[:start], mask[:start], strict=True) if m]
+        no_tools = (logprobs_of(weights[first], prompt + kept, tokens) - served).abs().max().item()
+    return TurnGaps(prefills, candidates, gap, other, no_tools)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 def test_every_model_token_matches_teacher_forcing_under_its_version(tokenizer, monkeypatch, dtype):
     """A turn's context is prefilled, then its tokens sampled; an update between two engine steps lands anywhere:
@@ -128,25 +163,19 @@ def test_every_model_token_matches_teacher_forcing_under_its_version(tokenizer, 
             tool = [i for i, m in enumerate(mask) if not m]
             assert tool and all(logprobs[i] == 0 and versions[i] == versions[i - 1] for i in tool)
             for n, (start, end) in enumerate(turns_of(mask)):
-                context, tokens, turn = group.prompt_ids + ids[:start], ids[start:end], versions[start:end]
                 served = logprobs[start:end]
-                first = turn[0]
-                # a forked first turn may be prefilled (all but its last prompt token) before an update; later
-                # turns (one sample each) prefill and sample in one step
-                prefills = {first, max(first - 1, 0)} if n == 0 else {first}
-                candidates = [engine_logprobs(weights, context, tokens, turn, v) for v in prefills]
-                gaps.append(min((c - served).abs().max().item() for c in candidates))
+                turn = turn_gaps(weights, group.prompt_ids, ids, mask, versions, served, n, start, end)
+                gaps.append(turn.gap)
                 if dtype == torch.float32:  # the same computation by the fp32 model's own forward
-                    own = [engine_logprobs(forward, context, tokens, turn, v) for v in prefills]
-                    floor.append(min((o - c).abs().max().item() for o, c in zip(own, candidates, strict=True)))
-                updated += len(set(turn)) > 1 or (candidates[0] - served).abs().max().item() > 1e-3
-                fresh = logprobs_of(weights[first + 1], context, tokens)
-                other_version.append((fresh - served).abs().max().item())
-                if n > 0:  # the tool ids were in context: without them the same tokens are far off
+                    context, tokens, sampled_by = group.prompt_ids + ids[:start], ids[start:end], versions[start:end]
+                    own = [engine_logprobs(forward, context, tokens, sampled_by, v) for v in turn.prefills]
+                    floor.append(min((o - c).abs().max().item() for o, c in zip(own, turn.candidates, strict=True)))
+                updated += len(set(versions[start:end])) > 1 or (turn.candidates[0] - served).abs().max().item() > 1e-3
+                assert turn.other_version is not None, "every take is followed by an update"
+                other_version.append(turn.other_version)
+                if n > 0:
                     later_turns += 1
-                    kept = [t for i, t in enumerate(ids[:start]) if mask[i]]
-                    alone = logprobs_of(weights[first], group.prompt_ids + kept, tokens)
-                    no_tools.append((alone - served).abs().max().item())
+                    no_tools.append(turn.no_tools)
     bound = FP64_TOL if dtype == torch.float64 else max(FP32_LOGPROB_TOL, FLOOR_FACTOR * max(floor))
     print(f"\n{dtype}: multi-turn vs float64 teacher forcing max|d| = {max(gaps):.2e} over {len(gaps)} turns "
           f"({updated} with an update inside, {later_turns} after a tool), bound {bound:.1e}"

@@ -17,8 +17,7 @@ from transformers import TrainerCallback
 
 from tests.parity.scripted import chat_tokenizer, scripted_model
 from tests.parity.test_tools import finished_reward, multiply
-from tests.unit.rollouts.test_async import logprobs_of
-from tests.unit.rollouts.test_multi_turn import engine_logprobs, turns_of
+from tests.unit.rollouts.test_multi_turn import turn_gaps, turns_of
 from tests.unit.serving.conftest import KEY, running_server
 from trl_cb import GRPOConfig, GRPOTrainer
 from trl_cb.offline.agent import agent_tokenizer, calculator, scripted_agent
@@ -170,23 +169,15 @@ def test_every_model_token_is_corrected_with_the_logprob_that_sampled_it(tmp_pat
             assert batch["completion_mask"][i, :n].all() and batch["tool_mask"][i, :n].tolist() == mask
             sampled = batch["sampling_per_token_logps"][i, :n]
             assert all(sampled[t] == 0 for t in range(n) if not mask[t]), "tool tokens: logprob 0, masked"
-            for turn, (start, end) in enumerate(turns_of(mask)):
-                context, tokens, version = prompt + ids[:start], ids[start:end], turn_versions[start:end]
-                first = version[0]
-                updated += len(set(version)) > 1  # an update landed inside the turn
-                prefills = {first, max(first - 1, 0)} if turn == 0 else {first}
-                gaps.append(min(
-                    (engine_logprobs(versions, context, tokens, version, v) - sampled[start:end]).abs().max().item()
-                    for v in prefills
-                ))  # fmt: skip
-                if first + 1 in versions:
-                    fresh = logprobs_of(versions[first + 1], context, tokens)
-                    other_version.append((fresh - sampled[start:end]).abs().max().item())
-                if turn > 0:
+            for n, (start, end) in enumerate(turns_of(mask)):
+                updated += len(set(turn_versions[start:end])) > 1  # an update landed inside the turn
+                turn = turn_gaps(versions, prompt, ids, mask, turn_versions, sampled[start:end], n, start, end)
+                gaps.append(turn.gap)
+                if turn.other_version is not None:
+                    other_version.append(turn.other_version)
+                if n > 0:
                     later_turns += 1
-                    kept = [t for t, m in zip(ids[:start], mask[:start], strict=True) if m]
-                    alone = logprobs_of(versions[first], prompt + kept, tokens)
-                    no_tools.append((alone - sampled[start:end]).abs().max().item())
+                    no_tools.append(turn.no_tools)
     logs = [e for e in run.state.log_history if "loss" in e]
     staleness = [e["async/staleness_max"] for e in logs]
     print(f"\ntrainer batches vs teacher forcing max|d| = {max(gaps):.2e} over {len(gaps)} turns ({later_turns} "
