@@ -141,7 +141,7 @@ def load_model(
     if name in ("null", "tiny", "small", "tiny-qwen3.5"):
         tokenizer = tiny_tokenizer()  # the builders apply `bias` under their own seed (as the tiny checkpoints do)
         if name == "tiny-qwen3.5":
-            model = tiny_model(tokenizer, architecture="qwen3_5", num_layers=4, eos_logit_bias=bias)
+            model = tiny_model(tokenizer, architecture="qwen3_5", eos_logit_bias=bias)
         elif name == "small":
             model = small_model(tokenizer, eos_logit_bias=bias, dtype=torch.float32)
         else:

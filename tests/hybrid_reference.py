@@ -129,11 +129,3 @@ def replay_logprobs(
     missing = [p for p in range(prompt_len, len(sequence)) if p not in found]
     assert not missing, f"no segment ends before positions {missing}"
     return torch.tensor([found[p] for p in range(prompt_len, len(sequence))], dtype=torch.float64)
-
-
-@torch.no_grad()
-def teacher_forced_logprobs(model: torch.nn.Module, prompt: Sequence[int], completion: Sequence[int],
-                            temperature: float) -> torch.Tensor:  # fmt: skip
-    """One forward over prompt + completion (the trainer's computation), logprobs of the completion (float64)."""
-    logits = model(torch.tensor([list(prompt) + list(completion)])).logits[0, len(prompt) - 1 : -1].double()
-    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(list(completion))[:, None])[:, 0]

@@ -57,8 +57,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     tokenizer = tiny_tokenizer()
-    layers = 4 if args.architecture == "qwen3_5" else 2  # Qwen3.5's layout: 3 Gated DeltaNet + 1 attention layer
-    model = tiny_model(tokenizer, architecture=args.architecture, num_layers=layers, eos_logit_bias=4.0)
+    model = tiny_model(tokenizer, architecture=args.architecture, eos_logit_bias=4.0)
     policy = {}
     if args.bf16 == "mp":  # accelerate's FSDP2 policy for mixed_precision="bf16" (utils/dataclasses.py)
         bf16 = torch.bfloat16

@@ -171,8 +171,7 @@ def main() -> None:
         use_transformers_continuous_batching=True, top_k=0, top_p=1.0,
     )  # fmt: skip
     tokenizer = tiny_tokenizer()
-    layers = 4 if args.architecture == "qwen3_5" else 2  # Qwen3.5's layout: 3 Gated DeltaNet + 1 attention layer
-    model = tiny_model(tokenizer, architecture=args.architecture, num_layers=layers, eos_logit_bias=4.0)
+    model = tiny_model(tokenizer, architecture=args.architecture, eos_logit_bias=4.0)
     peft_config = None
     if args.lora:
         from peft import LoraConfig

@@ -64,7 +64,7 @@ def tiny_model(
     tokenizer: PreTrainedTokenizerFast,
     architecture: str = "qwen2",
     hidden_size: int = 64,
-    num_layers: int = 2,
+    num_layers: int | None = None,
     seed: int = 0,
     eos_logit_bias: float | None = None,
     dtype: torch.dtype = torch.float32,
@@ -87,7 +87,7 @@ def tiny_model(
     compare logprobs use 0.2 (distributions far from uniform).
 
     `architecture="qwen3_5"`: Qwen3.5's hybrid layout, three Gated DeltaNet layers then one full-attention layer
-    (`num_layers` a multiple of 4), linear-attention heads of 16 (as many value heads as query heads, half as many
+    (`num_layers` a multiple of 4; unset: 4, else 2), linear-attention heads of 16 (as many value heads as query heads, half as many
     key heads).
     """
     classes = {
@@ -100,6 +100,8 @@ def tiny_model(
     config_cls, model_cls = classes[architecture]
     heads = num_attention_heads or max(2, hidden_size // 16)
     extra = {}
+    if num_layers is None:
+        num_layers = 4 if architecture == "qwen3_5" else 2
     if architecture == "qwen3_5":
         if num_layers % 4:
             raise ValueError(f"the qwen3_5 layout repeats 3 linear-attention + 1 full-attention layers: {num_layers=}")

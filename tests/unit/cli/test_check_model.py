@@ -47,7 +47,7 @@ def test_pass_on_a_hybrid_checkpoint(tokenizer, tmp_path, capsys):
     """Qwen3.5's layout (3 Gated DeltaNet layers + 1 full attention), weights std 0.2, 200-token prompts: served
     with per-sequence recurrent state (engine/recurrent_state.py). Its fp32 gap to teacher forcing is the model's
     own kernel noise (docs/models.md, "Hybrid models"), within the plain check's tolerance here (2.4e-5)."""
-    model = tiny_model(tokenizer, architecture="qwen3_5", num_layers=4, init_std=0.2)
+    model = tiny_model(tokenizer, architecture="qwen3_5", init_std=0.2)
     path = _save(tmp_path, tokenizer, model=model)
     argv = [path, "--num-prompts", "2", "--max-new-tokens", "12", "--prompt-tokens", "200"]
     assert check_model.main(argv) == 0

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from tests.conftest import sampling_config
-from tests.hybrid_reference import StepTrace, replay_logprobs, request_ids, teacher_forced_logprobs
+from tests.hybrid_reference import StepTrace, replay_logprobs, request_ids
 from tests.model_zoo import HYBRID, Arch, tiny_arch_model
+from tests.unit.rollouts.test_generator import teacher_forced_logprobs
 from trl_cb import ContinuousBatchingGenerator, GenerationError
 from trl_cb.checks import model as compat
 from trl_cb.engine import _upstream_decode, _upstream_recurrent
@@ -63,7 +64,7 @@ def round_gaps(model, trace: StepTrace, prompts, result, round_index: int, tempe
 def wrong_prompt_gap(model, prompts, result, temperature: float) -> float:
     """Control: the same completions scored after another prompt (teacher forcing) must miss by far."""
     return min(
-        (teacher_forced_logprobs(model, prompts[(i // G + 1) % len(prompts)], c, temperature)
+        (teacher_forced_logprobs(model, prompts[(i // G + 1) % len(prompts)], c, temperature, 0, 1.0)
          - torch.tensor(lp, dtype=torch.float64)).abs().max().item()
         for i, (c, lp) in enumerate(zip(result.completion_ids, result.logprobs))
     )  # fmt: skip
@@ -182,7 +183,7 @@ def test_fp32_gap_to_teacher_forcing_is_the_models_own(tokenizer, special_ids, t
     ids = request_ids(1, len(prompts), G)
     engine, cached = [], []
     for i, (c, lp) in enumerate(zip(result.completion_ids, result.logprobs)):
-        forward = teacher_forced_logprobs(model, prompts[i // G], c, 1.0)
+        forward = teacher_forced_logprobs(model, prompts[i // G], c, 1.0, 0, 1.0)
         engine.append((forward - torch.tensor(lp, dtype=torch.float64)).abs().max().item())
         replay = replay_logprobs(model, trace.of(ids[i]), prompts[i // G] + c, len(prompts[i // G]), 1.0)
         cached.append((forward - replay).abs().max().item())

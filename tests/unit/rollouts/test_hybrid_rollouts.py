@@ -68,7 +68,7 @@ def test_async_trainers_on_a_hybrid_model_sample_what_they_train(settings, token
     """GRPO through trl_cb on Qwen3.5's layout (std 0.2), async and overlapped with training (sync GRPO / RLOO: the
     test below): lr=0, so every logged sampling/training gap is the fp32 kernel gap only."""
     trainer = make_trainer(
-        "grpo", tokenizer, tmp_path, init_std=0.2, architecture="qwen3_5", num_layers=4, max_steps=2,
+        "grpo", tokenizer, tmp_path, init_std=0.2, architecture="qwen3_5", max_steps=2,
         learning_rate=0.0, max_completion_length=16, **settings,
     )  # fmt: skip
     trainer.train()
@@ -87,12 +87,11 @@ def test_trl_tiny_qwen3_5_vlm_class_trains_through_trl_cb(kind, tokenizer, tmp_p
     from datasets import Dataset
     from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
 
-    from tests.model_zoo import _LINEAR
+    from tests.model_zoo import tiny_config
     from tests.unit.trainers.test_trainers import PAIRS
 
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, vocab_size=len(tokenizer), initializer_range=0.2,
-                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **_LINEAR)  # fmt: skip
+    special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    text = tiny_config(QWEN3_5, len(tokenizer), special).to_dict()  # the zoo's Qwen3.5 shape, std 0.2
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
     torch.manual_seed(0)
     model = Qwen3_5ForConditionalGeneration(AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision))

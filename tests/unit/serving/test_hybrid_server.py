@@ -20,7 +20,7 @@ from trl_cb.serving.weight_sync import WeightSender
 def checkpoint(tmp_path_factory, tokenizer) -> str:
     """Qwen3.5's layout, std 0.2, no EOS bias (completions run to max_tokens)."""
     directory = tmp_path_factory.mktemp("ckpt-hybrid")
-    tiny_model(tokenizer, architecture="qwen3_5", num_layers=4, init_std=0.2).save_pretrained(directory)
+    tiny_model(tokenizer, architecture="qwen3_5", init_std=0.2).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
 

@@ -40,7 +40,7 @@ def make_trainer(
     reward=length_reward,
     init_std: float | None = None,
     architecture: str = "qwen2",
-    num_layers: int = 2,
+    num_layers: int | None = None,
     **overrides,
 ):
     config_cls, trainer_cls = PAIRS[kind]
