@@ -87,8 +87,8 @@ def tiny_model(
     compare logprobs use 0.2 (distributions far from uniform).
 
     `architecture="qwen3_5"`: Qwen3.5's hybrid layout, three Gated DeltaNet layers then one full-attention layer
-    (`num_layers` a multiple of 4; unset: 4, else 2), linear-attention heads of 16 (as many value heads as query heads, half as many
-    key heads).
+    (`num_layers` a multiple of 4; unset: 4, else 2), linear-attention heads of 16 (as many value heads as query
+    heads, half as many key heads).
     """
     classes = {
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
