@@ -230,7 +230,7 @@ def new_stepper(manager: ContinuousBatchingManager, model: PreTrainedModel) -> R
     if type(ios) is not ContinuousBatchingIOs:
         raise ValueError(f"{RECURRENT_STATE_NEEDS_SYNC}: the engine's {type(ios).__name__} is not supported")
     mixers = mixer_modules(model, text_config)
-    engine = RecurrentStepper(text_config.num_hidden_layers)
+    engine = RecurrentStepper(text_config.num_hidden_layers, model.device)
     processor.cache.use_prefix_sharing = False
     for module in mixers.values():
         _wrap_mixer_class(type(module))

@@ -40,7 +40,7 @@ _STATE_INDICES = 4
 class _Run:
     """A request whose tokens run alone through a mixer: a prefill chunk (from no state when `fresh`)."""
 
-    slot: int
+    slots: torch.Tensor  # (1,) int64 on the model's device: its slot, a view of the step's index tensor
     start: int  # its first token in the packed batch
     end: int
     fresh: bool
@@ -48,7 +48,9 @@ class _Run:
 
 @dataclass
 class _StepPlan:
-    """Where each request of one forward sits in the packed tokens and which slot holds its state."""
+    """Where each request of one forward sits in the packed tokens and which slot holds its state. Its index tensors
+    are views of one tensor on the model's device, copied from the host once per step (`RecurrentStepper.plan_step`):
+    every recurrent layer indexes with them as they are (on CUDA a host-to-device copy per layer would stall it)."""
 
     num_tokens: int
     decode_slots: torch.Tensor | None  # (R,) int64: rows advancing one token from their slot's state
@@ -60,8 +62,9 @@ class _StepPlan:
 class RecurrentStepper:
     """One engine's recurrent layers: the slots, the current step's plan, and a mixer call split by that plan."""
 
-    def __init__(self, num_layers: int, slots: RecurrentStateSlots | None = None) -> None:
+    def __init__(self, num_layers: int, device: torch.device, slots: RecurrentStateSlots | None = None) -> None:
         self.num_layers = num_layers
+        self.device = device  # the model's: where each step's index tensors go (`plan_step`)
         self.slots = slots if slots is not None else RecurrentStateSlots()
         self._plan: _StepPlan | None = None
 
@@ -70,16 +73,18 @@ class RecurrentStepper:
     def plan_step(self, requests: Sequence[Any]) -> None:
         """Map the step's requests (`FutureRequestState`s in packed order, `position_offset` already advanced past
         this step's tokens) to slots. A request at position 0 claims a slot and starts from no state; one that goes
-        on must hold a slot (`RuntimeError` otherwise: never a zero state for a sequence with a past)."""
+        on must hold a slot (`RuntimeError` otherwise: never a zero state for a sequence with a past). The plan's
+        indices reach the model's device in one copy (decode slots, then each run's slot, then the decode rows'
+        token positions where they are out of order), sliced per use."""
         decode_slots: list[int] = []
         decode_tokens: list[int] = []
-        runs: list[_Run] = []
+        runs: list[tuple[int, int, int, bool]] = []  # (slot, start, end, fresh)
         start = 0
         for future in requests:
             state, length = future.state, future.query_length
             past = state.position_offset - length
             if past == 0:
-                runs.append(_Run(self.slots.claim(state.request_id), start, start + length, fresh=True))
+                runs.append((self.slots.claim(state.request_id), start, start + length, True))
             else:
                 slot = self.slots.slot(state.request_id)
                 if slot is None:
@@ -91,16 +96,18 @@ class RecurrentStepper:
                     decode_slots.append(slot)
                     decode_tokens.append(start)
                 else:
-                    runs.append(_Run(slot, start, start + length, fresh=False))
+                    runs.append((slot, start, start + length, False))
             start += length
-        in_order = decode_tokens == list(range(len(decode_tokens)))
+        rows, in_order = len(decode_slots), decode_tokens == list(range(len(decode_tokens)))
         consecutive = bool(decode_slots) and decode_slots == list(range(decode_slots[0], decode_slots[-1] + 1))
+        host = decode_slots + [run[0] for run in runs] + ([] if in_order else decode_tokens)
+        index = torch.tensor(host, dtype=torch.int64, device=self.device)  # (R + runs [+ R],): the step's one copy
         self._plan = _StepPlan(
             num_tokens=start,
-            decode_slots=torch.tensor(decode_slots, dtype=torch.int64) if decode_slots else None,
-            decode_tokens=None if in_order else torch.tensor(decode_tokens, dtype=torch.int64),
-            runs=runs,
-            decode_span=(decode_slots[0], len(decode_slots)) if consecutive else None,
+            decode_slots=index[:rows] if rows else None,
+            decode_tokens=None if in_order else index[rows + len(runs) :],
+            runs=[_Run(index[rows + i : rows + i + 1], *run[1:]) for i, run in enumerate(runs)],
+            decode_span=(decode_slots[0], rows) if consecutive else None,
         )
 
     def end_step(self) -> None:
@@ -135,8 +142,8 @@ class RecurrentStepper:
             else:
                 out[0, tokens.to(out.device)] = result[:, 0]
         for run in plan.runs:
-            slot = torch.tensor([run.slot], dtype=torch.int64)
-            result = self._call(module, forward, hidden[:, run.start : run.end], layer, slot, call_kwargs, run.fresh)
+            chunk = hidden[:, run.start : run.end]  # (1, L, H)
+            result = self._call(module, forward, chunk, layer, run.slots, call_kwargs, run.fresh)
             if out is None:
                 out = result.new_empty((1, plan.num_tokens, result.shape[-1]))
             out[:, run.start : run.end] = result

@@ -71,10 +71,13 @@ class RecurrentStateSlots:
         src = self._slot_of.get(source)
         if src is None or not children:
             return
-        dst = torch.tensor([self.claim(child) for child in children], dtype=torch.int64)  # (C,)
-        for states in self._storage.values():
-            for storage in states.values():
-                storage[dst.to(storage.device)] = storage[src].clone()  # (C, *shape) <- (*shape) broadcast
+        children_slots = [self.claim(child) for child in children]
+        storages = [storage for states in self._storage.values() for storage in states.values()]
+        if not storages:
+            return
+        dst = torch.tensor(children_slots, dtype=torch.int64, device=storages[0].device)  # (C,): one copy per fork
+        for storage in storages:
+            storage[dst.to(storage.device)] = storage[src].clone()  # (C, *shape) <- (*shape) broadcast
 
     def free(self, request_id: str) -> None:
         """Release the slot of `request_id` (no-op if it holds none)."""
@@ -88,7 +91,8 @@ class RecurrentStateSlots:
         self._free = list(range(self._next))[::-1]  # lowest slots first, as a fresh store hands them out
 
     def read(self, layer: int, slots: torch.Tensor) -> dict[StateKey, torch.Tensor]:
-        """Copies of `layer`'s states at `slots` ((R,) int64), each (R, *state shape); empty before the first write."""
+        """Copies of `layer`'s states at `slots` ((R,) int64, on the storage's device as the step plan puts them:
+        moved otherwise), each (R, *state shape); empty before the first write."""
         return {key: storage[slots.to(storage.device)] for key, storage in self._storage.get(layer, {}).items()}
 
     def view(self, layer: int, first: int, count: int) -> dict[StateKey, torch.Tensor]:
@@ -97,7 +101,8 @@ class RecurrentStateSlots:
         return {key: storage[first : first + count] for key, storage in self._storage.get(layer, {}).items()}
 
     def write(self, layer: int, slots: torch.Tensor, states: Mapping[StateKey, torch.Tensor]) -> None:
-        """Store `states` ((R, *state shape) each) at `slots` ((R,) int64) of `layer`."""
+        """Store `states` ((R, *state shape) each) at `slots` ((R,) int64, on the storage's device as the step plan
+        puts them: moved otherwise) of `layer`."""
         layer_storage = self._storage.setdefault(layer, {})
         for key, value in states.items():
             storage = layer_storage.get(key)

@@ -214,15 +214,61 @@ def test_the_step_plan_maps_rows_to_slots_and_never_resumes_from_a_zero_state():
     def row(rid: str, position: int, length: int) -> SimpleNamespace:
         return SimpleNamespace(state=SimpleNamespace(request_id=rid, position_offset=position), query_length=length)
 
-    stepper = _upstream_recurrent.RecurrentStepper(num_layers=4)
+    stepper = _upstream_recurrent.RecurrentStepper(num_layers=4, device=torch.device("cpu"))
     stepper.plan_step([row(rid, 5, 5) for rid in "abc"])  # three prefills: slots 0, 1, 2
     assert [stepper.slots.slot(rid) for rid in "abc"] == [0, 1, 2]
     stepper.plan_step([row("a", 6, 1), row("b", 6, 1), row("c", 6, 1)])
     assert stepper._plan.decode_span == (0, 3) and stepper._plan.decode_tokens is None
     stepper.plan_step([row("a", 7, 1), row("c", 7, 1), row("d", 4, 4)])  # b left, d joins behind them
     assert stepper._plan.decode_span is None and stepper._plan.decode_slots.tolist() == [0, 2]
+    plan = stepper._plan  # its indices: views of one tensor, copied to the device once for the step
+    assert [r.slots.tolist() for r in plan.runs] == [[3]] and plan.decode_tokens is None
+    assert plan.runs[0].slots.untyped_storage().data_ptr() == plan.decode_slots.untyped_storage().data_ptr()
     with pytest.raises(RuntimeError, match="holds no recurrent state"):
         stepper.plan_step([row("a", 8, 1), row("lost", 9, 1)])
+
+
+def test_each_step_copies_its_slot_indices_to_the_device_once(tokenizer, special_ids, text_ids, monkeypatch):
+    """The step plan's slot and token indices are one tensor on the model's device, built once per step: every
+    recurrent layer's `read` / `write` (each decode batch and prefill run, every layer) gets views of it, never a
+    tensor of its own (on CUDA each host-to-device copy would stall the host, several times per layer). Control: the
+    steps seen include decode rows beside prefill chunks and decode rows gathered out of packed order."""
+    from trl_cb.engine.recurrent_state import RecurrentStateSlots
+
+    model = hybrid_model(BY_TYPE["qwen3_5_text"], tokenizer, special_ids, dtype=torch.float32)
+    plans, indices = [], []  # the plan of each step; (step, slot indices) of each read / write
+    plan_step = _upstream_recurrent.RecurrentStepper.plan_step
+    read, write = RecurrentStateSlots.read, RecurrentStateSlots.write
+
+    def spy_plan_step(stepper, requests):
+        plan_step(stepper, requests)
+        plans.append(stepper._plan)
+
+    def spy_read(slots, layer, index):
+        indices.append((len(plans) - 1, index))  # kept alive: a per-layer tensor cannot reuse a freed one's memory
+        return read(slots, layer, index)
+
+    def spy_write(slots, layer, index, states):
+        indices.append((len(plans) - 1, index))
+        return write(slots, layer, index, states)
+
+    monkeypatch.setattr(_upstream_recurrent.RecurrentStepper, "plan_step", spy_plan_step)
+    monkeypatch.setattr(RecurrentStateSlots, "read", spy_read)
+    monkeypatch.setattr(RecurrentStateSlots, "write", spy_write)
+    cb = {"max_requests_per_batch": 3, "max_batch_tokens": 64}
+    with ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=10), cb) as gen:
+        gen.generate(prompts_of(text_ids, [30, 150, 70, 110]), num_generations=G)
+    assert any(p.runs and p.decode_slots is not None for p in plans), "no step had decode rows beside a prefill"
+    assert any(p.decode_tokens is not None for p in plans), "no step gathered decode rows out of packed order"
+    by_step: dict[int, set[int]] = {}
+    for step, index in indices:
+        assert index.device == model.device and index.dtype == torch.int64
+        by_step.setdefault(step, set()).add(index.untyped_storage().data_ptr())
+    assert by_step and all(len(storages) == 1 for storages in by_step.values()), "indices built per layer or run"
+    for step, storages in by_step.items():
+        plan = plans[step]
+        planned = (plan.decode_slots, plan.decode_tokens, *(run.slots for run in plan.runs))
+        assert {t.untyped_storage().data_ptr() for t in planned if t is not None} == storages, f"step {step}"
 
 
 def test_the_training_forward_is_untouched(tokenizer, special_ids):
