@@ -135,10 +135,13 @@ def attention_only_cache() -> Iterator[None]:
             _cb_initialization.group_layers_by_attn_type = upstream
 
 
+@functools.cache
 def _reads_recurrent_state(cls: type) -> bool:
     """Whether `cls.forward` reads a state through transformers' cache API (`get_conv_state` / `get_recurrent_state`):
-    what marks a layer's token mixer, in every hybrid family of transformers 5.24."""
-    forward = getattr(cls, _ORIGINAL_FORWARD, None) or getattr(cls, "forward", None)
+    what marks a layer's token mixer, in every hybrid family of transformers 5.24. Cached per class (its source is
+    read once per process, not per module of every engine build): the answer is the class's own, wrapped or not
+    (`inspect.unwrap` reaches the original forward through `_wrap_mixer_class`'s `functools.wraps`)."""
+    forward = getattr(cls, "forward", None)
     try:
         source = inspect.getsource(inspect.unwrap(forward))
     except (OSError, TypeError):
