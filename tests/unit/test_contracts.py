@@ -1064,7 +1064,7 @@ def test_recurrent_layer_surface_hybrid_models_rely_on():
     up by module global at call time (`attention_only_cache` swaps it while an engine is built); the cache methods
     a slot's lifetime follows; a `Cache` of `LinearAttentionLayer`s hands a mixer the states put in its dicts and
     updates them in place (the stepper reads them back after the call); the engine kwargs a mixer never gets."""
-    from transformers.cache_utils import Cache, LinearAttentionLayer
+    from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
     from transformers.generation.continuous_batching import PagedAttentionCache
     from transformers.generation.continuous_batching import cache as cb_cache
     from transformers.generation.continuous_batching import initialization as cb_initialization
@@ -1090,8 +1090,10 @@ def test_recurrent_layer_surface_hybrid_models_rely_on():
     layer.conv_states[0], layer.recurrent_states[0] = conv, state
     layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
     layer.has_previous_state[0], layer.conv_kernel_size[0] = True, 4
-    cache = Cache(layers=[layer, layer])
+    cache = Cache(layers=[DummyLayer(), layer])  # the stepper's: the running layer's states, no state elsewhere
     assert cache.get_conv_state(1) is conv and cache.get_recurrent_state(1) is state and not cache.is_recording_past(1)
+    with pytest.raises(ValueError, match="non linear attention layer"):  # a read of another layer fails loudly
+        cache.get_recurrent_state(0)
     full = cache.update_conv_state(torch.ones(2, 3, 1), 1, conv_kernel_size=4)
     assert full.shape == (2, 3, 5) and conv[..., -1].eq(1).all(), "conv window no longer updated in place"
     cache.update_recurrent_state(torch.full((2, 1, 2, 2), 5.0), 1)

@@ -9,9 +9,10 @@ The mixer gets the cache object it expects: a transformers `Cache` whose layer i
 those states; no layer maths is re-implemented here.
 Invariant: a sequence with a past never runs from a zero state (`plan_step` raises instead).
 Upstream surface (tests/unit/test_contracts.py): `FutureRequestState.query_length`, `state.position_offset` already
-advanced past the step's tokens; `Cache(layers=...)`; `LinearAttentionLayer`'s `conv_states` / `recurrent_states` /
-`has_previous_state` / `is_*_initialized` / `conv_kernel_size` dicts keyed by state index; the engine's forward kwargs
-(`PagedAttentionArgs`), which a mixer never gets.
+advanced past the step's tokens; `Cache(layers=...)`, read by a mixer at its own `layer_idx` only (`DummyLayer`s, which
+hold no state, elsewhere); `LinearAttentionLayer`'s `conv_states` / `recurrent_states` / `has_previous_state` /
+`is_*_initialized` / `conv_kernel_size` dicts keyed by state index; the engine's forward kwargs (`PagedAttentionArgs`),
+which a mixer never gets.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, LinearAttentionLayer
+from transformers.cache_utils import Cache, DummyLayer, LinearAttentionLayer
 from transformers.generation.continuous_batching.input_outputs import PagedAttentionArgs
 
 from .recurrent_state import RecurrentStateSlots, StateKey
@@ -67,6 +68,11 @@ class RecurrentStepper:
         self.device = device  # the model's: where each step's index tensors go (`plan_step`)
         self.slots = slots if slots is not None else RecurrentStateSlots()
         self._plan: _StepPlan | None = None
+        # The cache every mixer call gets: at the running layer's index the call's state layer, a `DummyLayer`
+        # (no state: reading it raises) everywhere else and between calls, so no call's states outlive it. The
+        # mixers read and update only `cache.layers[self.layer_idx]` (tests/unit/test_contracts.py).
+        self._no_state = DummyLayer()
+        self._cache = Cache(layers=[self._no_state] * num_layers)
 
     # ------------------------------------------------------------------------------------- bookkeeping, per step
 
@@ -170,8 +176,11 @@ class RecurrentStepper:
             if not states:
                 raise RuntimeError(f"Layer {layer} has no stored state for rows that go on from one")
             _load(state_layer, states)
-        step_cache = Cache(layers=[state_layer] * self.num_layers)
-        result = forward(module, hidden, cache=step_cache, **kwargs)
+        self._cache.layers[layer] = state_layer
+        try:
+            result = forward(module, hidden, cache=self._cache, **kwargs)
+        finally:
+            self._cache.layers[layer] = self._no_state
         stored = _stored(state_layer)
         views = states if span is not None else {}  # updated in place: already in the storage
         written = {key: value for key, value in stored.items() if value is not views.get(key)}
