@@ -168,15 +168,12 @@ def enable_block_table_decode(manager: ContinuousBatchingManager, max_sequence_l
     """Before warmup (the batch processor does not exist yet): let decode steps read the cache through a block table
     of `max_sequence_length` tokens per request (upstream offers block tables only to flash kernels and turns them off
     while resolving the config; `paged_decode` reads them on any device). Returns whether it was enabled: not for
-    sliding-window layers, whose allocator has no block table, nor for hybrid models (recurrent layers)."""
+    sliding-window layers, whose allocator has no block table. Hybrid models (recurrent layers) never get here:
+    `_upstream_recurrent.check_engine_settings` refuses decode graphs for them first."""
     from transformers.generation.continuous_batching.cache import ATTN_TYPE_TO_ALLOCATOR, group_layers_by_attn_type
-
-    from ._upstream_recurrent import recurrent_layers
 
     config = manager.continuous_batching_config
     text_config = manager.model.config.get_text_config()
-    if recurrent_layers(text_config):  # a hybrid's recurrent states are stepped on the host: never graphed
-        return False
     layer_types = group_layers_by_attn_type(text_config)
     if not all(ATTN_TYPE_TO_ALLOCATOR[t].supports_block_table for t in layer_types) or "sliding_attention" in (
         layer_types
