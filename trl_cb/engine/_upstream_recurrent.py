@@ -31,6 +31,7 @@ from transformers.generation.continuous_batching import initialization as _cb_in
 from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
 
 from ._upstream_recurrent_step import CACHE_KWARGS, RecurrentStepper
+from ._upstream_sampling import resolved_engine_settings
 from .recurrent_state import RecurrentStateSlots
 from .request_processors import require_synchronous_engine
 
@@ -202,17 +203,10 @@ def check_engine_settings(manager: ContinuousBatchingManager, model: PreTrainedM
     its states). Call before the batch processor is built."""
     if not recurrent_layers(model.config.get_text_config()):
         return
-    cfg = manager.continuous_batching_config
-    require_synchronous_engine(
-        {
-            "use_cuda_graph": decode_graphs or any(cfg.cuda_graph_booleans),
-            "use_async_batching": cfg.use_async_batching,
-            "varlen_compile_config": cfg.varlen_compile_config,
-            "decode_compile_config": cfg.decode_compile_config,
-        },
-        RECURRENT_STATE_NEEDS_SYNC,
-    )
-    if (cfg.cpu_offload_space or 0) > 0:
+    settings = resolved_engine_settings(manager)
+    settings["use_cuda_graph"] = decode_graphs or settings["use_cuda_graph"]
+    require_synchronous_engine(settings, RECURRENT_STATE_NEEDS_SYNC)
+    if (manager.continuous_batching_config.cpu_offload_space or 0) > 0:
         raise ValueError(
             "cpu_offload_space > 0 restores an offloaded request's keys but not its recurrent state: set "
             "cpu_offload_space=0 for a hybrid model (requests that do not fit are re-prefilled instead)"

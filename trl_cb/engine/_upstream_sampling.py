@@ -50,7 +50,7 @@ def install_processors(
         install_request_processors(manager, request_processors)
     if not record_policy_logprobs:
         return None
-    require_synchronous_engine(_resolved_engine_settings(manager), POLICY_LOGPROBS_NEED_SYNC)
+    require_synchronous_engine(resolved_engine_settings(manager), POLICY_LOGPROBS_NEED_SYNC)
     recorder = PolicyLogprobRecorder(generation_config.temperature)
     processor_list = manager.logit_processor
     if manager.continuous_batching_config.per_request_processors:  # each request may carry its own temperature
@@ -176,7 +176,7 @@ def install_request_processors(manager: ContinuousBatchingManager, processors: S
     after the previous one finished: no async batching, no CUDA graphs or compilation (which would freeze the
     processors' per-step tensors). `ValueError` if the resolved engine config has any of them.
     """
-    require_synchronous_engine(_resolved_engine_settings(manager))
+    require_synchronous_engine(resolved_engine_settings(manager))
     processor_list = manager.logit_processor
     processor_list.logits_processor = LogitsProcessorList(
         [PerRequestProcessor(processors), *processor_list.logits_processor]
@@ -185,7 +185,7 @@ def install_request_processors(manager: ContinuousBatchingManager, processors: S
     processor_list.do_processing = True
 
 
-def _resolved_engine_settings(manager: ContinuousBatchingManager) -> dict[str, Any]:
+def resolved_engine_settings(manager: ContinuousBatchingManager) -> dict[str, Any]:
     """The resolved engine config's values of `ASYNCHRONOUS_ENGINE_SETTINGS` (set by the manager's constructor)."""
     cfg = manager.continuous_batching_config
     return {
@@ -210,7 +210,7 @@ def race_sampler_fits(manager: ContinuousBatchingManager) -> bool:
     `torch.multinomial`'s serial per-element draws): a sampling engine that is not compiled (greedy keeps the
     engine's argmax; a compiled one keeps the sampler it traced). Composed by `_upstream_patches`."""
     runner = manager.batch_processor.model_runner
-    settings = _resolved_engine_settings(manager)
+    settings = resolved_engine_settings(manager)
     compiled = any(settings[k] for k in ("use_cuda_graph", "varlen_compile_config", "decode_compile_config"))
     return runner.do_sample and not compiled
 
