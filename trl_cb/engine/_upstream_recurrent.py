@@ -215,17 +215,15 @@ def check_engine_settings(manager: ContinuousBatchingManager, model: PreTrainedM
 
 def new_stepper(manager: ContinuousBatchingManager, model: PreTrainedModel) -> RecurrentStepper | None:
     """The recurrent stepper of `manager`'s engine (built under `attention_only_cache`, its settings checked by
-    `check_engine_settings`), attached to its cache where the mixers find it; None for a model without recurrent
-    layers. After warmup (the batch processor exists); `_upstream_patches.install` then routes the engine's steps and
-    the cache's lifetimes through it (`with_step_plan`, `with_slot_lifetimes`). Wraps the mixer classes' `forward`
-    (once per class: `_wrap_mixer_class`) and turns prefix matching off (a matched prefix has keys but no state)."""
+    `check_engine_settings`: a synchronous engine, whose `ContinuousBatchingIOs` the step plan reads), attached to its
+    cache where the mixers find it; None for a model without recurrent layers. After warmup (the batch processor
+    exists); `_upstream_patches.install` then routes the engine's steps and the cache's lifetimes through it
+    (`with_step_plan`, `with_slot_lifetimes`). Wraps the mixer classes' `forward` (once per class: `_wrap_mixer_class`)
+    and turns prefix matching off (a matched prefix has keys but no state)."""
     text_config = model.config.get_text_config()
     if not recurrent_layers(text_config):
         return None
     processor = manager.batch_processor
-    ios = processor.inputs_and_outputs
-    if type(ios) is not ContinuousBatchingIOs:
-        raise ValueError(f"{RECURRENT_STATE_NEEDS_SYNC}: the engine's {type(ios).__name__} is not supported")
     mixers = mixer_modules(model, text_config)
     engine = RecurrentStepper(text_config.num_hidden_layers, model.device)
     processor.cache.use_prefix_sharing = False
