@@ -103,8 +103,7 @@ def attention_layer_groups(text_config: Any, upstream: Callable[[Any], dict[str,
     """`upstream(text_config)` (transformers' `group_layers_by_attn_type`), with recurrent and stateless layers left
     out and parallel layers put in their attention group: the paged cache then allocates keys for attention only."""
     layer_types = getattr(text_config, "layer_types", None)
-    skipped = RECURRENT_LAYER_TYPES | STATELESS_LAYER_TYPES | set(PARALLEL_LAYER_TYPES)
-    if not layer_types or not set(layer_types) & skipped:
+    if not layer_types or not set(layer_types) & SERVED_LAYER_TYPES:
         return upstream(text_config)
     groups: dict[str, list[int]] = {}
     for i, layer_type in enumerate(layer_types):

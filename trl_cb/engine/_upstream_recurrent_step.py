@@ -63,10 +63,10 @@ class _StepPlan:
 class RecurrentStepper:
     """One engine's recurrent layers: the slots, the current step's plan, and a mixer call split by that plan."""
 
-    def __init__(self, num_layers: int, device: torch.device, slots: RecurrentStateSlots | None = None) -> None:
+    def __init__(self, num_layers: int, device: torch.device) -> None:
         self.num_layers = num_layers
         self.device = device  # the model's: where each step's index tensors go (`plan_step`)
-        self.slots = slots if slots is not None else RecurrentStateSlots()
+        self.slots = RecurrentStateSlots()
         self._plan: _StepPlan | None = None
         # The cache every mixer call gets: at the running layer's index the call's state layer, a `DummyLayer`
         # (no state: reading it raises) everywhere else and between calls, so no call's states outlive it. The
