@@ -57,16 +57,11 @@ SINK_ATTENTION_IMPLEMENTATIONS: set[str] = {
     "paged|eager", "flash_attention_2", "flash_attention_3", attention.ATTENTION_NAME,
 }  # fmt: skip
 
-#: What a few well-known layer types are, for the error message (any other non-attention type is named as is).
+#: What a few well-known unsupported layer types are, for the error message (any other type is named as is; the
+#: served ones, `_recurrent.SERVED_LAYER_TYPES` and the engine's attention types, never reach it).
 _LAYER_TYPE_NAMES = {
-    "linear_attention": "linear-attention / state-space layers",
-    "mamba": "mamba layers",
-    "conv": "convolution layers",
-    "hybrid": "parallel attention + mamba layers",
     "chunked_attention": "chunked attention",
     "indexed_attention": "sparse (indexed) attention",
-    "moe": "MLP-only layers",
-    "mlp": "MLP-only layers",
 }
 #: Hybrid families (text `model_type`) whose recurrent layers the engine serves: each measured exact against
 #: transformers' own cached computation of the same tokens (tests/unit/engine/test_hybrid_engine.py). A family is
