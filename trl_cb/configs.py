@@ -284,11 +284,6 @@ class ContinuousBatchingArguments:
         )
         if self.cb_generation_timeout is not None and self.cb_generation_timeout <= 0:
             raise ValueError(f"cb_generation_timeout must be > 0 or None, got {self.cb_generation_timeout}.")
-        if self.cb_keep_generation_weights is not None and not isinstance(self.cb_keep_generation_weights, bool):
-            raise ValueError(
-                "cb_keep_generation_weights must be True, False or None (auto), got "
-                f"{self.cb_keep_generation_weights!r}."
-            )
         if self.cb_server_urls:
             if isinstance(self.cb_server_urls, str):
                 self.cb_server_urls = [url for url in self.cb_server_urls.split(",") if url]
