@@ -364,10 +364,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     def summarize_points(points: list[dict[str, Any]]) -> dict[str, Any]:
+        """Only the per-backend summary: the runs (keys `("steps", backend, seed)`) and the prefix part (`("prefix",)`)
+        are the document's `points` already, so they are not copied beside them."""
         runs = [p for p in points if p["key"][0] == "steps"]
-        prefix = next((p for p in points if p["key"][0] == "prefix"), None)
         done = [b for b in args.backends if any(r["backend"] == b for r in runs)]
-        return {"summary": summarize(runs, done) if runs else [], "runs": runs, "prefix": prefix}
+        return {"summary": summarize(runs, done) if runs else []}
 
     results = common.ResultFile("learning_agent", args, summarize_points, plots.render_agent)
     print(f"results are written to {results.path} as they are measured", flush=True)

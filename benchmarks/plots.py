@@ -121,12 +121,14 @@ def render_server(json_path: Path, png_path: Path) -> Path:
 
 
 def render_agent(json_path: Path, png_path: Path) -> Path:
-    """The agent task: the evaluated reward per step, one line per run (backend, seed); mean step time per backend."""
+    """The agent task: the evaluated reward per step, one line per run (backend, seed); mean step time per backend.
+    The runs are the document's points keyed `("steps", backend, seed)` (documents of every version hold them)."""
     payload = _load(json_path)
     fig, (ax_reward, ax_step) = plt.subplots(1, 2, figsize=(11, 4.2))
-    backends = list(dict.fromkeys(r["backend"] for r in payload.get("runs", [])))
+    runs = [p for p in payload.get("points", []) if p["key"][0] == "steps"]
+    backends = list(dict.fromkeys(r["backend"] for r in runs))
     for i, backend in enumerate(backends):
-        for run in (r for r in payload["runs"] if r["backend"] == backend):
+        for run in (r for r in runs if r["backend"] == backend):
             ax_reward.plot(run["evaluated_reward"], color=f"C{i}", alpha=0.7, label=f"{backend} seed {run['seed']}")
     summary = payload.get("summary", [])
     ax_step.bar(range(len(summary)), [s["step_time_s"] for s in summary], color=[f"C{i}" for i in range(len(summary))])

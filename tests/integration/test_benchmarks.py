@@ -683,11 +683,13 @@ def test_learning_agent_task_quick(tmp_path):
     payload = json.loads(proc.stdout.strip().splitlines()[-1])
     assert payload["benchmark"] == "learning_agent" and len(list(tmp_path.glob("learning_agent-*.json"))) == 1
     assert {s["backend"] for s in payload["summary"]} == {"sync", "async", "overlap"}
-    assert all(len(r["evaluated_reward"]) == 4 and r["tool_calls_per_sample"] > 0 for r in payload["runs"])
+    assert "runs" not in payload and "prefix" not in payload  # the points only, not copied beside them
+    runs = [p for p in payload["points"] if p["key"][0] == "steps"]
+    assert all(len(r["evaluated_reward"]) == 4 and r["tool_calls_per_sample"] > 0 for r in runs)
     # per-step diagnostics (what explains a collapse): the staleness and IS drift of async steps, the weights' norms
-    assert all(len(r["weight_norms"]) == 4 and len(r["step_logs"]) == 3 for r in payload["runs"])
-    assert all("async/staleness_max" in r["step_logs"][0] for r in payload["runs"] if r["backend"] != "sync")
-    prefix = payload["prefix"]
+    assert all(len(r["weight_norms"]) == 4 and len(r["step_logs"]) == 3 for r in runs)
+    assert all("async/staleness_max" in r["step_logs"][0] for r in runs if r["backend"] != "sync")
+    (prefix,) = [p for p in payload["points"] if p["key"] == ["prefix"]]
     assert set(prefix["cpu_s"]) == {"reused", "cold"} and prefix["cpu_ratio"]["median"] > 0
     assert {"keep_mean_abs_log_ratio", "recompute_mean_abs_log_ratio"} <= set(prefix["after_update"][0])
     assert len(list(tmp_path.glob("learning_agent-*.png"))) == 1
