@@ -103,21 +103,13 @@ def curve_name(backend: str, variant: str | None) -> str:
 
 
 def _model_and_tokenizer(spec: dict[str, Any]) -> tuple[Any, Any]:
-    import torch
-
-    from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
-
-    if spec["model"] == "tiny":
-        tokenizer = tiny_tokenizer()
-        model = tiny_model(tokenizer, eos_logit_bias=spec["eos_logit_bias"], seed=spec["model_seed"])
-        if TASKS[spec.get("task", "default")].get("steady_eos"):
-            steady_eos(model, tokenizer.eos_token_id)
-        return model, tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-    dtype = getattr(torch, spec["dtype"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype, attn_implementation="sdpa")
+    """The run's model: `common.load_model` (the same build as the throughput benchmarks': the tiny preset from seed
+    0 with the task's EOS bias, or a hub id / path), then `steady_eos` where the task asks for it."""
+    model, tokenizer = common.load_model(
+        spec["model"], spec["device"], spec["dtype"], eos_logit_bias=spec["eos_logit_bias"]
+    )
+    if spec["model"] == "tiny" and TASKS[spec.get("task", "default")].get("steady_eos"):
+        steady_eos(model, tokenizer.eos_token_id)
     return model, tokenizer
 
 
@@ -762,7 +754,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "learning_rate": args.learning_rate, "temperature": args.temperature, "top_p": args.top_p,
                 "top_k": args.top_k, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
                 "device": args.device, "dtype": args.dtype, "model": args.model, "eos_logit_bias": args.eos_logit_bias,
-                "model_seed": 0, "num_prompts": args.num_prompts, "data_seed": 0, "data_file": args.data_file,
+                "num_prompts": args.num_prompts, "data_seed": 0, "data_file": args.data_file,
                 "reward": args.reward, "char": args.char, "min_chars": args.min_chars, "eval_every": args.eval_every,
                 "eval_prompts": args.eval_prompts, "eval_samples": args.eval_samples, "eval_seed": args.eval_seed,
                 "server_threads": args.server_threads, "server_device": args.server_device,
