@@ -5,7 +5,7 @@
 - Models (`load_model`): the offline presets, built from a config with a local tokenizer (`null`, `tiny`, `small`,
   `tiny-qwen3.5`, `llama-1b-random`, `qwen3.5-0.8b-random`), or a hub id / path. A length tail is a property of the
   model, so every backend sees the same one: an EOS logit bias (`EOS_BIAS`), the calibrated GSM8K-like tail
-  (`calibrate_tail`) or none (`suppress_eos`).
+  (`calibrate_tail`) or none (`suppress_eos`); `length_tail` is the one rule that picks a preset's long tail.
 - Workers (`Workers`): each backend runs in its own Python process, so one backend's allocations and threads never
   slow the next (TRL's native CB call sizes its cache from free memory and leaves a CPU process slow afterwards). A
   process is kept for the next point of the same backend where the backend allows it (one model build per backend);
@@ -169,6 +169,17 @@ def load_model(
         elif bias is not None:
             bias_eos(model, tokenizer.eos_token_id, bias)
     return model.eval(), tokenizer
+
+
+def length_tail(model: str, eos_logit_bias: float | None, max_new_tokens: int) -> dict[str, Any]:
+    """`load_model`'s length-tail keywords (`eos_logit_bias`, `tail_tokens`) for a preset's long-tailed workload: an
+    explicit `eos_logit_bias` wins, else a full-size preset gets the tail calibrated for `max_new_tokens`, else the
+    preset's `EOS_BIAS`. One rule, so the same flags give the same model in every script."""
+    if eos_logit_bias is not None:
+        return {"eos_logit_bias": eos_logit_bias, "tail_tokens": None}
+    if model in FULL_SIZE_PRESETS:
+        return {"eos_logit_bias": None, "tail_tokens": max_new_tokens}
+    return {"eos_logit_bias": EOS_BIAS[model], "tail_tokens": None}
 
 
 def _llama_1b_random(dtype: Any, device: str) -> tuple[Any, Any]:

@@ -113,10 +113,8 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
     config_cls = package.GRPOConfig if kind == "grpo" else package.RLOOConfig
     trainer_cls = package.GRPOTrainer if kind == "grpo" else package.RLOOTrainer
     cuda = spec["device"] != "cpu"
-    tail = spec["max_completion_length"] if spec["calibrated_tail"] else None
-    model, tokenizer = common.load_model(
-        spec["model"], spec["device"], spec["dtype"], eos_logit_bias=spec["eos_logit_bias"], tail_tokens=tail
-    )
+    tail = {"eos_logit_bias": spec["eos_logit_bias"], "tail_tokens": spec["tail_tokens"]}
+    model, tokenizer = common.load_model(spec["model"], spec["device"], spec["dtype"], **tail)
     with contextlib.ExitStack() as stack:
         server = {}
         if backend in SERVER_BACKENDS:
@@ -240,9 +238,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     if args.no_tail and args.eos_logit_bias is not None:
         p.error("--no-tail and --eos-logit-bias exclude each other")
-    args.calibrated_tail = args.model in common.FULL_SIZE_PRESETS and not args.no_tail and args.eos_logit_bias is None
-    if args.eos_logit_bias is None and not args.no_tail and not args.calibrated_tail:
-        args.eos_logit_bias = common.EOS_BIAS[args.model]
     if args.trainer_threads is None:
         args.trainer_threads = max(1, args.threads - args.server_threads)
     for name, value in WORKLOADS[args.workload].items():
@@ -253,6 +248,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("prompts", "num_generations", "max_completion_length", "steps"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
+    # the length tail as `load_model`'s keywords, resolved here so that the config records the model that was built
+    args.tail_tokens = None
+    if not args.no_tail:
+        tail = common.length_tail(args.model, args.eos_logit_bias, args.max_completion_length)
+        args.eos_logit_bias, args.tail_tokens = tail["eos_logit_bias"], tail["tail_tokens"]
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
     if any(n < 0 for n in args.background_load):
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "trainer": kind, "backend": backend, "model": args.model, "device": args.device, "dtype": args.dtype,
                 "prompts": args.prompts, "num_generations": args.num_generations,
                 "max_completion_length": args.max_completion_length, "steps": args.steps, "warmup": args.warmup,
-                "eos_logit_bias": args.eos_logit_bias, "calibrated_tail": args.calibrated_tail, "seed": args.seed,
+                "eos_logit_bias": args.eos_logit_bias, "tail_tokens": args.tail_tokens, "seed": args.seed,
                 "max_staleness": args.max_staleness, "prefetch_depth": args.prefetch_depth, "threads": args.threads,
                 "server_threads": args.server_threads, "trainer_threads": args.trainer_threads, "reward": args.reward,
                 "engine_threads": engine_threads, "output_dir": f"/tmp/trl_cb_bench_{kind}_{backend}",

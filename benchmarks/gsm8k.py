@@ -204,11 +204,9 @@ def todo(args: argparse.Namespace) -> list[tuple[str, int, str, dict[str, Any]]]
     preset = args.model in common.PRESETS
     if not preset:
         sweep = ("model_eos", {"eos_logit_bias": None, "tail_tokens": None})
-    elif args.eos_logit_bias is not None or args.model not in common.FULL_SIZE_PRESETS:
-        bias = args.eos_logit_bias if args.eos_logit_bias is not None else common.EOS_BIAS[args.model]
-        sweep = ("long_tail" if bias else "no_tail", {"eos_logit_bias": bias, "tail_tokens": None})
     else:
-        sweep = ("long_tail", {"eos_logit_bias": None, "tail_tokens": args.max_new_tokens})
+        tail = common.length_tail(args.model, args.eos_logit_bias, args.max_new_tokens)
+        sweep = ("long_tail" if tail["eos_logit_bias"] or tail["tail_tokens"] else "no_tail", tail)
     points = [(sweep[0], n, b, sweep[1]) for n in args.num_generations for b in args.backends]
     no_tail = {"eos_logit_bias": None if args.model in common.FULL_SIZE_PRESETS else 0.0, "tail_tokens": None}
     no_tail_backends = [b for b in args.backends if b != "trl_native"] if preset else []
