@@ -234,7 +234,8 @@ def calibrate_tail(
 ) -> float:
     """Set the EOS row of the LM head so that a generated token is EOS with probability h, where a geometric length
     with hazard h has its 90th percentile at `p90_share * max_new_tokens` (`h = 1 - 0.1 ** (1 / (p90_share * M))`).
-    Returns the hazard measured at the end.
+    Returns the scale set (the mean EOS logit): the upper end of the bisection's last bracket, whose hazard was
+    measured at or above the target (unless the search hit its scale cap); it is not measured again.
 
     How: the EOS row points along the mean final hidden state (as `bias_eos`), scaled; the scale is found by bisection
     (in log space) on the hazard measured where it matters, in generation: `rows` sampled completions of `steps`
@@ -262,8 +263,11 @@ def calibrate_tail(
     pad = model.generation_config.pad_token_id
     pad = pad if pad is not None else eos_id
 
-    def hazard(scale: float) -> float:
+    def set_scale(scale: float) -> None:
         weight[eos_id] = (direction * scale).to(weight.dtype)
+
+    def hazard(scale: float) -> float:
+        set_scale(scale)
         torch.manual_seed(0)
         out = model.generate(
             input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0, top_k=0,
@@ -280,7 +284,8 @@ def calibrate_tail(
     for _ in range(10):  # log-space bisection: the hazard grows roughly exponentially with the scale
         mid = math.sqrt(low * high)
         low, high = (mid, high) if hazard(mid) < target else (low, mid)
-    return hazard(high)
+    set_scale(high)
+    return high
 
 
 def suppress_eos(model: Any, eos_id: int, logit_scale: float) -> None:
