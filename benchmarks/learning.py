@@ -710,13 +710,25 @@ def _todo(args: argparse.Namespace) -> list[tuple[str, int, str, dict[str, Any] 
     return out
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def task_and_rest(argv: list[str] | None) -> tuple[str | None, list[str]]:
+    """`--task`'s value and the other arguments, read as `parse_args` reads them (`--task agent`, `--task=agent`, an
+    abbreviation), so that the agent task's arguments go to `learning_agent.py` however `--task` was written."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--task" in argv and argv[argv.index("--task") + 1 :][:1] == ["agent"]:  # the multi-turn agent task
+    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    pre.add_argument("--task", default=None)
+    try:
+        known, rest = pre.parse_known_args(argv)
+    except argparse.ArgumentError:  # `--task` without a value: `parse_args` reports it
+        return None, argv
+    return known.task, rest
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    task, rest = task_and_rest(argv)
+    if task == "agent":  # the multi-turn agent task: a script of its own options
         import learning_agent
 
-        i = argv.index("--task")
-        return learning_agent.main(argv[:i] + argv[i + 2 :])
+        return learning_agent.main(rest)
     args = parse_args(argv)
     if common.other_mode(args, run_point, plots.render_learning):
         return {}

@@ -431,6 +431,7 @@ def test_policy_eval_is_seeded_and_leaves_training_untouched():
         (["--variants", "depth=1", "--prefetch-depth", "0"], "excludes the grid flags"),
         (["--staleness-sweep", "0"], ">= 1"),
         (["--eval-every", "0"], "--eval-every must be > 0"),
+        (["--task=agent", "--part", "nope"], "--part: invalid choice"),  # the agent task's parser, however spelled
     ],
 )
 def test_learning_bad_flags_fail_clearly(flags, message):
