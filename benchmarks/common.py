@@ -55,6 +55,8 @@ EOS_BIAS = {"null": 4.0, "tiny": 4.0, "small": 6.0, "tiny-qwen3.5": 2.0}
 #: GSM8K's shape on a real model (p50 ~ 0.25x, p90 ~ 0.7x of a 512-token cap, some at the cap).
 TAIL_P90_SHARE = 0.7
 RESULT_PREFIX = "@@trl_cb-bench-result "
+#: Options that say where and how a run is written, not what it measures: a `--resume` may differ in them.
+RUN_OPTIONS = ("out", "quick")
 
 
 # ------------------------------------------------------------------------------------------------------- options
@@ -392,12 +394,12 @@ class Workers:
     """Worker processes of one script (`script --worker`, answering with `serve_points`), one per `group`.
 
     `run(spec, group)` runs one point in the group's process, started at first use and kept for the group's next
-    point; `group=None` runs it in a process of its own, stopped after it. `env` adds environment variables to every
-    process. A failed or timed-out point raises `WorkerError` and its process is replaced at the group's next point."""
+    point; `group=None` runs it in a process of its own, stopped after it. A failed or timed-out point raises
+    `WorkerError` and its process is replaced at the group's next point."""
 
-    def __init__(self, script: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, script: Path) -> None:
         self.script = script
-        self.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
         self.pool: dict[str, _Worker] = {}
         if threading.current_thread() is threading.main_thread():
             # The workers run in sessions of their own (so that a kill reaches what they started): a SIGTERM to this
@@ -438,7 +440,7 @@ class ResultFile:
 
     The document: `{"benchmark", "config", "env", "complete", "points": [...], "failed": [...], **summary}`; each
     point holds its `key` (what identifies it in the sweep). `resume`: an earlier document of the same benchmark whose
-    measured settings (`config` minus `run_options`) match: its points are kept and `has(key)` is true for them."""
+    measured settings (`config` minus `RUN_OPTIONS`) match: its points are kept and `has(key)` is true for them."""
 
     def __init__(
         self,
@@ -446,7 +448,6 @@ class ResultFile:
         args: argparse.Namespace,
         summarize: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
         render: Callable[[Path, Path], Path] | None = None,
-        run_options: Sequence[str] = ("out", "quick"),
     ) -> None:
         self.benchmark, self.summarize, self.render = benchmark, summarize, render
         self.config, self.points, self.failed = config_of(args), [], []
@@ -458,7 +459,7 @@ class ResultFile:
                 )
             differ = sorted(
                 k for k in set(self.config) | set(earlier["config"])
-                if k not in run_options and self.config.get(k) != earlier["config"].get(k)
+                if k not in RUN_OPTIONS and self.config.get(k) != earlier["config"].get(k)
             )  # fmt: skip
             if differ:
                 raise SystemExit(f"--resume: {args.resume} was measured with other settings: {differ}")
