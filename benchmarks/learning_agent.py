@@ -78,11 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--passes", type=int, default=5, help="prefix: measurements per case")
     p.add_argument("--prefix-tokens", type=int, default=1000)
     p.add_argument("--update-scale", type=float, nargs="+", default=[1e-3, 1e-2], help="prefix: relative noise")
-    common.add_options(p, "learning_agent")
-    args = p.parse_args(argv)
-    if args.replot:
+    args = common.parse(p, argv, "learning_agent")
+    if args.worker or args.replot:
         return args
-    common.finish_options(p, args)
     if args.quick:
         args.seeds, args.steps, args.passes, args.prefix_tokens, args.update_scale = [0], 3, 1, 200, [1e-2]
     return args
@@ -135,6 +133,7 @@ def eval_trajectories(tokenizer: Any, count: int = 8) -> list[tuple[Any, Any]]:
     import torch
 
     from trl_cb.offline.agent import ANSWER, CALL
+    from trl_cb.offline.data import tokenize_prompt
 
     token = tokenizer.convert_tokens_to_ids
     call = [token(t) for t in ("<tool_call>", CALL, "</tool_call>", "<|end|>")]
@@ -142,9 +141,7 @@ def eval_trajectories(tokenizer: Any, count: int = 8) -> list[tuple[Any, Any]]:
     out = []
     for i in range(count):
         user = [{"role": "user", "content": f"Ava has {40 + 2 * i} shells and gives half away. How many are left?"}]
-        prompt = list(
-            tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=True, return_dict=False)
-        )
+        prompt = tokenize_prompt(tokenizer, user)  # as TRL builds a conversational prompt
         tool = tokenizer.encode(f"<|tool|>{20 + i}<|end|><|resume|>", add_special_tokens=False)
         ids = prompt + call + tool + answer
         mask = [0] * len(prompt) + [1] * len(call) + [0] * len(tool) + [1] * len(answer)
@@ -359,9 +356,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if common.other_mode(args, None, plots.render_agent):
         return {}
-    import torch
-
-    torch.set_num_threads(max(1, torch.get_num_threads()))
 
     def summarize_points(points: list[dict[str, Any]]) -> dict[str, Any]:
         """Only the per-backend summary: the runs (keys `("steps", backend, seed)`) and the prefix part (`("prefix",)`)
