@@ -77,6 +77,8 @@ import common  # noqa: E402
 import learning_variants as variants  # noqa: E402
 import plots  # noqa: E402
 
+from trl_cb.offline.data import GSM8K_TEST_SIZE  # noqa: E402
+
 BACKENDS = ("generate", "trl_cb", "trl_cb_async", "trl_cb_overlap_async", "trl_cb_server", "trl_cb_server_async")
 #: Rollouts from a local `trl-cb serve` replica the worker starts (`--server-threads`; the trainer gets the rest).
 SERVER_BACKENDS = ("trl_cb_server", "trl_cb_server_async")
@@ -176,7 +178,7 @@ def _overlap_engine_paused(trainer: Any) -> contextlib.AbstractContextManager[No
 
 def _datasets(spec: dict[str, Any], chat: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(training records, held-out evaluation records): disjoint slices of the same source and order."""
-    from trl_cb.offline.data import GSM8K_TEST_SIZE, gsm8k_test, load_gsm8k_jsonl
+    from trl_cb.offline.data import gsm8k_test, load_gsm8k_jsonl
 
     n, m = spec["num_prompts"], spec["eval_prompts"]
     if spec["data_file"]:
@@ -592,8 +594,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if args.data_file is not None and not Path(args.data_file).is_file():
         p.error(f"--data-file not found: {args.data_file}")
-    if args.data_file is None and args.num_prompts + args.eval_prompts > 1319:  # GSM8K_TEST_SIZE
-        p.error(f"--num-prompts + --eval-prompts must be <= 1319 (the GSM8K test split), got "
+    if args.data_file is None and args.num_prompts + args.eval_prompts > GSM8K_TEST_SIZE:
+        p.error(f"--num-prompts + --eval-prompts must be <= {GSM8K_TEST_SIZE} (the GSM8K test split), got "
                 f"{args.num_prompts + args.eval_prompts}")  # fmt: skip
     if args.window > args.steps:
         p.error(f"--window ({args.window}) must be <= --steps ({args.steps})")
@@ -748,8 +750,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     for name, err in getattr(args, "rejected", {}).items():
         print(f"skipped {name}: the config rejects it ({err})")
-    config = common.config_of(args)
-    results = common.ResultFile("learning", args, lambda runs: summaries(runs, config), plots.render_learning)
+    # the summaries read the config the result file records (`summarize` runs only once the file is built)
+    results = common.ResultFile("learning", args, lambda runs: summaries(runs, results.config), plots.render_learning)
     print(f"runs are written to {results.path} as they finish (--resume it after an interruption)", flush=True)
     bar = tqdm(runs_todo, desc="training runs", unit="run")
     with common.Workers(Path(__file__)) as workers:
