@@ -25,6 +25,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import common  # a sibling module: the importer (learning.py, the tests) has put benchmarks/ on sys.path
 from transformers import TrainerCallback
 
 #: Completion-length percentiles recorded per training step and per evaluation.
@@ -32,13 +33,8 @@ PERCENTILES = (10, 50, 90)
 
 
 def length_percentiles(lengths: list[int]) -> dict[str, float]:
-    """Nearest-rank p10/p50/p90 of completion lengths (tokens)."""
-    ordered = sorted(lengths)
-    out = {}
-    for q in PERCENTILES:
-        rank = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
-        out[f"p{q}"] = float(ordered[rank])
-    return out
+    """Nearest-rank p10/p50/p90 of completion lengths (tokens), as every benchmark ranks them (`common.percentile`)."""
+    return {f"p{q}": common.percentile(lengths, q) for q in PERCENTILES}
 
 
 class LengthRecorder:
