@@ -286,9 +286,7 @@ def prefix_part(args: argparse.Namespace) -> dict[str, Any]:
         cases: dict[str, list[tuple[float, float]]] = {"reused": [], "cold": []}
         for _ in range(args.passes):
             for case in ("cold", "reused"):
-                if case == "cold":
-                    _upstream_prefix.bump_weight_epoch()  # nothing matches: the whole prompt is prefilled
-                    finish_turn(groups, manager, prefix + first, 1, 0)  # re-hash the first turn for the next "reused"
+                if case == "cold":  # a new epoch: no cached block matches, the whole prompt is prefilled
                     _upstream_prefix.bump_weight_epoch()
                 cpu, wall = time.process_time(), time.perf_counter()
                 finish_turn(groups, manager, second, 1, 0)
@@ -299,12 +297,11 @@ def prefix_part(args: argparse.Namespace) -> dict[str, Any]:
         decisions = []
         for scale in args.update_scale:
             finish_turn(groups, manager, prefix + first, 1, 0)  # the first turn's blocks, current weights
-            reference = copy.deepcopy(model)
             noise = torch.Generator().manual_seed(3)
             with paused_for_weight_update(manager, groups, 1):
                 for param in model.parameters():
                     param.add_(param.abs().mean() * scale * torch.randn(param.shape, generator=noise))
-            reference.load_state_dict(model.state_dict())
+            reference = copy.deepcopy(model)  # the new weights, for teacher forcing off the engine
             gaps = {}
             for decision in ("keep", "recompute"):
                 if decision == "recompute":
