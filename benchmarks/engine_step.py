@@ -32,7 +32,8 @@ steadier measure on a loaded machine), and wall-clock timers around the engine's
 - generate: `forward` (outside attention), `attention` (sdpa), `sampling` (`torch.multinomial`), `other`.
 On a GPU the phase timers measure host time (kernels run asynchronously; a round's wall time is synchronized).
 `--passes N` runs the whole interleaved sweep N times (rounds pooled, the median profile over passes).
-`--profile-steps` adds the engine thread's CPU time per step kind (fast / upstream decode / prefill) and phase.
+`--profile-steps` adds the engine thread's CPU time per step kind (fast / upstream decode / prefill) and phase, in
+`--repeats` more rounds after the timed ones (its timers never reach a timed round).
 Per-row cost (µs per row per step) is the slope of ms/step between consecutive row counts. Every point is written to
 the JSON as soon as it is measured (`--resume FILE` completes an interrupted run).
 """
@@ -177,8 +178,8 @@ def _profile(totals: dict[str, float], steps: int, wall: float, engine: bool) ->
 class StepProfiler:
     """The engine thread's CPU ms per step, by step kind: `fast` decode steps (the persistent batch), `decode` steps on
     upstream's per-request path, `prefill` steps (a batch with a multi-token query); timed with `time.thread_time`
-    (other threads and processes not counted). Its timers add a few µs per call, so a profiled round's ms per step is
-    not the figure to compare."""
+    (other threads and processes not counted). Its timers add a few µs per call, so it profiles rounds of its own,
+    after the timed ones (`run_point`): no timed round of any backend carries it."""
 
     def __init__(self, generator: Any, patches: Patches) -> None:
         from trl_cb.engine import _upstream_decode
@@ -273,7 +274,8 @@ def _model(spec: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def run_point(spec: dict[str, Any]) -> dict[str, Any]:
-    """One (model, rows, backend) point: a warm-up round, then `repeats` timed rounds."""
+    """One (model, rows, backend) point: a warm-up round, then `repeats` timed rounds (then, with `profile_steps`,
+    `repeats` rounds under the trl_cb step profiler, untimed)."""
     import torch
     from transformers import GenerationConfig
 
@@ -297,37 +299,47 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
     steps = None
     rng = torch.Generator().manual_seed(spec["seed"])
     step_ms, cpu_step_ms, profiles, forwards = [], [], [], []
+
+    def one_round(r: int) -> tuple[float, float]:
+        """Round `r` (its own prompts and seed; the phase timers reset): (wall s, process CPU s). Every completion
+        must run to `new` tokens."""
+        prompts = torch.randint(3, len(tokenizer), (rows // group, spec["prompt_len"]), generator=rng).tolist()
+        batch = [p for p in prompts for _ in range(group)]
+        torch.manual_seed(spec["seed"] + r)
+        timer.reset()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        cpu_start, start = time.process_time(), time.perf_counter()
+        if generator is None:
+            ids = torch.tensor(batch, device=device)
+            with torch.no_grad():
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg)
+            lengths = [len(row) for row in out[:, ids.shape[1] :].tolist() if tokenizer.eos_token_id not in row]
+        else:
+            lengths = [len(c) for c in generator.generate(batch, num_generations=1).completion_ids]
+        if device != "cpu":
+            torch.cuda.synchronize()
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+        if len(lengths) != rows or any(n != new for n in lengths):
+            raise RuntimeError(f"{backend}: not every completion ran to {new} tokens (EOS sampled)")
+        return wall, cpu
+
     try:
-        for r in range(1 + spec["repeats"]):
-            prompts = torch.randint(3, len(tokenizer), (rows // group, spec["prompt_len"]), generator=rng).tolist()
-            batch = [p for p in prompts for _ in range(group)]
-            torch.manual_seed(spec["seed"] + r)
-            timer.reset()
-            if device != "cpu":
-                torch.cuda.synchronize()
-            cpu_start, start = time.process_time(), time.perf_counter()
-            if generator is None:
-                ids = torch.tensor(batch, device=device)
-                with torch.no_grad():
-                    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg)
-                lengths = [len(row) for row in out[:, ids.shape[1] :].tolist() if tokenizer.eos_token_id not in row]
-            else:
-                lengths = [len(c) for c in generator.generate(batch, num_generations=1).completion_ids]
-            if device != "cpu":
-                torch.cuda.synchronize()
-            wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-            if len(lengths) != rows or any(n != new for n in lengths):
-                raise RuntimeError(f"{backend}: not every completion ran to {new} tokens (EOS sampled)")
-            if r == 0:
-                if generator is not None:
-                    _instrument_trl_cb(generator, timer)
-                    steps = StepProfiler(generator, patches) if spec["profile_steps"] else None
-                continue
+        one_round(0)  # warm-up (builds the engine)
+        if generator is not None:
+            _instrument_trl_cb(generator, timer)
+        for r in range(1, 1 + spec["repeats"]):
+            wall, cpu = one_round(r)
             step_ms.append(1000 * wall / new)
             cpu_step_ms.append(1000 * cpu / new)
-            profile = _profile(dict(timer.totals), new, wall, engine=generator is not None)
-            profiles.append(profile)
+            profiles.append(_profile(dict(timer.totals), new, wall, engine=generator is not None))
             forwards.append(timer.calls.get("compute" if generator else "forward", 0) / new)
+        if generator is not None and spec["profile_steps"]:
+            # `repeats` more rounds, after the timed ones: the step profiler's timers would add to trl_cb's ms per
+            # step what `generate()` rounds never carry
+            steps = StepProfiler(generator, patches)
+            for r in range(1 + spec["repeats"], 1 + 2 * spec["repeats"]):
+                one_round(r)
     finally:
         patches.restore()
         if generator is None:
