@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # trl_cb's Triton kernel (`engine/triton_decode.py`) runs in Triton's CPU interpreter where there is no GPU. Triton
+    # reads the flag when it is first imported (its own library functions are jitted then): set it before any test can.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 from trl_cb.offline.data import synthetic_gsm8k

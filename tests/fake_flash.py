@@ -70,6 +70,7 @@ def use_fake_flash(monkeypatch) -> None:
     monkeypatch.setattr(varlen, "varlen_attn", varlen_attn)
 
     def choose(manager, model) -> None:
-        setattr(manager.batch_processor.cache, _upstream_cache.DECODE_KERNEL_ATTR, cuda_kernels.FLASH)
+        kernels = cuda_kernels.Kernels(cuda_kernels.FLASH, cuda_kernels.FLASH)
+        setattr(manager.batch_processor.cache, _upstream_cache.KERNELS_ATTR, kernels)
 
     monkeypatch.setattr(_upstream, "choose_cuda_kernel", choose)

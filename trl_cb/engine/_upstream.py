@@ -127,14 +127,14 @@ def create_manager(
 
 
 def choose_cuda_kernel(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
-    """On CUDA: the fused attention kernel this engine uses (`cuda_kernels.choose`, checked once), kept on its cache
-    where the attention paths read it (`_upstream_cache.DECODE_KERNEL_ATTR`). Call after warmup."""
+    """On CUDA: the fused attention kernels this engine uses (`cuda_kernels.choose`, checked once), kept on its cache
+    where the attention paths read them (`_upstream_cache.KERNELS_ATTR`). Call after warmup."""
     from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
 
     if model.device.type != "cuda":
         return
     text = model.config.get_text_config()
-    kernel = cuda_kernels.choose(
+    kernels = cuda_kernels.choose(
         model.device,
         model.dtype,
         manager.continuous_batching_config.page_size,
@@ -144,7 +144,7 @@ def choose_cuda_kernel(manager: ContinuousBatchingManager, model: PreTrainedMode
         softcap=getattr(text, "attn_logit_softcapping", None),
         sinks=any(getattr(m, "sinks", None) is not None for m in model.modules()),
     )
-    setattr(manager.batch_processor.cache, _upstream_cache.DECODE_KERNEL_ATTR, kernel)
+    setattr(manager.batch_processor.cache, _upstream_cache.KERNELS_ATTR, kernels)
 
 
 def attention_implementation(model: PreTrainedModel) -> str:

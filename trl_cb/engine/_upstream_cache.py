@@ -28,15 +28,17 @@ from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from .cuda_kernels import REFERENCE_KERNELS, Kernels
 from .paged_decode import BlockTableLayer
 
 __all__ = [
     "ATTENTION_UPDATES_CACHE",
-    "DECODE_KERNEL_ATTR",
+    "KERNELS_ATTR",
     "PagedLayer",
     "block_table_layer",
     "drop_paged_cache_from_outputs",
     "engine_layer",
+    "kernels_of",
     "with_direct_reads",
     "with_read_index_rows",
     "paged_layer",
@@ -51,10 +53,10 @@ ATTENTION_UPDATES_CACHE: bool = "cache" in inspect.signature(sdpa_attention_forw
 #: tensor rather than in the kwargs because a KV-shared layer (Gemma-3n) receives that same view from its source layer.
 _READ_INDEX_ATTR = "_trl_cb_read_index"
 #: Attention kwargs (ours): a block-table step's write-trash row, where padding rows write their key; on every engine
-#: step, the kernel chosen for the engine (`cuda_kernels.choose`, kept on the cache as `DECODE_KERNEL_ATTR`).
+#: step, the kernels chosen for the engine (`cuda_kernels.Kernels`, kept on the cache as `KERNELS_ATTR`).
 _WRITE_TRASH_KWARG = "_trl_cb_write_trash"
-_KERNEL_KWARG = "_trl_cb_decode_kernel"
-DECODE_KERNEL_ATTR = "_trl_cb_decode_kernel"
+_KERNEL_KWARG = "_trl_cb_kernels"
+KERNELS_ATTR = "_trl_cb_kernels"
 
 
 @dataclass
@@ -65,7 +67,7 @@ class PagedLayer:
     key_storage: torch.Tensor  # (slots, Hkv, D)
     value_storage: torch.Tensor  # (slots, Hkv, Dv)
     read_index: torch.Tensor | None  # (Tk,) int64
-    kernel: str = "gather"  # the engine's kernel choice (`cuda_kernels.choose`, kept on the cache)
+    kernel: str = "gather"  # the engine's packed-step kernel (`cuda_kernels.Kernels.packed`)
 
 
 def paged_layer(
@@ -109,10 +111,10 @@ def engine_layer(
     (Gemma-3n) runs no update: it gets the keys its source layer of the same type got, and its type's key lengths here.
     """
     if isinstance(cache, PagedAttentionCache):
-        kwargs[_KERNEL_KWARG] = getattr(cache, DECODE_KERNEL_ATTR, "gather")
+        kwargs[_KERNEL_KWARG] = kernels_of(cache)
         layer = paged_layer(cache, module.layer_idx, key_states, value_states, kwargs)
         if layer is not None:
-            layer.kernel = kwargs[_KERNEL_KWARG]
+            layer.kernel = kwargs[_KERNEL_KWARG].packed
             return layer
         key_states, value_states = cache.update(
             key_states=key_states, value_states=value_states, layer_idx=module.layer_idx, kwargs=kwargs
@@ -126,7 +128,7 @@ def engine_layer(
             raise ValueError(f"Layer {module.layer_idx} reads shared keys of an unknown attention type: {layer_type}")
         kwargs["cu_seq_lens_k"], kwargs["max_length_k"] = per_type[layer_type], kwargs["max_length_k"][layer_type]
     read_index = getattr(key_states, _READ_INDEX_ATTR, None)
-    kernel = kwargs.get(_KERNEL_KWARG, "gather")
+    kernel = kwargs.get(_KERNEL_KWARG, REFERENCE_KERNELS).packed
     return PagedLayer(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), read_index, kernel)
 
 
@@ -146,7 +148,7 @@ def with_direct_reads(
         key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if kwargs is not None:
-            kwargs[_KERNEL_KWARG] = getattr(cache, DECODE_KERNEL_ATTR, "gather")
+            kwargs[_KERNEL_KWARG] = kernels_of(cache)
         if kwargs is not None and model.config._attn_implementation == attention_name:
             layer = paged_layer(cache, layer_idx, key_states, value_states, kwargs)
             if layer is not None:
@@ -184,13 +186,18 @@ def block_table_layer(
         block_table=kwargs["block_table"],
         cu_seq_lens_k=kwargs["cu_seq_lens_k"],
         write_trash=kwargs[_WRITE_TRASH_KWARG],
-        kernel=kwargs[_KERNEL_KWARG],
+        kernel=kwargs[_KERNEL_KWARG].paged,
     )
 
 
 def _mark_block_table_step(cache: PagedAttentionCache, layer_idx: int, kwargs: dict) -> None:
     kwargs[_WRITE_TRASH_KWARG] = cache.layer_to_allocator[layer_idx].write_trash_index
-    kwargs[_KERNEL_KWARG] = getattr(cache, DECODE_KERNEL_ATTR, "gather")
+    kwargs[_KERNEL_KWARG] = kernels_of(cache)
+
+
+def kernels_of(cache: object) -> Kernels:
+    """The attention kernels chosen for the engine owning `cache` (`REFERENCE_KERNELS` until one is chosen)."""
+    return getattr(cache, KERNELS_ATTR, REFERENCE_KERNELS)
 
 
 def drop_paged_cache_from_outputs(model: PreTrainedModel) -> None:

@@ -1,34 +1,61 @@
-"""Which fused CUDA attention kernel an engine uses, decided once per engine by checking it against the reference.
+"""Which fused CUDA attention kernels an engine uses, decided once per engine by checking each against the reference.
 
 Why: trl_cb's attention paths (`varlen_attention` for packed steps, `paged_decode` for block-table decode steps) are
-exact by construction with their reference kernels (gathers and masked SDPA calls, `masked_attention.py`). On CUDA,
-torch's varlen flash kernel (`torch.nn.attention.varlen.varlen_attn`) attends packed sequences in one call (no
-per-request loop, no host read of the lengths) and, in recent torch releases, reads the paged cache itself through a
-block table. Whether it is present, and whether it gives the reference's answer, depends on the torch build: so each
-engine runs both on random batches of its model's shape (decode rows, prefill chunks with a past, a window, a padding
-row) and uses flash only where the largest gap is within half-precision noise.
-Invariant: `choose` answers `FLASH` only after that check passed on this device, dtype and shape; any error or
-disagreement is logged and answered with `REFERENCE`, never with a kernel that was not checked. fp32, soft-cap and
-sinks always take the reference (flash has no soft-cap or sinks here, and no fp32).
+exact by construction with their reference kernels (gathers and masked SDPA calls, `masked_attention.py`); the
+block-table reference gathers every row's pages per layer and step, which is what a decode step at hundreds of rows
+spends its time on. On CUDA, torch's varlen flash kernel (`torch.nn.attention.varlen.varlen_attn`) attends packed
+sequences in one call (no per-request loop, no host read of the lengths) and, in recent torch releases, reads the paged
+cache itself through a block table; where it reads none, trl_cb's Triton kernel (`triton_decode.py`) reads the pages
+in place instead. Whether each is present, and whether it gives the reference's answer, depends on the build: so each
+engine runs them and the reference on random batches of its model's shape (decode rows, prefill chunks with a past, a
+window, a padding row) and uses one only where the largest gap is within half-precision noise.
+Invariant: `choose` names a kernel only after that check passed on this device, dtype and shape; any error or
+disagreement is logged and answered with `REFERENCE`, never with a kernel that was not checked. Packed steps and
+decode steps are chosen separately (`Kernels`): paged decode prefers flash, then Triton. fp32, soft-cap and sinks
+always take the reference (the fused kernels have no soft-cap or sinks here, and flash no fp32).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+from dataclasses import dataclass
 
 import torch
 
-from . import paged_decode, varlen_attention
+from . import paged_decode, triton_decode, varlen_attention
 from .paged_decode import FLASH_PAGE_MULTIPLE, BlockTableLayer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FLASH", "REFERENCE", "TOLERANCE", "choose", "flash_available", "paged_flash_available"]
+__all__ = [
+    "FLASH",
+    "REFERENCE",
+    "REFERENCE_KERNELS",
+    "TOLERANCE",
+    "TRITON",
+    "Kernels",
+    "choose",
+    "flash_available",
+    "paged_flash_available",
+]
 
-FLASH, REFERENCE = "flash", "gather"
-#: Largest output gap accepted between flash and the reference, on outputs of unit scale in fp16/bf16.
+FLASH, TRITON, REFERENCE = "flash", "triton", "gather"
+#: Largest output gap accepted between a fused kernel and the reference, on outputs of unit scale in fp16/bf16.
 TOLERANCE = 2e-2
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """An engine's attention kernels: `packed` for packed steps (prefill, mixed; `FLASH` or `REFERENCE`), `paged` for
+    block-table decode steps (`FLASH`, `TRITON` or `REFERENCE`)."""
+
+    packed: str = REFERENCE
+    paged: str = REFERENCE
+
+
+#: What an engine runs unless `choose` found a fused kernel that agrees with the reference (CPU engines, tests).
+REFERENCE_KERNELS = Kernels()
 
 
 def flash_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -52,6 +79,11 @@ def paged_flash_available(device: torch.device, dtype: torch.dtype, page_size: i
     return "block_table" in inspect.signature(varlen_attn).parameters
 
 
+def triton_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """CUDA, half precision, and Triton importable (`triton_decode`)."""
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and triton_decode.available()
+
+
 def choose(
     device: torch.device,
     dtype: torch.dtype,
@@ -61,31 +93,48 @@ def choose(
     head_dim: int,
     softcap: float | None = None,
     sinks: bool = False,
-) -> str:
-    """`FLASH` where flash is available for packed steps and, with block tables, for paged ones, and both agree with
-    the reference on this shape; else `REFERENCE` (see the module docstring)."""
-    if softcap is not None or sinks or not paged_flash_available(device, dtype, page_size):
-        return REFERENCE
+) -> Kernels:
+    """Each path's fused kernel where it is available and agrees with the reference on this shape, else `REFERENCE`
+    (see the module docstring)."""
+    if softcap is not None or sinks:
+        return REFERENCE_KERNELS
+    shape = (device, dtype, page_size, num_heads, num_kv_heads, head_dim)
+    packed = FLASH if flash_available(device, dtype) and _agrees("packed flash", _packed_gap, *shape) else REFERENCE
+    paged = REFERENCE
+    if paged_flash_available(device, dtype, page_size) and _agrees("paged flash", _paged_gap, *shape, FLASH):
+        paged = FLASH
+    elif triton_available(device, dtype) and _agrees("paged Triton", _paged_gap, *shape, TRITON):
+        paged = TRITON
+    kernels = Kernels(packed, paged)
+    logger.info("Engine attention on %s: packed steps %s, decode steps %s.", device, packed, paged)
+    return kernels
+
+
+def _agrees(name: str, gap_of, *args) -> bool:  # noqa: ANN001 - one of the gap functions below and its arguments
+    """Whether the kernel `gap_of(*args)` measures is within `TOLERANCE` of the reference (a failure is a no)."""
     try:
-        gap = max(
-            _paged_gap(device, dtype, page_size, num_heads, num_kv_heads, head_dim),
-            _packed_gap(device, dtype, num_heads, num_kv_heads, head_dim),
-        )
+        gap = gap_of(*args)
     except Exception as err:  # noqa: BLE001 - any failure means: do not use it
-        logger.warning("The flash attention kernel failed its check (%s): the engine uses its reference kernels.", err)
-        return REFERENCE
+        logger.warning("The %s attention kernel failed its check (%s): the engine uses its reference.", name, err)
+        return False
     if not gap < TOLERANCE:
-        logger.warning("The flash attention kernel is %.3g off the reference: the engine uses its reference.", gap)
-        return REFERENCE
-    logger.info("Engine attention on %s: torch's flash varlen kernel (%.1e off the reference).", device, gap)
-    return FLASH
+        logger.warning("The %s attention kernel is %.3g off the reference: the engine uses its reference.", name, gap)
+        return False
+    logger.info("The %s attention kernel is %.1e off the reference.", name, gap)
+    return True
 
 
 def _paged_gap(
-    device: torch.device, dtype: torch.dtype, page_size: int, num_heads: int, num_kv_heads: int, head_dim: int
+    device: torch.device,
+    dtype: torch.dtype,
+    page_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kernel: str = FLASH,
 ) -> float:
-    """Largest gap between the two block-table kernels on rows of 1, a page, a page + 1 and three pages of keys (and a
-    padding row, whose output is unused)."""
+    """Largest gap between the block-table `kernel` and the reference on rows of 1, a page, a page + 1 and three
+    pages of keys (and a padding row, whose output is unused)."""
     g = torch.Generator().manual_seed(0)
     lengths = [1, page_size, page_size + 1, 3 * page_size, 0]
     max_pages, num_pages = 4, 16
@@ -101,16 +150,18 @@ def _paged_gap(
     new = torch.randn(len(lengths), num_kv_heads, head_dim, generator=g).to(device, dtype)
     query = torch.randn(len(lengths), num_heads, head_dim, generator=g).to(device, dtype)
     outs = []
-    for kernel in (FLASH, REFERENCE):
+    for name in (kernel, REFERENCE):
         layer = BlockTableLayer(
-            new, new, key_pages.clone(), value_pages.clone(), table.to(device), cu_k.to(device), 0, kernel
+            new, new, key_pages.clone(), value_pages.clone(), table.to(device), cu_k.to(device), 0, name
         )
         outs.append(paged_decode.attend(query, layer, None).float())
     real = slice(0, len(lengths) - 1)
     return (outs[0][real] - outs[1][real]).abs().max().item()
 
 
-def _packed_gap(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> float:
+def _packed_gap(
+    device: torch.device, dtype: torch.dtype, page_size: int, num_heads: int, num_kv_heads: int, head_dim: int
+) -> float:
     """Largest gap between the two packed kernels on decode rows, a fresh prefill and chunks with a past, with and
     without a sliding window."""
     g = torch.Generator().manual_seed(1)

@@ -5,10 +5,13 @@ Why: `varlen_attention` plans decode buckets from host-side lengths (a device-to
 change every step; a graph replays its capture's shapes and host decisions. Here each row's key count (`seq_lens`,
 from the engine's `cu_seq_lens_k`) and pages (the engine's kernel block table: page ids of the layer's page view, -1
 past its pages) are read on the device. The new key is written at its position through the block table (padding
-rows, `seq_lens == 0`, write to the write-trash row), then attended by one of two kernels: `flash`, torch's varlen
-flash kernel reading the pages itself (CUDA, fp16/bf16, no softcap or sinks, pages of a multiple of 256); `gather`
-(any device or dtype, softcap, sinks): each row's pages gathered into one padded batch, one masked SDPA call. `gather`
-is the reference `flash` is checked against once per engine (`cuda_kernels.choose`), and what CPU tests run.
+rows, `seq_lens == 0`, write to the write-trash row), then attended by one of three kernels: `flash`, torch's varlen
+flash kernel reading the pages itself (CUDA, fp16/bf16, no softcap or sinks, pages of a multiple of 256, a torch whose
+`varlen_attn` takes a block table); `triton`, trl_cb's Triton kernel reading the pages itself (`triton_decode.py`:
+any page size, no softcap or sinks); `gather` (any device or dtype, softcap, sinks): each row's pages (the block
+table's full width) gathered into one padded batch, one masked SDPA call. `gather` is the reference the others are
+checked against once per engine (`cuda_kernels.choose`), and what CPU tests run (the Triton kernel also runs on CPU
+in Triton's interpreter).
 Invariant: every row with `seq_lens > 0` gets exact causal attention of its query over keys `[0, seq_lens)`; padding
 rows get a finite, unused output. Sliding-window layers never come here (no block table for their allocator).
 """
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import triton_decode
 from .masked_attention import masked_attention
 
 __all__ = ["BlockTableLayer", "FLASH_PAGE_MULTIPLE", "attend", "write_new_keys"]
@@ -72,6 +76,11 @@ def attend(
             f"Block-table decode takes one query per row: {query.shape[0]} queries for {layer.block_table.shape[0]}"
             " rows."
         )
+    if layer.kernel == "triton" and softcap is None and sinks is None:  # writes the new keys itself
+        return triton_decode.paged_decode_attention(
+            query, layer.new_keys, layer.new_values, layer.key_pages, layer.value_pages, layer.block_table,
+            layer.cu_seq_lens_k, layer.write_trash, scaling,
+        )  # fmt: skip
     write_new_keys(layer)
     if layer.kernel == "flash" and softcap is None and sinks is None:
         return _flash(query, layer, scaling)

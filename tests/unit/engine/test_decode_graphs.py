@@ -199,6 +199,37 @@ def test_flash_kernel_calls_sample_exactly(sharp_model, tokenizer, prompts, monk
     assert _worst(sharp_model, prompts, result) < 1e-4
 
 
+@pytest.mark.parametrize("broken", [False, True], ids=["triton", "control-scale-off"])
+def test_triton_kernel_decode_steps_sample_exactly(sharp_model, tokenizer, prompts, monkeypatch, broken):
+    """The engine's decode steps through trl_cb's Triton kernel (`triton_decode`, run by Triton's CPU interpreter) as
+    `cuda_kernels.choose` picks it where torch reads no block tables: every graphed decode step calls it, and the
+    logprobs match teacher forcing; the control scales its scores wrongly and is caught."""
+    pytest.importorskip("triton")
+    from trl_cb.engine import _upstream, _upstream_cache, cuda_kernels, triton_decode
+
+    use_fake_graphs(monkeypatch)
+    kernels = cuda_kernels.Kernels(cuda_kernels.REFERENCE, cuda_kernels.TRITON)
+    monkeypatch.setattr(
+        _upstream,
+        "choose_cuda_kernel",
+        lambda manager, model: setattr(manager.batch_processor.cache, _upstream_cache.KERNELS_ATTR, kernels),
+    )
+    calls, real = [0], triton_decode.paged_decode_attention
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args[:-1], args[-1] * (1.5 if broken else 1.0))  # the last argument: the scaling
+
+    monkeypatch.setattr(triton_decode, "paged_decode_attention", counted)
+    with ContinuousBatchingGenerator(sharp_model, sampling_config(tokenizer), {"max_batch_tokens": 16}) as gen:
+        result = gen.generate(prompts, num_generations=G)
+        graphs = _graphs(gen)
+    layers = sharp_model.config.num_hidden_layers
+    assert calls[0] == layers * (graphs.captures + graphs.replays) > 0, "every graphed decode step runs the kernel"
+    worst = _worst(sharp_model, prompts, result)
+    assert worst < 1e-4 if not broken else worst > 0.05, worst
+
+
 @pytest.mark.parametrize("shift", [0, 1], ids=["window", "control-window-off-by-one"])
 def test_flash_kernel_window_matches_the_models(tokenizer, prompts, monkeypatch, shift):
     """Sliding windows through the flash kernel (packed steps: sliding layers read no block table): exact, and a window

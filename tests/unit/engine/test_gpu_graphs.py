@@ -12,7 +12,7 @@ from tests.conftest import sampling_config
 from tests.unit.engine.test_attention import _config, _far_from_uniform
 from tests.unit.engine.test_decode_graphs import G, _graphs
 from trl_cb import ContinuousBatchingGenerator
-from trl_cb.engine import cuda_kernels, decode_graphs
+from trl_cb.engine import _upstream_cache, cuda_kernels, decode_graphs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,7 +52,7 @@ def test_cuda_graphs_sample_exactly_and_survive_optimizer_steps(tokenizer, promp
         graphs = _graphs(gen)
         assert graphs is not None, "CUDA engines run their decode steps as graphs by default"
         assert graphs.replays > 0
-        kernel = getattr(gen._pool.engine.manager.batch_processor.cache, "_trl_cb_decode_kernel", None)
+        kernel = _upstream_cache.kernels_of(gen._pool.engine.manager.batch_processor.cache)
         print(f"kernel: {kernel}, paged flash: {cuda_kernels.paged_flash_available(model.device, dtype, 256)}")
         assert _worst(model, prompts, result) < tolerance
         captured = graphs.captures
@@ -94,5 +94,18 @@ def test_flash_kernels_agree_with_the_reference_where_available():
     if not cuda_kernels.paged_flash_available(device, torch.bfloat16, 256):
         pytest.skip("this torch's varlen_attn reads no block tables")
     assert cuda_kernels._paged_gap(device, torch.bfloat16, 256, 8, 2, 64) < cuda_kernels.TOLERANCE
-    assert cuda_kernels._packed_gap(device, torch.bfloat16, 8, 2, 64) < cuda_kernels.TOLERANCE
-    assert cuda_kernels.choose(device, torch.bfloat16, 256, 8, 2, 64) == cuda_kernels.FLASH
+    assert cuda_kernels._packed_gap(device, torch.bfloat16, 256, 8, 2, 64) < cuda_kernels.TOLERANCE
+    assert cuda_kernels.choose(device, torch.bfloat16, 256, 8, 2, 64) == cuda_kernels.Kernels(
+        cuda_kernels.FLASH, cuda_kernels.FLASH
+    )
+
+
+def test_decode_steps_read_pages_in_place_on_cuda():
+    """bf16 decode steps never gather every row's pages: flash where this torch's `varlen_attn` reads block tables,
+    else trl_cb's Triton kernel, each within the reference's half-precision noise on the model shapes users run."""
+    device = torch.device("cuda")
+    for page, heads, kv, dim in [(64, 32, 8, 64), (64, 8, 2, 256), (256, 14, 2, 64)]:
+        kernels = cuda_kernels.choose(device, torch.bfloat16, page, heads, kv, dim)
+        assert kernels.paged in (cuda_kernels.FLASH, cuda_kernels.TRITON), (page, heads, kv, dim, kernels)
+        gap = cuda_kernels._paged_gap(device, torch.bfloat16, page, heads, kv, dim, cuda_kernels.TRITON)
+        assert gap < cuda_kernels.TOLERANCE, (page, heads, kv, dim, gap)

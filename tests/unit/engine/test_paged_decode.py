@@ -4,6 +4,8 @@ a padding row. The new key must land at its row's position and nowhere else."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -87,7 +89,63 @@ def test_gather_kernel_matches_the_page_by_page_reference(variant, num_kv):
 def test_flash_is_refused_where_it_cannot_run():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert not cuda_kernels.flash_available(cpu, torch.bfloat16)
-    assert cuda_kernels.choose(cpu, torch.bfloat16, 256, 4, 2, 16) == cuda_kernels.REFERENCE
+    assert cuda_kernels.choose(cpu, torch.bfloat16, 256, 4, 2, 16) == cuda_kernels.REFERENCE_KERNELS
     assert not cuda_kernels.flash_available(cuda, torch.float32), "flash kernels take fp16/bf16 only"
     assert not cuda_kernels.paged_flash_available(cuda, torch.bfloat16, 32), "paged flash reads pages of 256k tokens"
-    assert cuda_kernels.choose(cuda, torch.bfloat16, 256, 4, 2, 16, softcap=30.0) == cuda_kernels.REFERENCE
+    assert cuda_kernels.choose(cuda, torch.bfloat16, 256, 4, 2, 16, softcap=30.0) == cuda_kernels.REFERENCE_KERNELS
+
+
+@pytest.fixture
+def triton_interpreter():
+    """trl_cb's Triton decode kernel, run by Triton's CPU interpreter off a GPU (tests/conftest.py sets it up)."""
+    pytest.importorskip("triton", reason="Triton is not installed (the test extra installs it on Linux x86-64)")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.fail("Triton's interpreter must be switched on before triton is imported (tests/conftest.py)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("num_kv,heads", [(4, 4), (2, 4), (1, 20)], ids=["MHA", "GQA", "MQA-20"])
+def test_triton_kernel_reads_pages_in_place_exactly(triton_interpreter, num_kv, heads, dtype):
+    """The Triton kernel against the page-by-page reference (float64 truth), with a padding row, rows across page
+    boundaries and a block table whose unused entries are -1; the gather reference in the same dtype as a yardstick.
+    Query heads per KV head beyond one `tl.dot` tile (20) check the head padding."""
+    layer, query = _batch(num_kv, heads, dim=24)  # a head size that is not a power of two: masked columns
+    layer.key_pages, layer.value_pages = layer.key_pages.to(dtype), layer.value_pages.to(dtype)
+    layer.new_keys, layer.new_values = layer.new_keys.to(dtype), layer.new_values.to(dtype)
+    truth = _reference(query.double(), _as_double(layer), 0.3, None, None)
+    gather_layer = _copy(layer)
+    gather = paged_decode.attend(query.to(dtype), gather_layer, 0.3)  # the reference kernel, same inputs
+    layer.kernel = "triton"
+    got = paged_decode.attend(query.to(dtype), layer, 0.3)
+    real = layer.seq_lens > 0
+    error, yardstick = _gap(got, truth, real), _gap(gather, truth, real)
+    assert error <= max(1e-5, 1.01 * yardstick), (error, yardstick)
+    assert torch.isfinite(got).all(), "a padding row's output must stay finite"
+    # The new keys landed where the reference kernel writes them (the padding row's in the trash row), and only there.
+    assert torch.equal(layer.key_pages, gather_layer.key_pages)
+    assert torch.equal(layer.value_pages, gather_layer.value_pages)
+    # Control: row 3's first page pointed at row 2's: the kernel reads other keys and row 3 is far off.
+    wrong = _copy(layer)
+    wrong.kernel = "triton"
+    wrong.block_table[3, 0] = layer.block_table[2, 0]
+    off = paged_decode.attend(query.to(dtype), wrong, 0.3)
+    assert _gap(off[3:4], truth[3:4], torch.tensor([True])) > 0.1
+
+
+def _as_double(layer: BlockTableLayer) -> BlockTableLayer:
+    out = _copy(layer)
+    out.key_pages, out.value_pages = out.key_pages.double(), out.value_pages.double()
+    out.new_keys, out.new_values = out.new_keys.double(), out.new_values.double()
+    return out
+
+
+def _copy(layer: BlockTableLayer) -> BlockTableLayer:
+    import dataclasses
+
+    fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)}
+    cloned = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+    return BlockTableLayer(**{**cloned, "kernel": "gather"})
+
+
+def _gap(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor) -> float:
+    return (a.double()[rows] - b.double()[rows]).abs().max().item()
