@@ -9,10 +9,12 @@
 #
 # Steps (limits in seconds; GPU_SUITE_LIMIT_<STEP>=N overrides one, e.g. GPU_SUITE_LIMIT_SEED=300):
 #   1. gpu-tests (60):   pytest -m gpu: the GPU-only tests (exactness, graphs, attention kernels).
-#   2. engine-step (90): ms per decode step against generate() at 32 and 256 rows, CUDA graphs on and off.
-#   3. seed (210):       the seed comparison, gsm8k.py: N = 8/32/64 at 512 tokens with the calibrated GSM8K-like
+#   2. profile (60):     step_profile.py: host ms, device ms, kernels and device ms by kernel family per decode step at
+#                        256 and 1,024 rows (torch.profiler, CPU and CUDA activities).
+#   3. engine-step (90): ms per decode step against generate() at 32, 256 and 1,024 rows (CUDA graphs on).
+#   4. seed (210):       the seed comparison, gsm8k.py: N = 8/32/64 at 512 tokens with the calibrated GSM8K-like
 #                        tail; generate(), TRL's native CB, trl_cb with and without CUDA graphs.
-#   4. grpo-step (120):  GRPO training steps, 8 prompts x 8, <= 512 tokens: generate(), trl_cb sync, async, overlap.
+#   5. grpo-step (120):  GRPO training steps, 8 prompts x 8, <= 512 tokens: generate(), trl_cb sync, async, overlap.
 # Offline machines: `--wheels DIR` installs the wheels of ../shared/gpu/wheelhouse.sh (or any folder) into
 # /tmp/trl_cb_site and puts it first on PYTHONPATH. Everything goes to OUT: log.txt (the whole run), one JSON (and
 # PNG) per benchmark step, pytest's report, and results.tgz re-packed after every step.
@@ -69,17 +71,19 @@ transformers.__version__, 'trl', trl.__version__, 'trl_cb', trl_cb.__version__, 
 COMMON=(--device "$DEVICE" --out "$OUT")
 if [ "$QUICK" = 1 ]; then  # the same steps on the smallest settings: the orchestration, not the figures
     MODEL=tiny ROWS=(8 16) TOKENS=16 NS=(2) ENGINE=(--models null --max-new-tokens 4 --samples-per-prompt 4)
+    PROFILE=(--model null --rows 8 16 --max-new-tokens 4)
     COMMON+=(--quick)
     GRPO=(--backends trl_cb trl_cb_async)
 else
-    MODEL=llama-1b-random ROWS=(32 256) TOKENS=512 NS=(8 32 64) ENGINE=(--models llama-1b-random --max-new-tokens 64)
+    MODEL=llama-1b-random ROWS=(32 256 1024) TOKENS=512 NS=(8 32 64)
+    ENGINE=(--models llama-1b-random --max-new-tokens 64)
+    PROFILE=(--model llama-1b-random --rows 256 1024 --max-new-tokens 32)
     GRPO=(--backends generate trl_cb trl_cb_async trl_cb_overlap_async --prompts 8 --num-generations 8 --steps 3)
 fi
-GRAPHS_OFF='no_graphs:{"use_cuda_graph": false}'
 
 step gpu-tests 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests --junitxml "$OUT/pytest-gpu.xml"
-step engine-step 90 "$PY" benchmarks/engine_step.py "${COMMON[@]}" "${ENGINE[@]}" --rows "${ROWS[@]}" \
-    --repeats 2 --variant "$GRAPHS_OFF"
+step profile 60 "$PY" benchmarks/step_profile.py --device "$DEVICE" --out "$OUT" "${PROFILE[@]}"
+step engine-step 90 "$PY" benchmarks/engine_step.py "${COMMON[@]}" "${ENGINE[@]}" --rows "${ROWS[@]}" --repeats 2
 SEED_BACKENDS=(generate trl_native trl_cb trl_cb_no_graphs)
 [ "$QUICK" = 1 ] && SEED_BACKENDS=(generate trl_cb trl_cb_no_graphs)
 step seed 210 "$PY" benchmarks/gsm8k.py "${COMMON[@]}" --model "$MODEL" --max-new-tokens "$TOKENS" \

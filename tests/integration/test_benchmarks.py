@@ -660,18 +660,21 @@ def test_gpu_suite_runs_end_to_end_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:]
     log = (out / "log.txt").read_text()
     ends = [line.split()[2] for line in log.splitlines() if line.startswith("### END")]
-    assert ends == ["gpu-tests", "engine-step", "seed", "grpo-step"], log[-3000:]
+    assert ends == ["gpu-tests", "profile", "engine-step", "seed", "grpo-step"], log[-3000:]
     assert "### END gpu-tests rc=124" in log and all(f"### END {s} rc=0" in log for s in ends[1:]), log[-3000:]
     for name in ("engine_step", "gsm8k", "grpo_step"):
         (result,) = out.glob(f"{name}-*.json")
         payload = json.loads(result.read_text())
         assert payload["complete"] and payload["points"] and result.with_suffix(".png").is_file()
+    (profile,) = out.glob("step_profile-*.json")
+    points = json.loads(profile.read_text())["points"]
+    assert [p["rows"] for p in points] == [8, 16] and all(p["kernels"] > 0 and p["device_ms"] > 0 for p in points)
     seed = json.loads(next(out.glob("gsm8k-*.json")).read_text())
     assert {p["key"][2] for p in seed["points"]} == {"generate", "trl_cb", "trl_cb_no_graphs"}
     assert (out / "results.tgz").stat().st_size > 0
 
     skipped = subprocess.run([*suite[:-1], str(tmp_path / "none"), "--budget", "0"], capture_output=True, text=True)
-    assert skipped.returncode == 0 and skipped.stdout.count("### SKIP") == 4
+    assert skipped.returncode == 0 and skipped.stdout.count("### SKIP") == 5
 
 
 @pytest.mark.slow

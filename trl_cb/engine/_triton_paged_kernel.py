@@ -66,7 +66,7 @@ def paged_decode_kernel(
             mask=valid[:, None] & (dv[None, :] < DV),
             other=0.0,
         )  # (BLOCK_N, BLOCK_DV)
-        if HALF_DOTS:  # tensor cores, float32 accumulation; probabilities rounded to the value dtype (as flash)
+        if HALF_DOTS:  # tensor cores, float32 accumulation (products of half-precision values are exact in float32)
             scores = tl.dot(q, tl.trans(k))
         else:
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -75,8 +75,10 @@ def paged_decode_kernel(
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         total = total * alpha + tl.sum(p, axis=1)
-        if HALF_DOTS:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if HALF_DOTS:  # the probabilities as two half-precision terms: ~16 mantissa bits, not the 8 (bf16) of one
+            p_high = p.to(v.dtype)
+            p_low = (p - p_high.to(tl.float32)).to(v.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p_high, v) + tl.dot(p_low, v)
         else:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         m = m_new

@@ -28,8 +28,7 @@ from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .cuda_kernels import REFERENCE_KERNELS, Kernels
-from .paged_decode import BlockTableLayer
+from .paged_decode import REFERENCE_KERNELS, BlockTableLayer, Kernels
 
 __all__ = [
     "ATTENTION_UPDATES_CACHE",

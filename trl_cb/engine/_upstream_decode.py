@@ -102,7 +102,7 @@ def with_fast_path(
             return _advance_table(ios, allocator, host, last, batch, processors, num_q_tokens)
 
         def remember(batch: list, num_q_tokens: int) -> Any:
-            return _remember_table(ios, allocator, host, batch, num_q_tokens)
+            return None  # never reached: `advance` prepares every steady block-table step
     else:
 
         def advance(last: Any, batch: list, processors: Any, num_q_tokens: int, max_kv_read: int) -> Any:
@@ -209,7 +209,9 @@ def _fast_prepare(
         last = previous[0]
         layout_fits = use_decode_fast_path if block_tables else not use_padding
         steady = layout_fits and all(f.query_length == 1 and f.has_new_token for f in requests_in_batch)
-        if steady and last is not None and ios.requests_in_batch is last.marker:
+        if steady and last is not None and ios.requests_in_batch is not last.marker:
+            last = None  # something else ran since: not a continuation
+        if steady and (last is not None or block_tables):  # a block-table step can also start from the states
             advanced = advance(last, requests_in_batch, logits_processors, num_q_tokens, max_kv_read)
             if advanced is not None:
                 stats.fast += 1
@@ -385,45 +387,36 @@ class _HostInputs:
             table[i, len(blocks) :] = -1
 
 
-def _remember_table(
-    ios: ContinuousBatchingIOs, allocator: FullAttentionCacheAllocator, host: _HostInputs, batch: list, rows: int
-) -> _PreviousTable | None:
-    """The block-table state of a step upstream just prepared: its rows copied to the host table from the allocator
-    (the device table is upstream's), padding rows -1, so that the next step can advance from it."""
-    if not ios.use_block_table:
-        return None
-    states = [f.state for f in batch]
-    host.fill_table_rows(allocator, states, range(len(states)))
-    host.table_np[allocator.index, len(states) : rows] = -1
-    positions = np.fromiter((s.position_offset - 1 for s in states), np.int64, len(states))
-    return _PreviousTable(ios.requests_in_batch, states, positions, rows)
-
-
 def _advance_table(
     ios: ContinuousBatchingIOs,
     allocator: FullAttentionCacheAllocator,
     host: _HostInputs,
-    last: _PreviousTable,
+    last: _PreviousTable | None,
     batch: list[FutureRequestState],
     logits_processors: Any,
     rows: int,
 ) -> _PreviousTable | None:
-    """Prepare the block-table step `batch`, padded to `rows`, from `last`; None (nothing changed) unless it is a
-    steady continuation of `last` (`_map_rows`). Padding rows: no keys (flat `cu_seq_lens_k`), table rows -1."""
+    """Prepare the block-table step `batch`, padded to `rows`: from `last` when it is a steady continuation of it
+    (`_map_rows`: only the table rows of rows at a page start re-read), else from the request states alone (every
+    table row read from the allocator: the first decode step after a prefill or a fork, or after a step the fast path
+    did not prepare). Padding rows: no keys (flat `cu_seq_lens_k`), table rows -1."""
     states = [f.state for f in batch]
     n = len(states)
-    mapped = _map_rows(states, last.states, last.positions)
-    if mapped is None:
-        return None
-    kept, positions, input_ids = mapped
-    # 1) block table rows: the kept rows moved up; a row at a page start re-read (it has a new page, and completing the
-    #    previous one may have swapped it for a shared one); padding rows -1
+    mapped = None if last is None else _map_rows(states, last.states, last.positions)
     table = host.table_np[allocator.index]
-    if kept is not None:
-        table[:n] = table[kept]
-    table[n : max(rows, last.rows)] = -1
-    page = allocator.tokens_per_page
-    host.fill_table_rows(allocator, states, np.flatnonzero(positions % page == 0).tolist())
+    if mapped is not None:
+        kept, positions, input_ids = mapped
+        # 1) block table rows: the kept rows moved up; a row at a page start re-read (it has a new page, and
+        #    completing the previous one may have swapped it for a shared one); padding rows -1
+        if kept is not None:
+            table[:n] = table[kept]
+        table[n : max(rows, last.rows)] = -1
+        host.fill_table_rows(allocator, states, np.flatnonzero(positions % allocator.tokens_per_page == 0).tolist())
+    else:
+        positions = np.fromiter((s.position_offset for s in states), np.int64, n)  # (n,)
+        input_ids = np.fromiter((s.tokens_to_process[0] for s in states), np.int32, n)  # the token sampled last
+        host.fill_table_rows(allocator, states, range(n))
+        table[n:] = -1
     # 2) the request states, as upstream's loop leaves them
     for state in states:
         state.position_offset += 1

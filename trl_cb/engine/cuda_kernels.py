@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from . import paged_decode, triton_decode, varlen_attention
-from .paged_decode import FLASH_PAGE_MULTIPLE, BlockTableLayer
+from .paged_decode import FLASH, FLASH_PAGE_MULTIPLE, REFERENCE, REFERENCE_KERNELS, TRITON, BlockTableLayer, Kernels
 
 logger = logging.getLogger(__name__)
 
@@ -40,22 +39,8 @@ __all__ = [
     "paged_flash_available",
 ]
 
-FLASH, TRITON, REFERENCE = "flash", "triton", "gather"
 #: Largest output gap accepted between a fused kernel and the reference, on outputs of unit scale in fp16/bf16.
 TOLERANCE = 2e-2
-
-
-@dataclass(frozen=True)
-class Kernels:
-    """An engine's attention kernels: `packed` for packed steps (prefill, mixed; `FLASH` or `REFERENCE`), `paged` for
-    block-table decode steps (`FLASH`, `TRITON` or `REFERENCE`)."""
-
-    packed: str = REFERENCE
-    paged: str = REFERENCE
-
-
-#: What an engine runs unless `choose` found a fused kernel that agrees with the reference (CPU engines, tests).
-REFERENCE_KERNELS = Kernels()
 
 
 def flash_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,17 +1,15 @@
 """Decode attention through the paged cache's block table: no host reads, shapes fixed by the padded row count, so a
-decode step can be captured once and replayed as an accelerator graph (`decode_graphs.py`).
+decode step can be captured once and replayed as an accelerator graph (`decode_graphs.py`); the kernel names.
 
 Why: `varlen_attention` plans decode buckets from host-side lengths (a device-to-host read per forward) in shapes that
 change every step; a graph replays its capture's shapes and host decisions. Here each row's key count (`seq_lens`,
 from the engine's `cu_seq_lens_k`) and pages (the engine's kernel block table: page ids of the layer's page view, -1
 past its pages) are read on the device. The new key is written at its position through the block table (padding
 rows, `seq_lens == 0`, write to the write-trash row), then attended by one of three kernels: `flash`, torch's varlen
-flash kernel reading the pages itself (CUDA, fp16/bf16, no softcap or sinks, pages of a multiple of 256, a torch whose
-`varlen_attn` takes a block table); `triton`, trl_cb's Triton kernel reading the pages itself (`triton_decode.py`:
-any page size, no softcap or sinks); `gather` (any device or dtype, softcap, sinks): each row's pages (the block
-table's full width) gathered into one padded batch, one masked SDPA call. `gather` is the reference the others are
-checked against once per engine (`cuda_kernels.choose`), and what CPU tests run (the Triton kernel also runs on CPU
-in Triton's interpreter).
+flash kernel reading the pages (CUDA, fp16/bf16, pages of a multiple of 256, a torch whose `varlen_attn` takes a block
+table); `triton`, trl_cb's kernel reading the pages, writing the new keys in the same launch (`triton_decode.py`);
+`gather` (any device or dtype, softcap, sinks): each row's pages (the table's full width) gathered into one padded
+batch, one masked SDPA call: the reference the others are checked against once per engine (`cuda_kernels.choose`).
 Invariant: every row with `seq_lens > 0` gets exact causal attention of its query over keys `[0, seq_lens)`; padding
 rows get a finite, unused output. Sliding-window layers never come here (no block table for their allocator).
 """
@@ -25,10 +23,34 @@ import torch
 from . import triton_decode
 from .masked_attention import masked_attention
 
-__all__ = ["BlockTableLayer", "FLASH_PAGE_MULTIPLE", "attend", "write_new_keys"]
+__all__ = [
+    "FLASH",
+    "FLASH_PAGE_MULTIPLE",
+    "REFERENCE",
+    "REFERENCE_KERNELS",
+    "TRITON",
+    "BlockTableLayer",
+    "Kernels",
+    "attend",
+    "write_new_keys",
+]
 
 #: torch's in-tree flash kernel (FlashAttention-2) reads paged KV only in pages of a multiple of 256 tokens.
 FLASH_PAGE_MULTIPLE = 256
+FLASH, TRITON, REFERENCE = "flash", "triton", "gather"
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """An engine's attention kernels (`cuda_kernels.choose`): `packed` for packed steps (prefill, mixed; `FLASH` or
+    `REFERENCE`), `paged` for block-table decode steps (`FLASH`, `TRITON` or `REFERENCE`)."""
+
+    packed: str = REFERENCE
+    paged: str = REFERENCE
+
+
+#: What an engine runs unless `cuda_kernels.choose` found a fused kernel that agrees with the reference (CPU, tests).
+REFERENCE_KERNELS = Kernels()
 
 
 @dataclass
@@ -42,7 +64,7 @@ class BlockTableLayer:
     block_table: torch.Tensor  # (R, max_pages) int32: page ids of each row, -1 past its pages
     cu_seq_lens_k: torch.Tensor  # (R + 1,) int32: cumulative key counts (the new key included), flat for padding
     write_trash: int  # a token row of the layer's cache that nothing reads
-    kernel: str = "gather"  # `cuda_kernels.choose`'s answer for this engine
+    kernel: str = REFERENCE  # `Kernels.paged` of this engine
 
     @property
     def seq_lens(self) -> torch.Tensor:  # (R,) int32
@@ -76,13 +98,13 @@ def attend(
             f"Block-table decode takes one query per row: {query.shape[0]} queries for {layer.block_table.shape[0]}"
             " rows."
         )
-    if layer.kernel == "triton" and softcap is None and sinks is None:  # writes the new keys itself
+    if layer.kernel == TRITON and softcap is None and sinks is None:  # writes the new keys itself
         return triton_decode.paged_decode_attention(
             query, layer.new_keys, layer.new_values, layer.key_pages, layer.value_pages, layer.block_table,
             layer.cu_seq_lens_k, layer.write_trash, scaling,
         )  # fmt: skip
     write_new_keys(layer)
-    if layer.kernel == "flash" and softcap is None and sinks is None:
+    if layer.kernel == FLASH and softcap is None and sinks is None:
         return _flash(query, layer, scaling)
     return _gather(query, layer, scaling, softcap, sinks)
 

@@ -1,21 +1,17 @@
 """Block-table decode attention as one Triton kernel that reads each row's pages where they are.
 
-Why: without a torch whose `varlen_attn` takes a block table (torch 2.11 has none), `paged_decode`'s reference kernel
-gathers every row's pages (the block table's full width) into a padded batch on every layer of every step, after a
-dozen small kernels that write the new keys: at hundreds of rows that is most of a decode step's attention time and
-kernel count (docs/benchmarks.md, the step profile). Here one launch per layer does both: one program per (row, KV
-head) stores the row's new key and value through its block table, then walks the row's cached keys, `BLOCK_N` at a
-time, with an online softmax in float32 (FlashAttention's recurrence) started from the new key held in registers, so
-nothing it wrote is read back. It reads each cached key once and writes only the output; the GQA heads of one KV head
-are the rows of one `tl.dot` (padded to 16), so a key is read once for all of them. Shapes are fixed by the padded row
-count and the table's width; the loop's trip count is read on the device (`cu_seq_lens_k`), so a step captured in a
-CUDA graph replays with new lengths.
-Invariant: a row with `seq_len > 0` gets causal attention of its one query over keys `[0, seq_len)`, the new key and
-value as the cache stores them (rounded to its dtype): fp16/bf16 inputs take tensor-core products with float32
-accumulation, the probabilities rounded to the value dtype before the value product (as flash kernels); float32
-inputs take IEEE float32 products. A padding row (`seq_len == 0`) writes the trash row and gets a finite, unused
-output. No soft-cap, no sinks (those take the reference). `cuda_kernels.choose` checks it against the reference once
-per engine before using it; on CPU, tests run it in Triton's interpreter (`TRITON_INTERPRET=1`, tests/conftest.py).
+Why: without a torch whose `varlen_attn` takes a block table (torch 2.11 has none), the reference kernel gathers every
+row's pages (the table's full width) per layer and step, after a dozen small kernels that write the new keys
+(`paged_decode`): at hundreds of rows, most of a step's attention time and kernels. Here one launch per layer: one
+program per (row, KV head) stores the new key and value through the block table, then walks the cached keys `BLOCK_N`
+at a time with an online softmax in float32 (FlashAttention's recurrence) started from the new key in registers; the
+GQA heads of a KV head are the rows of one `tl.dot`, so each key is read once. The loop's trip count is read on the
+device, so a CUDA graph replays it with new lengths.
+Invariant: a row with `seq_len > 0` gets causal attention over keys `[0, seq_len)`, the new ones as the cache stores
+them; fp16/bf16 take tensor-core products with float32 accumulation, the probabilities split into two half-precision
+terms for the value product (~16 mantissa bits where a flash kernel keeps bf16's 8), float32 takes IEEE products; a
+padding row writes the trash row and gets a finite, unused output. No soft-cap or sinks (the reference takes those).
+`cuda_kernels.choose` checks it against the reference per engine; CPU tests run it in Triton's interpreter.
 """
 
 from __future__ import annotations

@@ -308,11 +308,19 @@ def _flash_packed(
     max_lengths: tuple[int, int],
 ) -> torch.Tensor:  # (T, H, Dv)
     """Every request in one call of torch's varlen flash kernel (causal, bottom-right aligned: a request's last query
-    is its last key; a window of W keys is flash's `(W - 1, 0)`); no plan, no host read."""
+    is its last key; a window of W keys is flash's `(W - 1, 0)`); no plan, no host read. Grouped-query heads: flash's
+    `enable_gqa`, or where this torch's kernel has none (2.11), each KV head repeated for its query heads."""
     from torch.nn.attention.varlen import varlen_attn
 
     if key_index is not None:
         key, value = key.index_select(0, key_index), value.index_select(0, key_index)
+    gqa = {}
+    if query.shape[1] != key.shape[1]:
+        if _varlen_takes_gqa():
+            gqa["enable_gqa"] = True
+        else:
+            n_rep = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(n_rep, 1), value.repeat_interleave(n_rep, 1)
     return varlen_attn(
         query,
         key,
@@ -323,8 +331,18 @@ def _flash_packed(
         max_lengths[1],
         scale=scaling,
         window_size=(window - 1, 0) if window is not None else (-1, 0),
-        enable_gqa=query.shape[1] != key.shape[1],
+        **gqa,
     )
+
+
+@functools.cache
+def _varlen_takes_gqa() -> bool:
+    """Whether this torch's `varlen_attn` groups query heads itself (`enable_gqa`; torch 2.11's does not)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def _unpadded_forward(

@@ -153,7 +153,12 @@ def test_every_block_table_step_holds_the_allocators_pages(request, tokenizer, p
         assert ios.position_ids[:n].tolist() == past
         cu_k = ios.cumulative_seqlens_k["full_attention"][: rows + 1].tolist()
         assert [b - a for a, b in zip(cu_k, cu_k[1:])] == [p + 1 for p in past] + [0] * (rows - n)
-        assert ios.input_ids[:n].tolist() == [s.generated_tokens[-1] for s in states]
+        # the token each row samples from: its last sampled one, or the prompt token of a one-token prefill step (a
+        # step of single tokens can also hold a prompt's last chunk: prepared from the states alone)
+        expected = [
+            t.generated_tokens[-1] if t.generated_tokens else t.initial_tokens[p] for t, p in zip(states, past)
+        ]
+        assert ios.input_ids[:n].tolist() == expected
         assert rows == min(1 << (n - 1).bit_length(), 6 * 4), "padded to a power of two rows, at most the requests"
         checked.append(n)
         return result
@@ -169,8 +174,8 @@ def test_control_a_wrong_table_row_changes_the_samples(sharp_model, tokenizer, p
 
     def wrong(ios, allocator, host, *args):
         result = advance(ios, allocator, host, *args)
-        if result is not None:
-            ios.block_table[0, 0, 0] += 1
+        if result is not None:  # another page of the cache (one lower, or one higher from page 0)
+            ios.block_table[0, 0, 0] += -1 if ios.block_table[0, 0, 0] > 0 else 1
         return result
 
     ids, logprobs, _ = _run(sharp_model, tokenizer, prompts, monkeypatch, False, True)

@@ -199,6 +199,53 @@ def test_flash_kernel_calls_sample_exactly(sharp_model, tokenizer, prompts, monk
     assert _worst(sharp_model, prompts, result) < 1e-4
 
 
+@pytest.mark.parametrize("repeat", [True, False], ids=["kv-heads-repeated", "control-not-repeated"])
+def test_packed_flash_on_a_torch_without_gqa(sharp_model, tokenizer, prompts, monkeypatch, repeat):
+    """torch 2.11's `varlen_attn` has no `enable_gqa`: packed steps repeat each KV head for its query heads and stay
+    exact (GQA model: 2 KV heads for 4 query heads); the control hands the kernel the unrepeated heads, as a kernel
+    that pairs query head h with KV head h mod Hkv would read them, and is caught."""
+    import torch.nn.attention.varlen as varlen
+
+    from trl_cb.engine import _upstream, _upstream_cache, cuda_kernels, varlen_attention
+
+    text = sharp_model.config
+    assert text.num_attention_heads != text.num_key_value_heads, "the test needs a GQA model"
+    use_fake_graphs(monkeypatch)
+    use_fake_flash(monkeypatch)
+    kernels = cuda_kernels.Kernels(cuda_kernels.FLASH, cuda_kernels.REFERENCE)  # torch 2.11: no paged flash
+    monkeypatch.setattr(
+        _upstream,
+        "choose_cuda_kernel",
+        lambda manager, model: setattr(manager.batch_processor.cache, _upstream_cache.KERNELS_ATTR, kernels),
+    )
+    fake, calls, takes_gqa = varlen.varlen_attn, [0], varlen_attention._varlen_takes_gqa
+
+    def without_gqa(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                    seqused_k=None, block_table=None):  # fmt: skip
+        if block_table is None:
+            calls[0] += 1
+            if not repeat:  # the control: the kernel's own grouping, in the wrong order
+                n_rep = query.shape[1] // key.shape[1]
+                key, value = key.repeat(1, n_rep, 1), value.repeat(1, n_rep, 1)
+        gqa = query.shape[1] != key.shape[-2]
+        return fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size,
+                    enable_gqa=gqa, seqused_k=seqused_k, block_table=block_table)  # fmt: skip
+
+    monkeypatch.setattr(varlen, "varlen_attn", without_gqa)
+    takes_gqa.cache_clear()
+    if not repeat:
+        monkeypatch.setattr(varlen_attention, "_varlen_takes_gqa", lambda: True)
+        monkeypatch.setattr(varlen, "varlen_attn", lambda *a, enable_gqa=False, **k: without_gqa(*a, **k))
+    try:
+        with ContinuousBatchingGenerator(sharp_model, sampling_config(tokenizer), {"max_batch_tokens": 16}) as gen:
+            result = gen.generate(prompts, num_generations=G)
+    finally:
+        takes_gqa.cache_clear()
+    assert calls[0] > 0
+    worst = _worst(sharp_model, prompts, result)
+    assert worst < 1e-4 if repeat else worst > 0.05, worst
+
+
 @pytest.mark.parametrize("broken", [False, True], ids=["triton", "control-scale-off"])
 def test_triton_kernel_decode_steps_sample_exactly(sharp_model, tokenizer, prompts, monkeypatch, broken):
     """The engine's decode steps through trl_cb's Triton kernel (`triton_decode`, run by Triton's CPU interpreter) as
