@@ -93,6 +93,26 @@ def test_engine_step_quick_writes_a_well_formed_json(tmp_path):
     assert len(list(tmp_path.glob("engine_step-*.json"))) == 1 and len(list(tmp_path.glob("engine_step-*.png"))) == 1
 
 
+def test_decode_kernels_and_step_profile_write_their_json(tmp_path):
+    """The kernel micro-benchmark and the step profile on CPU (the reference kernel; torch ops as kernels): every point
+    written, the profile's per-step figures from the difference of its two rounds, the same ops per step at 8 and 32
+    rows (a step's op count does not grow with rows)."""
+    run = [sys.executable, str(ROOT / "benchmarks" / "decode_kernels.py"), "--rows", "4", "--contexts", "20"]
+    proc = subprocess.run(
+        [*run, "--repeats", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (point,) = json.loads((tmp_path / "decode_kernels-cpu.json").read_text())["points"]
+    assert point["gather"]["ms_per_layer"] > 0 and point["gather"]["gap"] == 0
+    profile = [sys.executable, str(ROOT / "benchmarks" / "step_profile.py"), "--rows", "8", "32"]
+    proc = subprocess.run([*profile, "--max-new-tokens", "4", "--out", str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    points = json.loads((tmp_path / "step_profile-null-cpu.json").read_text())["points"]
+    assert [p["rows"] for p in points] == [8, 32]
+    assert all(p["device_ms"] > 0 and sum(p["device_ms_by_family"].values()) > 0 for p in points)
+    assert abs(points[0]["kernels"] - points[1]["kernels"]) <= 0.05 * points[0]["kernels"], points
+
+
 def test_engine_step_bad_flags_fail_clearly():
     script = str(ROOT / "benchmarks" / "engine_step.py")
     proc = run(script, "--rows", "12", "--samples-per-prompt", "8", timeout=120)

@@ -199,6 +199,43 @@ def test_flash_kernel_calls_sample_exactly(sharp_model, tokenizer, prompts, monk
     assert _worst(sharp_model, prompts, result) < 1e-4
 
 
+def test_triton_kernel_is_as_exact_as_the_reference_in_bf16(tokenizer, prompts, monkeypatch):
+    """A bf16 engine (weights far from uniform) through the reference kernel, the Triton kernel, and (the control) the
+    Triton kernel with its scores scaled wrongly: the logprobs' mean gap to a float32 teacher-forced forward of the
+    same bf16 weights is the same for the first two (bf16 activations elsewhere dominate it); the control's is not."""
+    import copy
+
+    pytest.importorskip("triton")
+    from tests.unit.rollouts.test_generator import teacher_forced_logprobs
+    from trl_cb.engine import _upstream, _upstream_cache, cuda_kernels, triton_decode
+
+    use_fake_graphs(monkeypatch)
+    model = tiny_model(tokenizer, eos_logit_bias=4.0, init_std=0.2).to(torch.bfloat16)
+    truth = copy.deepcopy(model).float()
+    real = triton_decode.paged_decode_attention
+    mean_gap = {}
+    for case, paged, scale in [("reference", "gather", 1.0), ("triton", "triton", 1.0), ("control", "triton", 1.5)]:
+        kernels = cuda_kernels.Kernels(cuda_kernels.REFERENCE, paged)
+        monkeypatch.setattr(
+            _upstream,
+            "choose_cuda_kernel",
+            lambda manager, model, k=kernels: setattr(manager.batch_processor.cache, _upstream_cache.KERNELS_ATTR, k),
+        )
+        monkeypatch.setattr(
+            triton_decode, "paged_decode_attention", lambda *args, s=scale: real(*args[:-1], args[-1] * s)
+        )
+        torch.manual_seed(0)
+        with ContinuousBatchingGenerator(model, sampling_config(tokenizer), {"max_batch_tokens": 16}) as gen:
+            result = gen.generate(prompts[:4], num_generations=G)
+        gaps = [
+            (teacher_forced_logprobs(truth, prompts[i // G], completion, 1.0, 0, 1.0) - torch.tensor(logprobs)).abs()
+            for i, (completion, logprobs) in enumerate(zip(result.completion_ids, result.logprobs, strict=True))
+        ]
+        mean_gap[case] = torch.cat(gaps).mean().item()
+    assert mean_gap["triton"] < 1.25 * mean_gap["reference"], mean_gap
+    assert mean_gap["control"] > 2.0 * mean_gap["reference"], mean_gap
+
+
 @pytest.mark.parametrize("repeat", [True, False], ids=["kv-heads-repeated", "control-not-repeated"])
 def test_packed_flash_on_a_torch_without_gqa(sharp_model, tokenizer, prompts, monkeypatch, repeat):
     """torch 2.11's `varlen_attn` has no `enable_gqa`: packed steps repeat each KV head for its query heads and stay
