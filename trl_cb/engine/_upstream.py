@@ -168,7 +168,15 @@ def add_forked_request(
     copy its `processor_kwargs`: per-request temperature / top_k / top_p on an engine built with
     `per_request_processors`). With `streaming`, every step of each sample also puts its output so far (unfinished)
     on the output queue (the children inherit it); the decode fast path then takes those rows the slow way.
+    A one-token prompt is submitted as `num_samples` requests under the same ids instead: transformers forks after
+    prefilling all but a prompt's last token, which leaves a one-token prompt an empty forward (it fails), and such a
+    prompt has nothing to share.
     """
+    if len(input_ids) == 1 and num_samples > 1:
+        ids = [request_id] + [f"{request_id}__child#{i}" for i in range(num_samples - 1)]
+        for rid in ids:
+            add_forked_request(manager, input_ids, rid, 1, max_new_tokens, processor_kwargs, streaming)
+        return ids
     with _fork_lock:
         manager.num_return_sequences = num_samples
         try:

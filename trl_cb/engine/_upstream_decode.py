@@ -5,8 +5,9 @@ Why: at hundreds of rows transformers' per-request Python in every step (the sch
 When every active request decodes one token and none joins, step t+1's batch is step t's minus the finished
 requests, each one position further (vLLM's persistent batch): `_steady_batch` schedules it, `_advance` moves the
 previous tensors (positions + 1, write row + 1 inside a page, each row's new key appended to its read rows; a row
-at a page start is read from its block table), `_fast_update` appends the tokens of rows that go on. Anything else
-(joins, forks, prefill chunks, a failed page allocation) takes upstream's path for that step.
+at a page start is read from its block table), `_fast_update` appends the tokens of rows that go on. In the block-table
+layout a step of single tokens that does not continue the last one (the first after a prefill, a join or a fork) is
+prepared from the request states instead. Anything else (prefill chunks, a failed page allocation) is upstream's.
 Invariant: a fast step leaves the tensors the forward reads and the request states as upstream's path would
 (tests/unit/engine/test_decode_fast_path.py: same tokens and logprobs, the rows checked per step, controls).
 Where it fits (`fast_path_fits`): synchronous engines with full-attention layers only and no dense mask, in either
@@ -101,8 +102,7 @@ def with_fast_path(
         def advance(last: Any, batch: list, processors: Any, num_q_tokens: int, max_kv_read: int) -> Any:
             return _advance_table(ios, allocator, host, last, batch, processors, num_q_tokens)
 
-        def remember(batch: list, num_q_tokens: int) -> Any:
-            return None  # never reached: `advance` prepares every steady block-table step
+        remember = None  # `advance` prepares every steady block-table step, from the last one or from the states
     else:
 
         def advance(last: Any, batch: list, processors: Any, num_q_tokens: int, max_kv_read: int) -> Any:
@@ -195,13 +195,14 @@ def _fast_prepare(
     slow: Callable,
     block_tables: bool,
     advance: Callable[[Any, list, Any, int, int], Any],
-    remember: Callable[[list, int], Any],
+    remember: Callable[[list, int], Any] | None,
 ) -> Callable:
     """`prepare_batch_tensors`: a steady step (every row one decode token; in the block-table layout a step the
     scheduler sent through block tables, in the read-row layout an unpadded one) is advanced from the last one
     (`advance(last, batch, processors, num_q_tokens, max_kv_read)`, None when it is not a steady continuation); any
     other step is `slow` (upstream's), after which `remember(batch, num_q_tokens)` records the state to advance from
-    (None where the step cannot be)."""
+    (None where the step cannot be). In the block-table layout `advance` also takes `last=None` (a step prepared from
+    the request states alone), so every steady step is fast there and there is nothing to remember."""
     previous: list[Any] = [None]
 
     def prepare_batch_tensors(requests_in_batch: list, logits_processors: Any, use_decode_fast_path: bool,
@@ -220,7 +221,7 @@ def _fast_prepare(
         stats.slow += 1
         previous[0] = None
         slow(requests_in_batch, logits_processors, use_decode_fast_path, num_q_tokens, max_kv_read, use_padding)
-        if steady:
+        if steady and remember is not None:
             previous[0] = remember(requests_in_batch, num_q_tokens)
 
     return prepare_batch_tensors
@@ -395,7 +396,7 @@ def _advance_table(
     batch: list[FutureRequestState],
     logits_processors: Any,
     rows: int,
-) -> _PreviousTable | None:
+) -> _PreviousTable:
     """Prepare the block-table step `batch`, padded to `rows`: from `last` when it is a steady continuation of it
     (`_map_rows`: only the table rows of rows at a page start re-read), else from the request states alone (every
     table row read from the allocator: the first decode step after a prefill or a fork, or after a step the fast path

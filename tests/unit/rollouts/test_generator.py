@@ -58,6 +58,20 @@ def test_logprobs_match_teacher_forcing(sharp_model, tokenizer, prompts, tempera
     assert control >= 0.1, f"a misordered result would move the logprobs by only {control}"
 
 
+@pytest.mark.parametrize("batch", [[[5]], [[5], [6, 7], [9]]], ids=["alone", "beside-longer"])
+def test_one_token_prompts_with_several_samples(sharp_model, tokenizer, batch):
+    """A one-token prompt with G > 1 (transformers' fork would run an empty prefill and fail): G independent samples,
+    in order, each exact against teacher forcing after its own prompt; a longer prompt beside it is unaffected."""
+    G = 3
+    with ContinuousBatchingGenerator(sharp_model, sampling_config(tokenizer, max_new_tokens=8)) as gen:
+        result = gen.generate(batch, num_generations=G)
+    assert len(result.completion_ids) == len(batch) * G
+    for i, (completion, logprobs) in enumerate(zip(result.completion_ids, result.logprobs, strict=True)):
+        ref = teacher_forced_logprobs(sharp_model, batch[i // G], completion, 1.0, 0, 1.0)
+        assert torch.allclose(ref, torch.tensor(logprobs), atol=1e-4)
+    assert len({tuple(c) for c in result.completion_ids[:G]}) > 1, "the G samples must not be identical"
+
+
 def test_order_contiguous_groups_and_independent_samples(sharp_model, tokenizer, prompts):
     model = sharp_model
     G = 4
