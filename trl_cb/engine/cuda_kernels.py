@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -83,19 +84,22 @@ def choose(
     (see the module docstring)."""
     if softcap is not None or sinks:
         return REFERENCE_KERNELS
-    shape = (device, dtype, page_size, num_heads, num_kv_heads, head_dim)
-    packed = FLASH if flash_available(device, dtype) and _agrees("packed flash", _packed_gap, *shape) else REFERENCE
+    heads = (num_heads, num_kv_heads, head_dim)
+    packed = REFERENCE
+    if flash_available(device, dtype) and _agrees("packed flash", _packed_gap, device, dtype, *heads):
+        packed = FLASH
     paged = REFERENCE
-    if paged_flash_available(device, dtype, page_size) and _agrees("paged flash", _paged_gap, *shape, FLASH):
-        paged = FLASH
-    elif triton_available(device, dtype) and _agrees("paged Triton", _paged_gap, *shape, TRITON):
-        paged = TRITON
+    for kernel, available in ((FLASH, paged_flash_available(device, dtype, page_size)),
+                              (TRITON, triton_available(device, dtype))):  # fmt: skip
+        if available and _agrees(f"paged {kernel}", _paged_gap, device, dtype, page_size, *heads, kernel):
+            paged = kernel
+            break
     kernels = Kernels(packed, paged)
     logger.info("Engine attention on %s: packed steps %s, decode steps %s.", device, packed, paged)
     return kernels
 
 
-def _agrees(name: str, gap_of, *args) -> bool:  # noqa: ANN001 - one of the gap functions below and its arguments
+def _agrees(name: str, gap_of: Callable[..., float], *args: object) -> bool:
     """Whether the kernel `gap_of(*args)` measures is within `TOLERANCE` of the reference (a failure is a no)."""
     try:
         gap = gap_of(*args)
@@ -144,9 +148,7 @@ def _paged_gap(
     return (outs[0][real] - outs[1][real]).abs().max().item()
 
 
-def _packed_gap(
-    device: torch.device, dtype: torch.dtype, page_size: int, num_heads: int, num_kv_heads: int, head_dim: int
-) -> float:
+def _packed_gap(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> float:
     """Largest gap between the two packed kernels on decode rows, a fresh prefill and chunks with a past, with and
     without a sliding window."""
     g = torch.Generator().manual_seed(1)

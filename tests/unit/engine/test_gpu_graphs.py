@@ -94,7 +94,7 @@ def test_flash_kernels_agree_with_the_reference_where_available():
     if not cuda_kernels.paged_flash_available(device, torch.bfloat16, 256):
         pytest.skip("this torch's varlen_attn reads no block tables")
     assert cuda_kernels._paged_gap(device, torch.bfloat16, 256, 8, 2, 64) < cuda_kernels.TOLERANCE
-    assert cuda_kernels._packed_gap(device, torch.bfloat16, 256, 8, 2, 64) < cuda_kernels.TOLERANCE
+    assert cuda_kernels._packed_gap(device, torch.bfloat16, 8, 2, 64) < cuda_kernels.TOLERANCE
     assert cuda_kernels.choose(device, torch.bfloat16, 256, 8, 2, 64) == cuda_kernels.Kernels(
         cuda_kernels.FLASH, cuda_kernels.FLASH
     )

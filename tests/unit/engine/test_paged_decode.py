@@ -4,6 +4,7 @@ a padding row. The new key must land at its row's position and nowhere else."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -149,3 +150,31 @@ def _copy(layer: BlockTableLayer) -> BlockTableLayer:
 
 def _gap(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor) -> float:
     return (a.double()[rows] - b.double()[rows]).abs().max().item()
+
+
+def test_choose_prefers_flash_then_triton_and_only_what_passed_its_check(monkeypatch):
+    """The decode kernel: flash where torch reads block tables and it agrees, else Triton where it agrees, else the
+    reference; a kernel that raises or disagrees is never chosen. Packed steps: flash only where it agrees."""
+    cuda = torch.device("cuda")
+    gaps = {"flash": 1e-3, "triton": 1e-3}
+
+    def paged_gap(device, dtype, page, heads, kv, dim, kernel):
+        if gaps[kernel] is None:
+            raise RuntimeError("kernel failed")
+        return gaps[kernel]
+
+    monkeypatch.setattr(cuda_kernels, "_paged_gap", paged_gap)
+    monkeypatch.setattr(cuda_kernels, "_packed_gap", lambda *args: 1.0)  # packed flash disagrees
+    monkeypatch.setattr(cuda_kernels, "flash_available", lambda device, dtype: True)
+    monkeypatch.setattr(cuda_kernels, "triton_available", lambda device, dtype: True)
+    monkeypatch.setattr(cuda_kernels, "paged_flash_available", lambda device, dtype, page: True)
+    choose = functools.partial(cuda_kernels.choose, cuda, torch.bfloat16, 64, 32, 8, 64)
+    assert choose() == cuda_kernels.Kernels(cuda_kernels.REFERENCE, cuda_kernels.FLASH)
+    gaps["flash"] = None  # flash fails its check: Triton
+    assert choose() == cuda_kernels.Kernels(cuda_kernels.REFERENCE, cuda_kernels.TRITON)
+    gaps["triton"] = 0.5  # Triton disagrees too: the reference
+    assert choose() == cuda_kernels.REFERENCE_KERNELS
+    monkeypatch.setattr(cuda_kernels, "_packed_gap", lambda *args: 1e-3)
+    gaps["triton"] = 1e-3
+    monkeypatch.setattr(cuda_kernels, "paged_flash_available", lambda device, dtype, page: False)
+    assert choose() == cuda_kernels.Kernels(cuda_kernels.FLASH, cuda_kernels.TRITON)
