@@ -11,7 +11,7 @@ Invariant: a row with `seq_len > 0` gets causal attention over keys `[0, seq_len
 them; fp16/bf16 take tensor-core products with float32 accumulation, the probabilities split into two half-precision
 terms for the value product (~16 mantissa bits where a flash kernel keeps bf16's 8), float32 takes IEEE products; a
 padding row writes the trash row and gets a finite, unused output. No soft-cap or sinks (the reference takes those).
-`cuda_kernels.choose` checks it against the reference per engine; CPU tests run it in Triton's interpreter.
+Not chosen by engines yet (`cuda_kernels.choose`: its bf16 gap to the trainer's forward); CPU tests interpret it.
 """
 
 from __future__ import annotations

@@ -100,12 +100,10 @@ def test_flash_kernels_agree_with_the_reference_where_available():
     )
 
 
-def test_decode_steps_read_pages_in_place_on_cuda():
-    """bf16 decode steps never gather every row's pages: flash where this torch's `varlen_attn` reads block tables,
-    else trl_cb's Triton kernel, each within the reference's half-precision noise on the model shapes users run."""
+def test_triton_decode_kernel_agrees_with_the_reference_on_cuda():
+    """trl_cb's Triton decode kernel is within the reference's half-precision noise on the model shapes users run
+    (it reads the pages in place; not chosen by engines yet, docs/benchmarks.md)."""
     device = torch.device("cuda")
     for page, heads, kv, dim in [(64, 32, 8, 64), (64, 8, 2, 256), (256, 14, 2, 64)]:
-        kernels = cuda_kernels.choose(device, torch.bfloat16, page, heads, kv, dim)
-        assert kernels.paged in (cuda_kernels.FLASH, cuda_kernels.TRITON), (page, heads, kv, dim, kernels)
         gap = cuda_kernels._paged_gap(device, torch.bfloat16, page, heads, kv, dim, cuda_kernels.TRITON)
         assert gap < cuda_kernels.TOLERANCE, (page, heads, kv, dim, gap)
