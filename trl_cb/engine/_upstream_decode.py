@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import compress
 from typing import Any
 
 import numpy as np
@@ -44,10 +45,12 @@ _STATS_ATTR = "_trl_cb_decode_fast_path_stats"
 
 @dataclass
 class DecodeFastPathStats:
-    """Batches prepared per path since the engine was built: `fast` advanced in place, `slow` by upstream."""
+    """Batches prepared per path since the engine was built: `fast` advanced in place, `slow` by upstream; and
+    `continued`: batches the scheduler built from the last fast step's plan alone."""
 
     fast: int = 0
     slow: int = 0
+    continued: int = 0  # of the scheduled steps: continued from the last step's plan (no request state read)
 
 
 @dataclass
@@ -112,32 +115,84 @@ def with_fast_path(
             return _remember_rows(ios, batch)
 
     return (
-        _fast_scheduler(scheduler, cache, allocator, schedule, block_tables),
+        _fast_scheduler(scheduler, cache, allocator, schedule, stats, block_tables),
         _fast_prepare(ios, stats, prepare, block_tables, advance, remember),
         _fast_update(ios, update),
     )
 
 
+class _Batch(list):
+    """A fast step's rows (`FutureRequestState`s, in the scheduler's order) with what the engine knows of them as
+    row-aligned arrays (`plan`), so that prepare and update read arrays instead of hundreds of request objects.
+    Upstream code sees a list."""
+
+    plan: _Plan
+
+
+@dataclass
+class _Plan:
+    """What a fast step knows of its rows, set by the scheduler and completed by the update (numpy, row-aligned).
+
+    Invariants: `past[i]` is row i's `position_offset` and `input_ids[i]` its `tokens_to_process[0]` when scheduled;
+    `generated[i]` its `len(generated_tokens)`; `eos` holds every row's EOS ids (a superset check: a row whose token is
+    in it goes through upstream's exact update); `plain` is False for rows that stream or record timestamps;
+    `completes[i]` whether the row's entry carries `complete_blocks`. `source`/`kept`: the batch this one continues
+    (the last fast step's rows, `kept` the indices of it this one keeps, None for all) or None. After the update, `on`
+    marks the rows updated inline (their states are as the plan says, one token further) and `tokens` the tokens."""
+
+    states: list[RequestState]
+    past: np.ndarray  # (n,) int64
+    input_ids: np.ndarray  # (n,) int64
+    generated: np.ndarray  # (n,) int64
+    limit: np.ndarray  # (n,) int64: `_new_tokens_limit`
+    plain: np.ndarray  # (n,) bool
+    completes: np.ndarray  # (n,) bool
+    eos: np.ndarray  # (k,) int64: the union of the rows' EOS ids
+    source: list | None = None
+    kept: np.ndarray | None = None
+    on: np.ndarray | None = None
+    tokens: np.ndarray | None = None
+
+
 def _fast_scheduler(
-    scheduler: Any, cache: Any, allocator: FullAttentionCacheAllocator, slow: Callable, block_tables: bool = False
+    scheduler: Any,
+    cache: Any,
+    allocator: FullAttentionCacheAllocator,
+    slow: Callable,
+    stats: DecodeFastPathStats,
+    block_tables: bool = False,
 ) -> Callable:
     name = next(key for key, value in cache.cache_allocators.items() if value is allocator)  # `complete_blocks` key
-    last: list[list[FutureRequestState]] = [[]]
+    last: list[_Batch | None] = [None]
     # A block-table step reads no key rows (`max_kv_read` 0); a request at the table's length takes upstream's path.
     limit = cache.max_decode_fast_path_length if block_tables else None
 
     def schedule_batch(token_budget: int, cache_budget: int) -> tuple[list | None, bool, int, int]:
-        batch = _steady_batch(scheduler, cache, allocator, name, token_budget, cache_budget, last[0], limit)
-        if batch is None:
-            last[0] = []
+        batch = None
+        if _may_be_steady(scheduler, token_budget):
+            previous = last[0]
+            if previous is not None and previous.plan.on is not None:  # the last step was fast and updated inline
+                batch = _continued_batch(scheduler, cache, allocator, name, cache_budget, previous, limit)
+                stats.continued += bool(batch)
+            if batch is None:
+                batch = _steady_batch(scheduler, cache, allocator, name, cache_budget, previous, limit)
+        last[0] = batch or None
+        if not batch:
             return slow(token_budget, cache_budget)
-        last[0] = batch
         scheduler.starved_requests = []
         if block_tables:
             return batch, True, len(batch), 0
-        return batch, False, len(batch), sum(f.state.position_offset for f in batch)
+        return batch, False, len(batch), int(batch.plan.past.sum())
 
     return schedule_batch
+
+
+def _may_be_steady(scheduler: Any, token_budget: int) -> bool:
+    """Whether no request waits to join or fork and every active one fits the step (else upstream schedules)."""
+    n = len(scheduler.active_requests)
+    if (scheduler.waiting_requests and not scheduler.block_new_requests) or scheduler._requests_to_fork:
+        return False
+    return 0 < n <= token_budget and n <= scheduler.max_requests_per_batch
 
 
 def _steady_batch(
@@ -145,47 +200,142 @@ def _steady_batch(
     cache: Any,
     allocator: FullAttentionCacheAllocator,
     name: str,
-    token_budget: int,
     cache_budget: int,
-    last: list[FutureRequestState],
+    last: _Batch | None,
     limit: int | None = None,
-) -> list[FutureRequestState] | None:
-    """Every active request, one decode token each, or None where `_process_candidates` could decide otherwise.
+) -> _Batch | list:
+    """Every active request, one decode token each, read from the request states; an empty list where
+    `_process_candidates` could decide otherwise (a request not decoding, forking, past the table, or whose page
+    cannot be allocated).
 
     A request's entry of the last fast batch (`last`, same order) is reused when it holds the same values: a step
     allocates no object per request, since hundreds of new objects per step would set off the cyclic garbage
     collector's full passes over the engine process (tens to hundreds of ms each, docs/benchmark-log.md)."""
-    active = scheduler.active_requests
-    n = len(active)
-    if (scheduler.waiting_requests and not scheduler.block_new_requests) or scheduler._requests_to_fork:
-        return None
-    if n == 0 or n > token_budget or n > scheduler.max_requests_per_batch:
-        return None
-    page, tables, sharing = allocator.tokens_per_page, allocator.block_table, cache.use_prefix_sharing
     decoding = RequestStatus.DECODING
-    batch, j = [], 0
-    for i, state in enumerate(active.values()):
-        past = state.position_offset
+    states = list(scheduler.active_requests.values())
+    for state in states:
         if state.status != decoding or state.num_children or len(state.tokens_to_process) != 1:
-            return None
-        if limit is not None:  # block tables: nothing read by index, only the table's length bounds a row
-            if past >= limit:
-                return None
-        elif cache_budget < past:
-            return None
-        else:
-            cache_budget -= past
-            if cache_budget <= 0 and i < n - 1:  # upstream stops adding requests here
-                return None
-        if len(tables.get(state.request_id, ())) * page <= past and not cache.can_store_request_tokens(state, 1):
-            return None  # allocation failed: the slow path starves or offloads
-        completes = sharing and (past + 1) % page == 0  # `count_new_complete_blocks`
+            return []
+    n = len(states)
+    past = np.fromiter((s.position_offset for s in states), np.int64, n)
+    eos_lists = {id(s._eos_token_ids): s._eos_token_ids for s in states}
+    plan = _Plan(
+        states,
+        past,
+        np.fromiter((s.tokens_to_process[0] for s in states), np.int64, n),
+        np.fromiter((len(s.generated_tokens) for s in states), np.int64, n),
+        np.fromiter((s._new_tokens_limit for s in states), np.int64, n),
+        np.fromiter((not (s.streaming or s.record_timestamps) for s in states), bool, n),
+        np.zeros(n, dtype=bool),
+        np.array(sorted({t for ids in eos_lists.values() for t in ids}), dtype=np.int64),
+    )
+    previous = [] if last is None else last
+    reuse = _reusable_rows(states, previous)
+    return _planned_batch(cache, allocator, name, cache_budget, plan, previous, reuse, limit)
+
+
+def _reusable_rows(states: list[RequestState], last: list[FutureRequestState]) -> np.ndarray:
+    """For each of `states`, the index of its entry in `last` (same order, some dropped), -1 where it has none."""
+    rows, j = np.full(len(states), -1, dtype=np.int64), 0
+    for i, state in enumerate(states):
         while j < len(last) and last[j].state is not state:
             j += 1
-        if j < len(last) and not completes and not last[j].complete_blocks:
-            batch.append(last[j])
-        else:
-            batch.append(FutureRequestState(state, True, {name: 1} if completes else {}, 1))
+        if j < len(last):
+            rows[i] = j
+    return rows
+
+
+def _continued_batch(
+    scheduler: Any,
+    cache: Any,
+    allocator: FullAttentionCacheAllocator,
+    name: str,
+    cache_budget: int,
+    last: _Batch,
+    limit: int | None,
+) -> _Batch | list | None:
+    """The step after the fast step `last`, from `last`'s plan: its rows minus the finished ones, each one position
+    further. Only the rows upstream's update handled (finishing, first token, completed page, EOS candidate) are
+    read back from their states. None where the active requests are not exactly those rows (a request joined, was
+    cancelled or forked): the caller reads every state then."""
+    previous = last.plan
+    active = scheduler.active_requests
+    keep = previous.on.copy()
+    past = previous.past + 1  # prepare advanced every row one position
+    input_ids, generated = previous.tokens.copy(), previous.generated + 1
+    decoding = RequestStatus.DECODING
+    for i in np.flatnonzero(~previous.on).tolist():  # the rows upstream updated: read back
+        state = previous.states[i]
+        if active.get(state.request_id) is not state:
+            continue  # finished
+        if state.status != decoding or state.num_children or len(state.tokens_to_process) != 1:
+            return []
+        keep[i] = True
+        past[i], input_ids[i] = state.position_offset, state.tokens_to_process[0]
+        generated[i] = len(state.generated_tokens)
+    kept = np.flatnonzero(keep)
+    n = len(kept)
+    if n != len(active) or n == 0 or next(reversed(active)) != previous.states[kept[-1]].request_id:
+        return None  # the active requests changed otherwise (new requests are added at the end of the dict)
+    whole = n == len(previous.states)
+    states = previous.states if whole else [previous.states[i] for i in kept.tolist()]
+    plan = _Plan(
+        states,
+        past if whole else past[kept],
+        input_ids if whole else input_ids[kept],
+        generated if whole else generated[kept],
+        previous.limit if whole else previous.limit[kept],
+        previous.plain if whole else previous.plain[kept],
+        np.zeros(n, dtype=bool),
+        previous.eos,
+        source=last,
+        kept=None if whole else kept,
+    )
+    rows = np.arange(len(previous.states), dtype=np.int64) if whole else kept
+    return _planned_batch(cache, allocator, name, cache_budget, plan, last, rows, limit)
+
+
+def _planned_batch(
+    cache: Any,
+    allocator: FullAttentionCacheAllocator,
+    name: str,
+    cache_budget: int,
+    plan: _Plan,
+    last: list[FutureRequestState],
+    reuse: np.ndarray,
+    limit: int | None,
+) -> _Batch | list:
+    """The batch of `plan`'s rows (each row's entry of `last` at `reuse[i]` reused where it holds the same values,
+    -1: none), after upstream's per-request checks as array checks: the key budget (read rows) or the table's length
+    (block tables), and a page for each row at a page start (allocated here, as upstream's scheduler does). An empty
+    list where upstream must decide."""
+    past, states, n = plan.past, plan.states, len(plan.states)
+    if limit is not None:  # block tables: nothing read by index, only the table's length bounds a row
+        if int(past.max()) >= limit:
+            return []
+    else:  # upstream: a row past the remaining budget stops the batch, as does an exhausted budget before the last
+        read = np.cumsum(past)
+        if read[-1] > cache_budget or (n > 1 and read[-2] >= cache_budget):
+            return []
+    page, tables = allocator.tokens_per_page, allocator.block_table
+    for i in np.flatnonzero(past % page == 0).tolist():  # only a row at a page start can need a new page
+        state = states[i]
+        if len(tables.get(state.request_id, ())) * page <= past[i] and not cache.can_store_request_tokens(state, 1):
+            return []  # allocation failed: the slow path starves or offloads
+    if cache.use_prefix_sharing:
+        plan.completes = (past + 1) % page == 0  # `count_new_complete_blocks`
+    reusable = reuse >= 0
+    if isinstance(last, _Batch):  # an entry of `last` carries `complete_blocks` where its plan completes a page
+        reusable &= ~last.plan.completes[np.maximum(reuse, 0)]
+    reusable &= ~plan.completes
+    if reusable.all():
+        batch = _Batch(map(last.__getitem__, reuse.tolist()))
+    else:
+        batch = _Batch()
+        for i, (state, j, completes) in enumerate(zip(states, reuse.tolist(), plan.completes.tolist())):
+            reused = reusable[i]
+            batch.append(last[j] if reused else FutureRequestState(state, True, {name: 1} if completes else {}, 1))
+    batch.plan = plan
     return batch
 
 
@@ -209,7 +359,8 @@ def _fast_prepare(
                               num_q_tokens: int, max_kv_read: int, use_padding: bool) -> None:  # fmt: skip
         last = previous[0]
         layout_fits = use_decode_fast_path if block_tables else not use_padding
-        steady = layout_fits and all(f.query_length == 1 and f.has_new_token for f in requests_in_batch)
+        planned = isinstance(requests_in_batch, _Batch)  # the fast scheduler's: one decode token per row
+        steady = layout_fits and (planned or all(f.query_length == 1 and f.has_new_token for f in requests_in_batch))
         if steady and last is not None and ios.requests_in_batch is not last.marker:
             last = None  # something else ran since: not a continuation
         if steady and (last is not None or block_tables):  # a block-table step can also start from the states
@@ -255,12 +406,12 @@ def _advance(
     """Prepare `batch` from `last` in place; None (nothing changed) unless its rows are a subsequence of `last`'s,
     each one position further. Host arrays through numpy views of the IOs' CPU tensors (same memory)."""
     # 1) map each row to its row in the previous batch (same order, finished requests dropped)
-    states = [f.state for f in batch]
-    previous_states, n = last.states, len(states)
-    mapped = _map_rows(states, last.states, last.positions)
+    previous_states = last.states
+    states, mapped = _rows_of(batch, last)
     if mapped is None:
         return None
     kept, positions, input_ids = mapped
+    n = len(states)
     # 2) write rows: the next slot inside a page, the block table's slot at a page start
     page, stride = allocator.tokens_per_page, allocator.block_physical_stride
     writes = (last.writes if kept is None else last.writes[kept]) + 1  # (n,)
@@ -309,8 +460,24 @@ def _advance(
     # per-request processor arguments (and trl_cb's request processors, which read the histories here)
     logits_processors.prepare_tensor_args(batch, arg_storage=ios._bulk_input_tensor[ios.static_inputs :])
     ios.requests_in_batch = batch
-    ios.req_id_to_new_token_position = {s.request_id: i for i, s in enumerate(states)}
+    ios.req_id_to_new_token_position = {}  # read by the asynchronous IOs only, which the fast path does not serve
     return _Previous(batch, states, positions, writes, key_lengths, total)
+
+
+def _rows_of(
+    batch: list[FutureRequestState], last: _Previous | _PreviousTable | None
+) -> tuple[list[RequestState], tuple[np.ndarray | None, np.ndarray, np.ndarray] | None]:
+    """`(states, mapped)` of `batch`: `mapped` as `_map_rows` gives it against `last` (None: no continuation of it),
+    read from the scheduler's plan where it has one (`_Batch`: no request object read), else from the states."""
+    plan = getattr(batch, "plan", None)
+    if plan is None:
+        states = [f.state for f in batch]
+        return states, None if last is None else _map_rows(states, last.states, last.positions)
+    if last is None:
+        return plan.states, None
+    if plan.source is not None and plan.source is last.marker:
+        return plan.states, (plan.kept, plan.past, plan.input_ids)
+    return plan.states, _map_rows(plan.states, last.states, last.positions)
 
 
 def _map_rows(
@@ -401,9 +568,9 @@ def _advance_table(
     (`_map_rows`: only the table rows of rows at a page start re-read), else from the request states alone (every
     table row read from the allocator: the first decode step after a prefill or a fork, or after a step the fast path
     did not prepare). Padding rows: no keys (flat `cu_seq_lens_k`), table rows -1."""
-    states = [f.state for f in batch]
+    states, mapped = _rows_of(batch, last)
     n = len(states)
-    mapped = None if last is None else _map_rows(states, last.states, last.positions)
+    plan = getattr(batch, "plan", None)
     table = host.table_np[allocator.index]
     if mapped is not None:
         kept, positions, input_ids = mapped
@@ -414,8 +581,11 @@ def _advance_table(
         table[n : max(rows, last.rows)] = -1
         host.fill_table_rows(allocator, states, np.flatnonzero(positions % allocator.tokens_per_page == 0).tolist())
     else:
-        positions = np.fromiter((s.position_offset for s in states), np.int64, n)  # (n,)
-        input_ids = np.fromiter((s.tokens_to_process[0] for s in states), np.int32, n)  # the token sampled last
+        if plan is not None:
+            positions, input_ids = plan.past, plan.input_ids
+        else:
+            positions = np.fromiter((s.position_offset for s in states), np.int64, n)  # (n,)
+            input_ids = np.fromiter((s.tokens_to_process[0] for s in states), np.int32, n)  # the token sampled last
         host.fill_table_rows(allocator, states, range(n))
         table[n:] = -1
     # 2) the request states, as upstream's loop leaves them
@@ -447,18 +617,22 @@ def _advance_table(
         ios.total_seqlen_k[layer_type] = int(cu_k[n])
     logits_processors.prepare_tensor_args(batch, arg_storage=ios._bulk_input_tensor[ios.static_inputs :])
     ios.requests_in_batch = batch
-    ios.req_id_to_new_token_position = {s.request_id: i for i, s in enumerate(states)}
+    ios.req_id_to_new_token_position = {}  # read by the asynchronous IOs only, which the fast path does not serve
     return _PreviousTable(batch, states, positions, rows)
 
 
 def _fast_update(ios: ContinuousBatchingIOs, slow: Callable) -> Callable:
     """`update_batch` with the common row inline: a decoding request that gets one more token and goes on (not EOS,
     below its limit, not its first token, no streaming, timestamps or completed page). Every other row (finishing,
-    first token, completed page, ...) goes through upstream's `update_batch`, run on those rows only."""
+    first token, completed page, ...) goes through upstream's `update_batch`, run on those rows only. A batch of the
+    fast scheduler (`_Batch`) is decided from its plan's arrays (and the plan records which rows went on, for the next
+    step's scheduler); any other batch row by row from the request states."""
     decoding = RequestStatus.DECODING
 
     def update_batch() -> None:
         requests, tokens, logprobs = ios.prepare_batch_update()
+        if isinstance(requests, _Batch):
+            return _run_on(ios, slow, _update_planned(requests, tokens, logprobs))
         if not all(f.has_new_token for f in requests):  # token k belongs to the k-th row with a new token
             return _run_on(ios, slow, (requests, tokens, logprobs))
         rest = []
@@ -479,12 +653,40 @@ def _fast_update(ios: ContinuousBatchingIOs, slow: Callable) -> Callable:
             state.tokens_to_process = [token]
             if logprobs is not None:
                 state.logprobs.append(logprobs[i])
-        kept = ([requests[i] for i in rest], [tokens[i] for i in rest], None)
-        if logprobs is not None:
-            kept = (kept[0], kept[1], [logprobs[i] for i in rest])
-        return _run_on(ios, slow, kept)
+        return _run_on(ios, slow, _rows(requests, tokens, logprobs, rest))
 
     return update_batch
+
+
+def _update_planned(batch: _Batch, tokens: list[int], logprobs: list | None) -> tuple:
+    """The inline update of the fast scheduler's batch from its plan (the same rule as `_fast_update`'s per-row one,
+    as array checks: every row of a plan is decoding, and a token among any row's EOS ids goes to upstream, which
+    checks it exactly); returns the rows left to upstream's `update_batch`. Records `on` and `tokens` in the plan."""
+    plan = batch.plan
+    tok = np.array(tokens, dtype=np.int64)
+    on = (plan.generated > 0) & (plan.generated < plan.limit - 1) & plan.plain & ~plan.completes
+    for eos in plan.eos.tolist():  # one or two ids in practice: a comparison each beats `np.isin`'s sort
+        on &= tok != eos
+    plan.on, plan.tokens = on, tok
+    states = plan.states
+    every = bool(on.all())
+    mask = None if every else on.tolist()
+    rows = zip(states, tokens) if every else compress(zip(states, tokens), mask)
+    for state, token in rows:
+        state.generated_tokens.append(token)
+        state.tokens_to_process = [token]
+    if logprobs is not None:
+        for state, logprob in zip(states, logprobs) if every else compress(zip(states, logprobs), mask):
+            state.logprobs.append(logprob)
+    return _rows(batch, tokens, logprobs, [] if every else np.flatnonzero(~on).tolist())
+
+
+def _rows(requests: list, tokens: list[int], logprobs: list | None, rest: list[int]) -> tuple:
+    """`(requests, tokens, logprobs)` of the rows `rest` (indices) only."""
+    kept = ([requests[i] for i in rest], [tokens[i] for i in rest], None)
+    if logprobs is not None:
+        kept = (kept[0], kept[1], [logprobs[i] for i in rest])
+    return kept
 
 
 def _run_on(ios: ContinuousBatchingIOs, update: Callable, rows: tuple) -> None:

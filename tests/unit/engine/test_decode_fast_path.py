@@ -62,6 +62,8 @@ def test_fast_path_gives_the_slow_paths_tokens_and_logprobs(request, tokenizer, 
     assert ids == slow_ids
     assert logprobs == slow_logprobs
     assert stats.fast > 2 * stats.slow, f"the fast path prepared too few steps: {stats}"
+    # most fast steps were scheduled from the last step's plan, reading back only the rows upstream updated
+    assert stats.continued > stats.fast // 2, f"too few steps continued from the last step's plan: {stats}"
 
 
 @pytest.mark.parametrize("corrupt", ["position", "write_row"])
