@@ -29,7 +29,7 @@ from transformers.generation.continuous_batching import ContinuousBatchingManage
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from ..errors import EngineDiedError, GenerationError
-from . import _upstream_cache, _upstream_recurrent, cuda_kernels
+from . import _upstream_cache, _upstream_decode, _upstream_recurrent, cuda_kernels
 from . import _upstream_patches as _patches
 from . import _upstream_sampling as _sampling
 from . import decode_graphs as _graphs
@@ -367,6 +367,7 @@ def inflight_generated_lengths(manager: ContinuousBatchingManager) -> dict[str, 
     processor = manager.batch_processor
     if processor is None:
         return {}
+    _upstream_decode.write_pending_states(processor)  # the decode fast path writes request states lazily
     scheduler = processor.scheduler
     states = {**scheduler.waiting_requests, **scheduler.active_requests}
     return {rid: len(state.generated_tokens) for rid, state in states.items()}

@@ -18,9 +18,10 @@ tests/unit/test_contracts.py, listed in docs/architecture.md ("Upstream surface"
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import compress
+from itertools import chain, compress
 from typing import Any
 
 import numpy as np
@@ -36,11 +37,20 @@ from transformers.generation.continuous_batching.requests import (
 )
 from transformers.generation.continuous_batching.scheduler import FIFOScheduler, PrefillFirstScheduler
 
+from . import _upstream_sampling as _sampling
 from ._upstream_cache import read_index_rows
 
-__all__ = ["DecodeFastPathStats", "decode_fast_path_stats", "fast_path_fits", "with_fast_path"]
+__all__ = [
+    "DecodeFastPathStats",
+    "decode_fast_path_stats",
+    "fast_path_fits",
+    "with_fast_path",
+    "write_pending_states",
+    "writing_states_first",
+]
 
 _STATS_ATTR = "_trl_cb_decode_fast_path_stats"
+_LAST_ATTR = "_trl_cb_decode_fast_path_last"
 
 
 @dataclass
@@ -88,17 +98,24 @@ def fast_path_fits(processor: Any) -> bool:
 
 
 def with_fast_path(
-    processor: Any, schedule: Callable, prepare: Callable, update: Callable
+    processor: Any, schedule: Callable, prepare: Callable, update: Callable, states_read_per_step: bool = False
 ) -> tuple[Callable, Callable, Callable]:
     """The scheduler's `schedule_batch`, the IOs' `prepare_batch_tensors` and the processor's `update_batch` with the
     fast path in front of `schedule` / `prepare` / `update` (upstream's, or what `_upstream_patches` composed before:
     the read rows and block-table padding for `prepare`, the recorder's `prepare_batch_update` that `update` calls once
-    per step). Counters: `decode_fast_path_stats`. Call only where `fast_path_fits`."""
+    per step). Counters: `decode_fast_path_stats`. Call only where `fast_path_fits`. `states_read_per_step`: something
+    in the step reads the request states (a hybrid's step plan reads positions), so they cannot be written lazily."""
     ios, cache, scheduler = processor.inputs_and_outputs, processor.cache, processor.scheduler
     allocator = next(iter(cache.cache_allocators.values()))
     block_tables = ios.block_table.numel() > 0
     stats = DecodeFastPathStats()
     setattr(processor, _STATS_ATTR, stats)
+    # request states written once per request instead of once per step, unless the step or a processor (every row's
+    # tokens) reads them
+    processors = processor.logit_processor.logits_processor
+    lazy = not states_read_per_step and not any(isinstance(p, _sampling.PerRequestProcessor) for p in processors)
+    last: list[_Batch | None] = [None]  # the fast scheduler's last batch
+    setattr(processor, _LAST_ATTR, last)
     if block_tables:
         host = _HostInputs(ios)
 
@@ -115,10 +132,19 @@ def with_fast_path(
             return _remember_rows(ios, batch)
 
     return (
-        _fast_scheduler(scheduler, cache, allocator, schedule, stats, block_tables),
+        _fast_scheduler(scheduler, cache, allocator, schedule, stats, last, lazy, block_tables),
         _fast_prepare(ios, stats, prepare, block_tables, advance, remember),
         _fast_update(ios, update),
     )
+
+
+def write_pending_states(processor: Any) -> None:
+    """Bring every request state of `processor`'s fast path up to date (tokens, logprobs, position), as upstream's
+    per-step updates would have left it. Call where code outside the engine step reads request states: between two
+    steps (under `manager.pause()`) or on the engine thread; nothing happens without a fast path."""
+    last = getattr(processor, _LAST_ATTR, None)
+    if last is not None:
+        _write_pending(last[0])
 
 
 class _Batch(list):
@@ -152,6 +178,92 @@ class _Plan:
     kept: np.ndarray | None = None
     on: np.ndarray | None = None
     tokens: np.ndarray | None = None
+    pending: _Pending | None = None  # lazy request states (None: every step writes them)
+    slots: np.ndarray | None = None  # (n,) int64: each row's slot in `pending`
+    written: bool = False  # `_write_pending` wrote this plan's lazy states
+
+
+class _Pending:
+    """Tokens and logprobs that fast steps sampled and that their request states do not hold yet: a slot per request
+    of a steady run (the rows of the plan that started it), a column per step.
+
+    Why: writing every row's token, logprob, position and next input into its request object costs ~1 us per row per
+    step in Python, the largest host cost of a decode step at hundreds of rows. A request's state is written once,
+    when something is about to read it: before upstream's update takes the row (it finishes, completes a page, ...),
+    before anything but the fast path schedules or prepares a step, and on `write_pending_states`.
+    Invariant: slot j's state holds its tokens up to column `start[j]` (exclusive); the columns after are here."""
+
+    def __init__(self, states: list[RequestState]) -> None:
+        self.states = states
+        self.start = np.zeros(len(states), dtype=np.int64)
+        self.col = 0  # the next step's column
+        self.tokens = np.zeros((len(states), 64), dtype=np.int64)
+        self.values: np.ndarray | None = None  # (slots, columns) or (slots, columns, 2): logprobs, (processed, policy)
+
+    def add(self, slots: np.ndarray, tokens: np.ndarray, logprobs: list | None) -> int:
+        """Log one step's rows (their slots, tokens and the engine's logprobs: floats, pairs or None); its column."""
+        col = self.col
+        if col == self.tokens.shape[1]:
+            self.tokens = np.concatenate([self.tokens, np.zeros_like(self.tokens)], axis=1)
+            if self.values is not None:
+                self.values = np.concatenate([self.values, np.zeros_like(self.values)], axis=1)
+        self.tokens[slots, col] = tokens
+        if logprobs is not None:
+            pairs = bool(logprobs) and isinstance(logprobs[0], tuple)
+            if self.values is None:
+                shape = (len(self.states), self.tokens.shape[1]) + ((2,) if pairs else ())
+                self.values = np.zeros(shape, dtype=np.float64)
+            if pairs:
+                self.values[slots, col] = np.fromiter(chain.from_iterable(logprobs), np.float64).reshape(-1, 2)
+            else:
+                self.values[slots, col] = logprobs
+        self.col = col + 1
+        return col
+
+    def write(self, slot: int, end: int) -> None:
+        """Append slot `slot`'s logged tokens (and logprobs) before column `end` to its request state."""
+        begin = int(self.start[slot])
+        if end <= begin:
+            return
+        state = self.states[slot]
+        state.generated_tokens.extend(self.tokens[slot, begin:end].tolist())
+        if self.values is not None:
+            values = self.values[slot, begin:end]
+            state.logprobs.extend(values.tolist() if values.ndim == 1 else map(tuple, values.tolist()))
+        self.start[slot] = end
+
+
+def writing_states_first(processor: Any, method: Callable) -> Callable:
+    """`method` (an error path of upstream's batch processor) run after `write_pending_states(processor)`."""
+
+    @functools.wraps(method)
+    def with_states_written(*args: Any, **kwargs: Any) -> Any:
+        write_pending_states(processor)
+        return method(*args, **kwargs)
+
+    return with_states_written
+
+
+def _write_pending(batch: list | None) -> None:
+    """Write the lazy states of `batch`'s plan: after its update, each row that went on holds its tokens, its next
+    input token and its position (`past + 1`), as upstream's update leaves it. A plan whose update has not run writes
+    its source's (the error paths: the rows are failed). Idempotent."""
+    plan = getattr(batch, "plan", None)  # a list upstream scheduled has none
+    if plan is not None and plan.on is None:
+        plan = None if plan.source is None else plan.source.plan
+    if plan is None or plan.pending is None or plan.on is None or plan.written:
+        return
+    plan.written = True
+    pending, end = plan.pending, plan.pending.col
+    for state, slot, past, token in zip(
+        compress(plan.states, plan.on.tolist()),
+        plan.slots[plan.on].tolist(),
+        (plan.past[plan.on] + 1).tolist(),
+        plan.tokens[plan.on].tolist(),
+    ):
+        pending.write(slot, end)
+        state.position_offset = past
+        state.tokens_to_process = [token]
 
 
 def _fast_scheduler(
@@ -160,22 +272,26 @@ def _fast_scheduler(
     allocator: FullAttentionCacheAllocator,
     slow: Callable,
     stats: DecodeFastPathStats,
+    last: list[_Batch | None],
+    lazy: bool,
     block_tables: bool = False,
 ) -> Callable:
+    """`schedule_batch`: the next step continued from the last fast step's plan where it can be, else read from the
+    request states (`_steady_batch`, after the lazy states are written), else upstream's. `last[0]`: the last fast
+    batch (None after any other step)."""
     name = next(key for key, value in cache.cache_allocators.items() if value is allocator)  # `complete_blocks` key
-    last: list[_Batch | None] = [None]
     # A block-table step reads no key rows (`max_kv_read` 0); a request at the table's length takes upstream's path.
     limit = cache.max_decode_fast_path_length if block_tables else None
 
     def schedule_batch(token_budget: int, cache_budget: int) -> tuple[list | None, bool, int, int]:
-        batch = None
-        if _may_be_steady(scheduler, token_budget):
-            previous = last[0]
-            if previous is not None and previous.plan.on is not None:  # the last step was fast and updated inline
-                batch = _continued_batch(scheduler, cache, allocator, name, cache_budget, previous, limit)
-                stats.continued += bool(batch)
-            if batch is None:
-                batch = _steady_batch(scheduler, cache, allocator, name, cache_budget, previous, limit)
+        batch, previous = None, last[0]
+        if _may_be_steady(scheduler, token_budget) and previous is not None and previous.plan.on is not None:
+            batch = _continued_batch(scheduler, cache, allocator, name, cache_budget, previous, limit)
+            stats.continued += bool(batch)
+        if not batch:
+            _write_pending(previous)  # anything below reads the request states
+            if batch is None and _may_be_steady(scheduler, token_budget):
+                batch = _steady_batch(scheduler, cache, allocator, name, cache_budget, previous, limit, lazy)
         last[0] = batch or None
         if not batch:
             return slow(token_budget, cache_budget)
@@ -203,8 +319,10 @@ def _steady_batch(
     cache_budget: int,
     last: _Batch | None,
     limit: int | None = None,
+    lazy: bool = False,
 ) -> _Batch | list:
-    """Every active request, one decode token each, read from the request states; an empty list where
+    """Every active request, one decode token each, read from the request states (which then start a lazy run,
+    `_Pending`, with `lazy`); an empty list where
     `_process_candidates` could decide otherwise (a request not decoding, forking, past the table, or whose page
     cannot be allocated).
 
@@ -229,6 +347,8 @@ def _steady_batch(
         np.zeros(n, dtype=bool),
         np.array(sorted({t for ids in eos_lists.values() for t in ids}), dtype=np.int64),
     )
+    if lazy:
+        plan.pending, plan.slots = _Pending(states), np.arange(n, dtype=np.int64)
     previous = [] if last is None else last
     reuse = _reusable_rows(states, previous)
     return _planned_batch(cache, allocator, name, cache_budget, plan, previous, reuse, limit)
@@ -290,6 +410,8 @@ def _continued_batch(
         previous.eos,
         source=last,
         kept=None if whole else kept,
+        pending=previous.pending,
+        slots=None if previous.slots is None else previous.slots if whole else previous.slots[kept],
     )
     rows = np.arange(len(previous.states), dtype=np.int64) if whole else kept
     return _planned_batch(cache, allocator, name, cache_budget, plan, last, rows, limit)
@@ -320,8 +442,10 @@ def _planned_batch(
     page, tables = allocator.tokens_per_page, allocator.block_table
     for i in np.flatnonzero(past % page == 0).tolist():  # only a row at a page start can need a new page
         state = states[i]
-        if len(tables.get(state.request_id, ())) * page <= past[i] and not cache.can_store_request_tokens(state, 1):
-            return []  # allocation failed: the slow path starves or offloads
+        if len(tables.get(state.request_id, ())) * page <= past[i]:
+            state.position_offset = int(past[i])  # what the allocator reads (a lazy state's may be behind)
+            if not cache.can_store_request_tokens(state, 1):
+                return []  # allocation failed: the slow path starves or offloads
     if cache.use_prefix_sharing:
         plan.completes = (past + 1) % page == 0  # `count_new_complete_blocks`
     reusable = reuse >= 0
@@ -371,6 +495,8 @@ def _fast_prepare(
                 return
         stats.slow += 1
         previous[0] = None
+        if planned:
+            _write_pending(requests_in_batch)  # upstream's prepare reads the request states
         slow(requests_in_batch, logits_processors, use_decode_fast_path, num_q_tokens, max_kv_read, use_padding)
         if steady and remember is not None:
             previous[0] = remember(requests_in_batch, num_q_tokens)
@@ -435,10 +561,8 @@ def _advance(
         at_start[page_starts] = True
         requests = [(states[i].request_id, int(key_lengths[i])) for i in page_starts]
         rows[np.repeat(at_start, key_lengths)] = read_index_rows(allocator, requests).numpy()
-    # 4) the request states, as upstream's loop leaves them
-    for state in states:
-        state.position_offset += 1
-        state.tokens_to_process = [TMP_TOKEN_ID]
+    # 4) the request states, as upstream's loop leaves them (a lazy plan's are written when read: `_Pending`)
+    _advance_states(batch, states)
     # 5) the static tensors and counters the forward and `update_batch` read
     ios.num_q_tokens, ios.max_kv_read, ios.num_request_in_batch = n, max_kv_read, n
     ios.use_block_table = False
@@ -462,6 +586,17 @@ def _advance(
     ios.requests_in_batch = batch
     ios.req_id_to_new_token_position = {}  # read by the asynchronous IOs only, which the fast path does not serve
     return _Previous(batch, states, positions, writes, key_lengths, total)
+
+
+def _advance_states(batch: list[FutureRequestState], states: list[RequestState]) -> None:
+    """Each row's state one position further, its next input a placeholder, as upstream's prepare leaves it; nothing
+    for a lazy plan's rows."""
+    plan = getattr(batch, "plan", None)
+    if plan is not None and plan.pending is not None:
+        return
+    for state in states:
+        state.position_offset += 1
+        state.tokens_to_process = [TMP_TOKEN_ID]
 
 
 def _rows_of(
@@ -588,10 +723,8 @@ def _advance_table(
             input_ids = np.fromiter((s.tokens_to_process[0] for s in states), np.int32, n)  # the token sampled last
         host.fill_table_rows(allocator, states, range(n))
         table[n:] = -1
-    # 2) the request states, as upstream's loop leaves them
-    for state in states:
-        state.position_offset += 1
-        state.tokens_to_process = [TMP_TOKEN_ID]
+    # 2) the request states, as upstream's loop leaves them (a lazy plan's are written when read: `_Pending`)
+    _advance_states(batch, states)
     # 3) the small inputs (rows: input ids, positions, cu_seq_lens_q, logits indices, cu_seq_lens_k per layer type)
     bulk = host.bulk_np
     steps = np.arange(rows + 1, dtype=np.int32)
@@ -668,6 +801,8 @@ def _update_planned(batch: _Batch, tokens: list[int], logprobs: list | None) -> 
     for eos in plan.eos.tolist():  # one or two ids in practice: a comparison each beats `np.isin`'s sort
         on &= tok != eos
     plan.on, plan.tokens = on, tok
+    if plan.pending is not None:
+        return _update_lazily(batch, tok, tokens, logprobs)
     states = plan.states
     every = bool(on.all())
     mask = None if every else on.tolist()
@@ -679,6 +814,24 @@ def _update_planned(batch: _Batch, tokens: list[int], logprobs: list | None) -> 
         for state, logprob in zip(states, logprobs) if every else compress(zip(states, logprobs), mask):
             state.logprobs.append(logprob)
     return _rows(batch, tokens, logprobs, [] if every else np.flatnonzero(~on).tolist())
+
+
+def _update_lazily(batch: _Batch, tok: np.ndarray, tokens: list[int], logprobs: list | None) -> tuple:
+    """`_update_planned` on a lazy plan: every row's token and logprob logged (`_Pending`), and only the rows left to
+    upstream's update written to their states first (their earlier tokens, their position and placeholder input, as
+    after upstream's prepare): upstream then appends this step's token itself."""
+    plan = batch.plan
+    pending = plan.pending
+    col = pending.add(plan.slots, tok, logprobs)
+    rest = np.flatnonzero(~plan.on).tolist()
+    for i in rest:
+        slot = int(plan.slots[i])
+        pending.write(slot, col)
+        pending.start[slot] = col + 1  # upstream's update appends this step's token
+        state = plan.states[i]
+        state.position_offset = int(plan.past[i]) + 1
+        state.tokens_to_process = [TMP_TOKEN_ID]
+    return _rows(batch, tokens, logprobs, rest)
 
 
 def _rows(requests: list, tokens: list[int], logprobs: list | None, rest: list[int]) -> tuple:

@@ -9,7 +9,8 @@ blocks) > decode graphs or eager (`decode_graphs`) > upstream; `_sample`: policy
 upstream; `maybe_pad_inputs`: decode padding (`decode_graphs`); `prepare_batch_update`: (processed, policy) logprob
 pairs > upstream; `schedule_batch`: steady decode batch > upstream; `prepare_batch_tensors`: steady decode advance >
 read rows by tensor ops (`_upstream_cache`) > upstream; `update_batch`: steady rows inline > forks copied field by
-field (`_upstream_fork`) > upstream; `cache.update` (5.24): one-gather reads and block-table marks > upstream;
+field (`_upstream_fork`) > upstream; `handle_batch_error` / `fail_all_requests`: the fast path's lazy request states
+written > upstream; `cache.update` (5.24): one-gather reads and block-table marks > upstream;
 `_run_generation_loop`: a context for the loop (`run_loop_in`); process-wide, on the classes: block hashes chained from
 the weight epoch (`install_epoch_hashes`, `_upstream_prefix`). The mask placeholder: a 4D `attention_mask`
 short-circuits the mask builders (`varlen_attention` never reads it). Upstream surface: tests/unit/test_contracts.py.
@@ -96,7 +97,12 @@ def install(manager: ContinuousBatchingManager, model: PreTrainedModel, features
     ios.prepare_batch_update = prepare_update
     processor.update_batch = update  # the fast path's inline update calls it for the rows it does not take
     if _upstream_decode.fast_path_fits(processor):
-        schedule, prepare, update = _upstream_decode.with_fast_path(processor, schedule, prepare, update)
+        schedule, prepare, update = _upstream_decode.with_fast_path(
+            processor, schedule, prepare, update, states_read_per_step=features.recurrent is not None
+        )
+        # upstream's error paths read the request states, which the fast path writes lazily
+        processor.handle_batch_error = _upstream_decode.writing_states_first(processor, processor.handle_batch_error)
+        processor.fail_all_requests = _upstream_decode.writing_states_first(processor, processor.fail_all_requests)
     scheduler.schedule_batch, ios.prepare_batch_tensors, processor.update_batch = schedule, prepare, update
 
     # PagedAttentionCache.free_blocks / free_all_requests / prepare_fork_request: a recurrent state slot lives as

@@ -47,6 +47,15 @@ def _run(model, tokenizer, prompts, monkeypatch, enabled: bool, block_tables: bo
     return out.completion_ids, out.logprobs, stats
 
 
+def _positions(batch, states) -> list[int]:
+    """Each row's position in the step just prepared, from its request state: a lazy plan's states written first
+    (as when anything else reads them), which then stand before the step (upstream's prepare advances them)."""
+    plan = getattr(batch, "plan", None)
+    lazy = plan is not None and plan.pending is not None
+    _upstream_decode._write_pending(batch)
+    return [s.position_offset - (0 if lazy else 1) for s in states]
+
+
 @pytest.mark.parametrize("layout", ["read_rows", "block_tables"])
 @pytest.mark.parametrize("case", ["eos", "shared_pages"])
 def test_fast_path_gives_the_slow_paths_tokens_and_logprobs(request, tokenizer, prompts, monkeypatch, case, layout):
@@ -106,12 +115,12 @@ def test_every_fast_step_holds_the_allocators_rows_and_positions(request, tokeni
 
     monkeypatch.setattr(CacheAllocator, "mark_complete_blocks", mark_and_watch)
 
-    def compare(ios, allocator, *args, **kwargs):
-        result = advance(ios, allocator, *args, **kwargs)
+    def compare(ios, allocator, last, batch, *args, **kwargs):
+        result = advance(ios, allocator, last, batch, *args, **kwargs)
         if result is None:
             return None
         states, n = result.states, len(result.states)
-        past = [s.position_offset - 1 for s in states]
+        past = _positions(batch, states)
         writes = [i for s, p in zip(states, past) for i in allocator.get_write_indices(s.request_id, p, 1)]
         reads = [i for s, p in zip(states, past) for i in allocator.get_read_indices(s.request_id, p, 1)]
         assert ios.position_ids[:n].tolist() == past
@@ -145,7 +154,7 @@ def test_every_block_table_step_holds_the_allocators_pages(request, tokenizer, p
         if result is None:
             return None
         states, n = result.states, len(result.states)
-        past = [s.position_offset - 1 for s in states]
+        past = _positions(batch, states)
         stride = allocator.block_physical_stride // allocator.tokens_per_page
         for i, state in enumerate(states):
             blocks = allocator.block_table[state.request_id]
