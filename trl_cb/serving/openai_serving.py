@@ -21,7 +21,7 @@ from fastapi import HTTPException
 from fastapi.responses import Response, StreamingResponse
 
 from ..rollouts.rollout_groups import PartialSample, RolloutGroup, oldest_version
-from .detokenize import StopMatch, TokenText, find_stop
+from .detokenize import StopMatch, TokenBytes, TokenText, find_stop
 from .openai_answers import (
     DecodedSample,
     chat_choice,
@@ -49,10 +49,17 @@ class SampleDecoder:
     """One sample's text as its tokens arrive; a stop string ends it at the token that completes it."""
 
     def __init__(
-        self, tokenizer: Any, stops: list[str], include_stop: bool, skip_special_tokens: bool, eos_ids: set[int]
+        self,
+        tokenizer: Any,
+        stops: list[str],
+        include_stop: bool,
+        skip_special_tokens: bool,
+        eos_ids: set[int],
+        vocabulary: TokenBytes | None = None,
     ) -> None:
         self.text = TokenText(tokenizer, skip_special_tokens) if tokenizer is not None else None
         self.stops, self.include_stop, self.eos_ids = stops, include_stop, eos_ids
+        self.skip_special_tokens, self.vocabulary = skip_special_tokens, vocabulary
         self.ids: list[int] = []
         self.match: StopMatch | None = None
         self._searched = 0
@@ -85,10 +92,17 @@ class SampleDecoder:
             return full[: self.match.end if self.include_stop else self.match.start]
         return full if final else full[: max(0, len(full) - self._hold)]
 
-    def pieces(self, start: int, end: int) -> tuple[list[str], list[int]]:
+    def pieces(self, start: int, end: int) -> tuple[list[str], list[int], list[bytes]]:
+        """Tokens `start:end`: their shares of the text, where each share starts, and each token's own bytes."""
         if self.text is None:
-            return [""] * (end - start), [0] * (end - start)
-        return self.text.pieces[start:end], self.text.offsets[start:end]
+            return [""] * (end - start), [0] * (end - start), [b""] * (end - start)
+        pieces = self.text.pieces[start:end]
+        if self.vocabulary is None:
+            own = [piece.encode("utf-8") for piece in pieces]
+        else:
+            skip, of = self.skip_special_tokens, self.vocabulary.of
+            own = [of(t, p, skip, t in self.eos_ids) for t, p in zip(self.ids[start:end], pieces)]
+        return pieces, self.text.offsets[start:end], own
 
 
 @dataclass
@@ -103,9 +117,12 @@ class _Context:
     logprobs: bool
     rl: bool
     tools: list[dict[str, Any]] | None = None  # chat: the tools offered (their calls are parsed out of the text)
+    vocabulary: TokenBytes | None = None  # each token's own bytes (chat logprobs' `bytes`)
 
     def decoder(self) -> SampleDecoder:
-        return SampleDecoder(self.tokenizer, self.stops, self.include_stop, self.skip_special, self.eos_ids)
+        return SampleDecoder(
+            self.tokenizer, self.stops, self.include_stop, self.skip_special, self.eos_ids, self.vocabulary
+        )
 
 
 def finished_sample(ctx: _Context, group: RolloutGroup, k: int, prompt: list[int]) -> DecodedSample:
@@ -114,7 +131,7 @@ def finished_sample(ctx: _Context, group: RolloutGroup, k: int, prompt: list[int
     kept = decoder.feed(list(group.completion_ids[k]))
     text = decoder.visible(final=True)
     n = len(kept)
-    pieces, offsets = decoder.pieces(0, n)
+    pieces, offsets, own = decoder.pieces(0, n)
     sample = DecodedSample(
         token_ids=kept,
         logprobs=list(group.logprobs[k][:n]),
@@ -122,6 +139,7 @@ def finished_sample(ctx: _Context, group: RolloutGroup, k: int, prompt: list[int
         versions=list(group.versions[k][:n]),
         pieces=pieces,
         offsets=offsets,
+        token_bytes=own,
         text=text,
         content=text,
         weight_version=oldest_version([group.versions[k][:n]], group.submitted_version),
@@ -207,7 +225,7 @@ class _StreamWatcher:
     def _delta(self, k: int, start: int, values: tuple[list, list, list], final: bool = False) -> DecodedSample:
         decoder = self.decoders[k]
         end = len(decoder.ids)
-        pieces, offsets = decoder.pieces(start, end)
+        pieces, offsets, own = decoder.pieces(start, end)
         visible = decoder.visible(final)
         text, self.sent[k] = visible[self.sent.get(k, 0) :], len(visible)
         logprobs, policy, versions = (list(v[start:end]) for v in values)
@@ -218,6 +236,7 @@ class _StreamWatcher:
             versions=versions,
             pieces=pieces,
             offsets=offsets,
+            token_bytes=own,
             text=text,
             content=None if self.ctx.tools else text,  # with tools, the message is parsed at the end
             weight_version=min(values[2][:end], default=None),
@@ -229,13 +248,15 @@ class OpenAIServing:
 
     def __init__(self, tokenizer: Any, model_name: str, eos_ids: set[int]) -> None:
         self.tokenizer, self.model_name, self.eos_ids = tokenizer, model_name, eos_ids
+        self.vocabulary = TokenBytes(tokenizer) if tokenizer is not None else None
 
     def _context(self, body: Any, logprobs: bool, tools: list[dict[str, Any]] | None = None) -> _Context:
         rl = bool(body.return_token_ids)
         stops, skip = body.stops(), body.skip_special_tokens
         return _Context(
-            self.tokenizer, stops, body.include_stop_str_in_output, skip, self.eos_ids, logprobs, rl, tools
-        )
+            self.tokenizer, stops, body.include_stop_str_in_output, skip, self.eos_ids, logprobs, rl, tools,
+            self.vocabulary,
+        )  # fmt: skip
 
     def _flow(
         self, flows: Flows, body: Any, ctx: _Context, prompts: list[list[int]]
