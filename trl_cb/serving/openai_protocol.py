@@ -41,8 +41,10 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionAnswer",
+    "DetokenizeRequest",
     "OpenAICompletionRequest",
     "TokenizeRequest",
+    "model_not_found",
 ]
 
 #: Most stop strings per request, and their longest length (characters).
@@ -333,3 +335,26 @@ class TokenizeRequest(Strict):
             return list(tokenizer.encode(self.prompt, add_special_tokens=self.add_special_tokens))
         fields = ("messages", "tools", "chat_template_kwargs", "add_generation_prompt")
         return ChatCompletionRequest(**{name: getattr(self, name) for name in fields}).prompt_ids(tokenizer)
+
+
+class DetokenizeRequest(Strict):
+    """`/detokenize` (vLLM's): token ids to text, as `tokenizer.decode` gives it (special tokens kept, as vLLM)."""
+
+    model: str | None = None
+    tokens: PromptIds
+
+    def text(self, tokenizer: Any) -> str:
+        """The ids' text; `ValueError` without a tokenizer or for an id outside its vocabulary (never echoed)."""
+        if tokenizer is None:
+            raise ValueError("this server has no tokenizer")
+        size = len(tokenizer)
+        if any(not 0 <= token < size for token in self.tokens):
+            raise ValueError(f"token ids must be in [0, {size}): the tokenizer's vocabulary")
+        return tokenizer.decode(self.tokens)
+
+
+def model_not_found() -> dict[str, Any]:
+    """OpenAI's error object for a model this server does not serve (the id is not echoed)."""
+    message = "The model does not exist on this server (see /v1/models)."
+    error = {"message": message, "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    return {"error": error}
