@@ -46,7 +46,7 @@ class DecodedSample:
     token_bytes: list[bytes]  # per token: its own bytes (`detokenize.TokenBytes`; "" share, bytes all the same)
     text: str  # what the client sees (cut before a stop string, unless `include_stop_str_in_output`)
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string, or the stop token id (vLLM's)
     weight_version: int | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # chat: parsed OpenAI tool calls
     content: str | None = None  # chat: the message's text once tool calls are parsed out

@@ -38,7 +38,9 @@ from .openai_protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
     OpenAICompletionRequest,
+    OpenAIError,
     TokenizeRequest,
+    context_overflow,
     model_not_found,
 )
 from .openai_serving import OpenAIServing
@@ -56,6 +58,7 @@ from .protocol import (
     value_runs,
 )
 from .request_flow import RequestFlow
+from .vllm_generate import GenerateRequest, generate
 from .weight_receiver import StaleVersion, WeightReceiver
 
 logger = logging.getLogger(__name__)
@@ -98,6 +101,8 @@ def create_app(
     app = FastAPI(title="trl_cb rollout server")
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes)  # auth and size, on headers
     app.state.engine = engine
+    #: The context: prompt + completion budget past it is refused with vLLM's wording (`context_overflow`).
+    max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     openai = OpenAIServing(with_response_parser(tokenizer), model_name, eos_ids)
 
     @app.exception_handler(RequestValidationError)
@@ -111,6 +116,10 @@ def create_app(
         ]
         return JSONResponse(status_code=422, content={"detail": errors})
 
+    @app.exception_handler(OpenAIError)
+    async def openai_refusal(request: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(status_code=exc.status_code, content=exc.body)
+
     @app.get("/health")
     def health() -> dict[str, Any]:
         # The pid lets a launcher tell its own child from another server that holds the port (`launch.py`).
@@ -123,6 +132,7 @@ def create_app(
             "owned_by": "trl_cb",
             "weight_version": engine.version,
             "dtype": str(model.dtype).removeprefix("torch."),
+            "max_model_len": max_model_len,
         }
 
     @app.get("/v1/models")
@@ -159,7 +169,11 @@ def create_app(
         on_done: Callable[[Ticket], None],
         watchers: list[Any] | None = None,
     ) -> list[Ticket]:
-        """Check the request (400 naming the reason) and queue its groups."""
+        """Check the request (400 naming the reason; past the context, vLLM's wording) and queue its groups."""
+        longest = max((len(prompt) for prompt in prompts), default=0)
+        if max_model_len is not None and longest + max_tokens > max_model_len:
+            counters.rejected += 1
+            raise context_overflow(max_model_len, longest, max_tokens)
         try:
             validate_prompts(prompts, model, max_tokens, continuous_batching_config)
             config = GenerationConfig(do_sample=True, max_new_tokens=max_tokens, **sampling, **defaults)
@@ -212,13 +226,18 @@ def create_app(
 
     app.add_api_route("/v1/chat/completions/tokens", chat_completions, methods=["POST"])  # prime-rl's token-in path
 
+    @app.post("/inference/v1/generate")
+    async def inference_generate(body: GenerateRequest, request: Request) -> Response:
+        """vLLM's token-in, token-out route (`vllm_generate.py`): verifiers' and prime-rl's training clients."""
+        known_model(body.model)
+        return await generate(openai, flows(request), body)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's `/tokenize`: a text, or messages as the chat template renders them for generation."""
         known_model(body.model)
         ids = await run_in_threadpool(parsed, lambda: body.ids(tokenizer))
-        limit = getattr(model.config, "max_position_embeddings", None)
-        return {"count": len(ids), "max_model_len": limit, "tokens": ids}
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
