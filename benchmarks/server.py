@@ -345,6 +345,11 @@ def scale(args: argparse.Namespace) -> Iterator[tuple[tuple[str, str], dict[str,
     return controller(args, groups_in_flight=args.scale_groups)
 
 
+def engine_builds(url: str) -> int:
+    """The server's engine (re)builds so far (`/metrics` as JSON)."""
+    return requests.get(url + "/metrics", headers={"Accept": "application/json"}, timeout=10).json()["engine_builds"]
+
+
 def drive(url: str, temperatures: tuple[float, ...], clients: int, args: argparse.Namespace) -> dict[str, Any]:
     """`clients` closed-loop clients for `--seconds`: requests/s, latency percentiles, engine rebuilds."""
     rng = random.Random(0)
@@ -352,7 +357,7 @@ def drive(url: str, temperatures: tuple[float, ...], clients: int, args: argpars
     for temperature in temperatures:  # warm: the engine is built (and sized) before the clock starts
         body = {"prompt": [prompts[0]], "n": args.n, "max_tokens": args.max_tokens, "temperature": temperature}
         requests.post(url + "/v1/completions", json=body, timeout=120).raise_for_status()
-    builds_before = requests.get(url + "/metrics", timeout=10).json()["engine_builds"]
+    builds_before = engine_builds(url)
     stop = time.monotonic() + args.seconds
     latencies: list[float] = []
     errors = [0]
@@ -382,7 +387,7 @@ def drive(url: str, temperatures: tuple[float, ...], clients: int, args: argpars
     for thread in threads:
         thread.join()
     elapsed = time.monotonic() - started  # includes the last requests' tails
-    builds = requests.get(url + "/metrics", timeout=10).json()["engine_builds"] - builds_before
+    builds = engine_builds(url) - builds_before
     return {
         "clients": clients, "requests": len(latencies), "errors": errors[0],
         "requests_per_s": len(latencies) / elapsed, "samples_per_s": len(latencies) * args.n / elapsed,

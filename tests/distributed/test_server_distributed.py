@@ -47,7 +47,7 @@ def test_two_process_zero3_trainer_on_server(server_checkpoint, lora, tmp_path):
         start = time.monotonic()
         reports = _launch(cmd, tmp_path)
         print(f"\n2-process ZeRO-3{' + LoRA' if lora else ''} against a server: {time.monotonic() - start:.1f} s")
-        metrics = requests.get(url + "/metrics", timeout=5).json()
+        metrics = requests.get(url + "/metrics", headers={"Accept": "application/json"}, timeout=5).json()
     assert metrics["weight_version"] == 2, "one push per step"
     assert metrics["requests_served"] == 2, "one request per round: the main process generates for every rank"
     for r in reports:
@@ -81,7 +81,7 @@ def test_two_process_zero3_async_trainer_on_server(server_checkpoint, tmp_path):
         start = time.monotonic()
         reports = _launch(cmd, tmp_path)
         print(f"\n2-process ZeRO-3 async against a server: {time.monotonic() - start:.1f} s")
-        metrics = requests.get(url + "/metrics", timeout=5).json()
+        metrics = requests.get(url + "/metrics", headers={"Accept": "application/json"}, timeout=5).json()
     assert metrics["weight_version"] == 3, "one push before the first request, one after each optimizer step"
     for r in reports:
         assert len(r["logs"]) == 2 and r["rounds"] == [], "no sync round: every step took async groups"

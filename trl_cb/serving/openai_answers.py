@@ -43,9 +43,10 @@ class DecodedSample:
     versions: list[int]
     pieces: list[str]  # per token: its share of the text
     offsets: list[int]  # per token: where its share starts
+    token_bytes: list[bytes]  # per token: its own bytes (`detokenize.TokenBytes`; "" share, bytes all the same)
     text: str  # what the client sees (cut before a stop string, unless `include_stop_str_in_output`)
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string, or the stop token id (vLLM's)
     weight_version: int | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # chat: parsed OpenAI tool calls
     content: str | None = None  # chat: the message's text once tool calls are parsed out
@@ -80,9 +81,12 @@ def completion_choice(index: int, sample: DecodedSample, logprobs: bool, rl: boo
 
 
 def _chat_logprobs(sample: DecodedSample) -> dict:
+    """OpenAI's `{content: [{token, logprob, bytes, top_logprobs}]}`: `token` is the token's share of the text (the
+    tokens concatenate to the content), `bytes` its own bytes (they concatenate to the content's UTF-8, also where a
+    token ends inside a character and its share is "")."""
     content = [
-        {"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8")), "top_logprobs": []}
-        for piece, lp in zip(sample.pieces, sample.logprobs)
+        {"token": piece, "logprob": lp, "bytes": list(own), "top_logprobs": []}
+        for piece, lp, own in zip(sample.pieces, sample.logprobs, sample.token_bytes)
     ]
     return {"content": content}
 

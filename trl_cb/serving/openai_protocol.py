@@ -21,6 +21,7 @@ import json
 import math
 from typing import Annotated, Any, Literal
 
+from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..checks.generation_settings import MIN_SAMPLING_TEMPERATURE
@@ -41,12 +42,17 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionAnswer",
+    "DetokenizeRequest",
     "OpenAICompletionRequest",
+    "OpenAIError",
     "TokenizeRequest",
+    "context_overflow",
+    "model_not_found",
+    "openai_error",
 ]
 
-#: Most stop strings per request, and their longest length (characters).
-MAX_STOPS, MAX_STOP_CHARS = 16, 256
+#: Most stop strings per request, and their longest length (characters); most stop token ids (vLLM's).
+MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 256
 #: Longest text prompt (characters), checked before it is tokenized.
 MAX_PROMPT_CHARS = 8 * MAX_PROMPT_TOKENS
 MAX_MESSAGES, MAX_TOOLS = 1024, 128
@@ -71,6 +77,7 @@ class _OpenAISampling(SamplingRequest):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's: 0 or -1 keep every token
     stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     seed: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -132,8 +139,10 @@ class OpenAICompletionRequest(_OpenAISampling):
     def _completion_honoured(self) -> OpenAICompletionRequest:
         if self.echo or self.suffix:
             raise ValueError("echo and suffix are not supported; unset them")
-        if self.encoding != "json" and (self.stream or self.stops() or self.text_prompts()):
-            raise ValueError(f"encoding={self.encoding!r} takes token-id prompts only, without stream or stop")
+        if self.encoding != "json" and (self.stream or self.stops() or self.stop_token_ids or self.text_prompts()):
+            raise ValueError(
+                f"encoding={self.encoding!r} takes token-id prompts only, without stream, stop or stop_token_ids"
+            )
         if not self.detokenize and self.stops():
             raise ValueError("stop strings need the text: unset stop or detokenize=false")
         return self
@@ -333,3 +342,49 @@ class TokenizeRequest(Strict):
             return list(tokenizer.encode(self.prompt, add_special_tokens=self.add_special_tokens))
         fields = ("messages", "tools", "chat_template_kwargs", "add_generation_prompt")
         return ChatCompletionRequest(**{name: getattr(self, name) for name in fields}).prompt_ids(tokenizer)
+
+
+class DetokenizeRequest(Strict):
+    """`/detokenize` (vLLM's): token ids to text, as `tokenizer.decode` gives it (special tokens kept, as vLLM)."""
+
+    model: str | None = None
+    tokens: PromptIds
+
+    def text(self, tokenizer: Any) -> str:
+        """The ids' text; `ValueError` without a tokenizer or for an id outside its vocabulary (never echoed)."""
+        if tokenizer is None:
+            raise ValueError("this server has no tokenizer")
+        size = len(tokenizer)
+        if any(not 0 <= token < size for token in self.tokens):
+            raise ValueError(f"token ids must be in [0, {size}): the tokenizer's vocabulary")
+        return tokenizer.decode(self.tokens)
+
+
+def model_not_found() -> dict[str, Any]:
+    """OpenAI's error object for a model this server does not serve (the id is not echoed)."""
+    return openai_error("The model does not exist on this server (see /v1/models).", "model", "model_not_found")
+
+
+def openai_error(message: str, param: str | None, code: str | int | None) -> dict[str, Any]:
+    """OpenAI's error object (`openai` raises its typed errors from it), with trl_cb's `detail` beside it."""
+    error = {"message": message, "type": "invalid_request_error", "param": param, "code": code}
+    return {"error": error, "detail": message}
+
+
+class OpenAIError(HTTPException):
+    """A refusal answered in OpenAI's error shape (`openai_error`), e.g. a context overflow."""
+
+    def __init__(self, status_code: int, message: str, param: str | None = None, code: str | int | None = None):
+        super().__init__(status_code=status_code, detail=message)
+        self.body = openai_error(message, param, code)
+
+
+def context_overflow(limit: int, prompt_tokens: int, max_tokens: int) -> OpenAIError:
+    """vLLM's wording for a prompt plus its completion budget past the context (clients such as `verifiers` read it
+    to end a rollout as an overflow, not a provider error): 400."""
+    message = (
+        f"This model's maximum context length is {limit} tokens. However, you requested {prompt_tokens + max_tokens} "
+        f"tokens ({prompt_tokens} in the prompt, {max_tokens} in the completion). Please reduce the length of the "
+        "prompt or completion."
+    )
+    return OpenAIError(400, message, param="max_tokens", code=400)

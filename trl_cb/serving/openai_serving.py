@@ -21,7 +21,7 @@ from fastapi import HTTPException
 from fastapi.responses import Response, StreamingResponse
 
 from ..rollouts.rollout_groups import PartialSample, RolloutGroup, oldest_version
-from .detokenize import StopMatch, TokenText, find_stop
+from .detokenize import StopMatch, TokenBytes, TokenText, find_stop
 from .openai_answers import (
     DecodedSample,
     chat_choice,
@@ -36,7 +36,7 @@ from .openai_answers import (
 from .openai_protocol import ChatCompletionRequest, OpenAICompletionRequest
 from .request_flow import RequestFlow
 
-__all__ = ["EVENT_STREAM", "OpenAIServing", "SampleDecoder"]
+__all__ = ["EVENT_STREAM", "AnswerContext", "OpenAIServing", "SampleDecoder", "all_groups", "finished_sample"]
 
 #: Server-sent events' media type.
 EVENT_STREAM = "text/event-stream"
@@ -49,20 +49,29 @@ class SampleDecoder:
     """One sample's text as its tokens arrive; a stop string ends it at the token that completes it."""
 
     def __init__(
-        self, tokenizer: Any, stops: list[str], include_stop: bool, skip_special_tokens: bool, eos_ids: set[int]
+        self,
+        tokenizer: Any,
+        stops: list[str],
+        include_stop: bool,
+        skip_special_tokens: bool,
+        eos_ids: set[int],
+        vocabulary: TokenBytes | None = None,
+        stop_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.text = TokenText(tokenizer, skip_special_tokens) if tokenizer is not None else None
         self.stops, self.include_stop, self.eos_ids = stops, include_stop, eos_ids
+        self.skip_special_tokens, self.vocabulary, self.stop_ids = skip_special_tokens, vocabulary, stop_ids
         self.ids: list[int] = []
         self.match: StopMatch | None = None
+        self.stop_token: int | None = None  # the `stop_token_ids` entry that ended the sample (kept, as vLLM)
         self._searched = 0
         self._hold = max((len(stop) for stop in stops), default=1) - 1
 
     def feed(self, token_ids: list[int]) -> list[int]:
-        """Take the sample's tokens so far; return the new ones it keeps (none after a stop string)."""
+        """Take the sample's tokens so far; return the new ones it keeps (none after a stop string or stop token)."""
         new = []
         for token in token_ids[len(self.ids) :]:
-            if self.match is not None:
+            if self.ended:
                 break
             self.ids.append(token)
             new.append(token)
@@ -71,7 +80,14 @@ class SampleDecoder:
                 if self.stops:
                     self.match = find_stop(self.text.text, self.stops, self._searched)
                     self._searched = len(self.text.text)
+            if token in self.stop_ids and self.match is None:
+                self.stop_token = token
         return new
+
+    @property
+    def ended(self) -> bool:
+        """Whether a stop string or a stop token ended the sample (the engine request is cancelled there)."""
+        return self.match is not None or self.stop_token is not None
 
     def visible(self, final: bool) -> str:
         """The text a client may see now: cut at a stop string; while generating, without the tail that could
@@ -85,14 +101,21 @@ class SampleDecoder:
             return full[: self.match.end if self.include_stop else self.match.start]
         return full if final else full[: max(0, len(full) - self._hold)]
 
-    def pieces(self, start: int, end: int) -> tuple[list[str], list[int]]:
+    def pieces(self, start: int, end: int) -> tuple[list[str], list[int], list[bytes]]:
+        """Tokens `start:end`: their shares of the text, where each share starts, and each token's own bytes."""
         if self.text is None:
-            return [""] * (end - start), [0] * (end - start)
-        return self.text.pieces[start:end], self.text.offsets[start:end]
+            return [""] * (end - start), [0] * (end - start), [b""] * (end - start)
+        pieces = self.text.pieces[start:end]
+        if self.vocabulary is None:
+            own = [piece.encode("utf-8") for piece in pieces]
+        else:
+            skip, of = self.skip_special_tokens, self.vocabulary.of
+            own = [of(t, p, skip, t in self.eos_ids) for t, p in zip(self.ids[start:end], pieces)]
+        return pieces, self.text.offsets[start:end], own
 
 
 @dataclass
-class _Context:
+class AnswerContext:
     """What answering one request needs besides its body."""
 
     tokenizer: Any
@@ -103,18 +126,23 @@ class _Context:
     logprobs: bool
     rl: bool
     tools: list[dict[str, Any]] | None = None  # chat: the tools offered (their calls are parsed out of the text)
+    vocabulary: TokenBytes | None = None  # each token's own bytes (chat logprobs' `bytes`)
+    stop_ids: frozenset[int] = frozenset()  # vLLM's `stop_token_ids`
 
     def decoder(self) -> SampleDecoder:
-        return SampleDecoder(self.tokenizer, self.stops, self.include_stop, self.skip_special, self.eos_ids)
+        return SampleDecoder(
+            self.tokenizer, self.stops, self.include_stop, self.skip_special, self.eos_ids, self.vocabulary,
+            self.stop_ids,
+        )  # fmt: skip
 
 
-def finished_sample(ctx: _Context, group: RolloutGroup, k: int, prompt: list[int]) -> DecodedSample:
+def finished_sample(ctx: AnswerContext, group: RolloutGroup, k: int, prompt: list[int]) -> DecodedSample:
     """Sample `k` of a finished group, decoded, cut at a stop string, tool calls parsed (chat with tools)."""
     decoder = ctx.decoder()
     kept = decoder.feed(list(group.completion_ids[k]))
     text = decoder.visible(final=True)
     n = len(kept)
-    pieces, offsets = decoder.pieces(0, n)
+    pieces, offsets, own = decoder.pieces(0, n)
     sample = DecodedSample(
         token_ids=kept,
         logprobs=list(group.logprobs[k][:n]),
@@ -122,6 +150,7 @@ def finished_sample(ctx: _Context, group: RolloutGroup, k: int, prompt: list[int
         versions=list(group.versions[k][:n]),
         pieces=pieces,
         offsets=offsets,
+        token_bytes=own,
         text=text,
         content=text,
         weight_version=oldest_version([group.versions[k][:n]], group.submitted_version),
@@ -130,10 +159,12 @@ def finished_sample(ctx: _Context, group: RolloutGroup, k: int, prompt: list[int
     return sample
 
 
-def _finish(ctx: _Context, sample: DecodedSample, decoder: SampleDecoder, prompt: list[int]) -> None:
+def _finish(ctx: AnswerContext, sample: DecodedSample, decoder: SampleDecoder, prompt: list[int]) -> None:
     """finish_reason / stop_reason, and for chat with tools the parsed message."""
     if decoder.match is not None:
         sample.finish_reason, sample.stop_reason = "stop", decoder.match.stop
+    elif decoder.stop_token is not None:
+        sample.finish_reason, sample.stop_reason = "stop", decoder.stop_token  # vLLM: the id that stopped it
     else:
         ended = bool(decoder.ids) and decoder.ids[-1] in ctx.eos_ids
         sample.finish_reason = "stop" if ended else "length"
@@ -174,7 +205,7 @@ class _StreamWatcher:
     """The engine-side half of a stream (or of a stop-string search): decodes each sample of one prompt step by step,
     posts what is new (when streaming), and ends a sample at its stop string."""
 
-    def __init__(self, ctx: _Context, prompt_index: int, stream: bool) -> None:
+    def __init__(self, ctx: AnswerContext, prompt_index: int, stream: bool) -> None:
         self.ctx, self.prompt_index, self.stream = ctx, prompt_index, stream
         self.post: Callable[[Any], None] | None = None  # set by the request flow before the engine starts
         self.decoders: dict[int, SampleDecoder] = {}
@@ -187,7 +218,7 @@ class _StreamWatcher:
         if self.stream and new and self.post is not None:
             values = (partial.logprobs, partial.policy_logprobs, partial.versions)
             self.post(("delta", (self.prompt_index, partial.index, self._delta(partial.index, start, values))))
-        return decoder.match is not None
+        return decoder.ended
 
     def tail(self, k: int, prompt: list[int]) -> DecodedSample:
         """Sample k's last chunk once its group ended: its held-back text, finish reason and (chat with tools) the
@@ -207,7 +238,7 @@ class _StreamWatcher:
     def _delta(self, k: int, start: int, values: tuple[list, list, list], final: bool = False) -> DecodedSample:
         decoder = self.decoders[k]
         end = len(decoder.ids)
-        pieces, offsets = decoder.pieces(start, end)
+        pieces, offsets, own = decoder.pieces(start, end)
         visible = decoder.visible(final)
         text, self.sent[k] = visible[self.sent.get(k, 0) :], len(visible)
         logprobs, policy, versions = (list(v[start:end]) for v in values)
@@ -218,6 +249,7 @@ class _StreamWatcher:
             versions=versions,
             pieces=pieces,
             offsets=offsets,
+            token_bytes=own,
             text=text,
             content=None if self.ctx.tools else text,  # with tools, the message is parsed at the end
             weight_version=min(values[2][:end], default=None),
@@ -229,21 +261,24 @@ class OpenAIServing:
 
     def __init__(self, tokenizer: Any, model_name: str, eos_ids: set[int]) -> None:
         self.tokenizer, self.model_name, self.eos_ids = tokenizer, model_name, eos_ids
+        self.vocabulary = TokenBytes(tokenizer) if tokenizer is not None else None
 
-    def _context(self, body: Any, logprobs: bool, tools: list[dict[str, Any]] | None = None) -> _Context:
+    def context(self, body: Any, logprobs: bool, tools: list[dict[str, Any]] | None = None) -> AnswerContext:
+        """What answering `body` needs (its stop strings and stop token ids, its RL switch, the tokenizer)."""
         rl = bool(body.return_token_ids)
         stops, skip = body.stops(), body.skip_special_tokens
-        return _Context(
-            self.tokenizer, stops, body.include_stop_str_in_output, skip, self.eos_ids, logprobs, rl, tools
-        )
+        return AnswerContext(
+            self.tokenizer, stops, body.include_stop_str_in_output, skip, self.eos_ids, logprobs, rl, tools,
+            self.vocabulary, frozenset(body.stop_token_ids or ()),
+        )  # fmt: skip
 
-    def _flow(
-        self, flows: Flows, body: Any, ctx: _Context, prompts: list[list[int]]
+    def flow(
+        self, flows: Flows, body: Any, ctx: AnswerContext, prompts: list[list[int]], stream: bool = False
     ) -> tuple[RequestFlow, list[_StreamWatcher]]:
         """The request's flow (submitted now: a bad prompt raises here, before any answer), with a watcher per prompt
-        where the answer streams or has stop strings to find."""
-        watched = bool(body.stream) or bool(ctx.stops and ctx.tokenizer is not None)
-        watchers = [_StreamWatcher(ctx, i, bool(body.stream)) for i in range(len(prompts))] if watched else []
+        where the answer streams or has stop strings or stop token ids to find."""
+        watched = stream or bool(ctx.stops and ctx.tokenizer is not None) or bool(ctx.stop_ids)
+        watchers = [_StreamWatcher(ctx, i, stream) for i in range(len(prompts))] if watched else []
 
         def install(post: Callable[[Any], None]) -> list:
             for watcher in watchers:
@@ -254,13 +289,13 @@ class OpenAIServing:
 
     async def completion(self, flows: Flows, body: OpenAICompletionRequest, prompts: list[list[int]]) -> Response:
         """One JSON object, or server-sent events with `stream`."""
-        ctx = self._context(body, logprobs=body.logprobs is not None)
+        ctx = self.context(body, logprobs=body.logprobs is not None)
         head = response_head("text_completion", self.model_name)
-        flow, watchers = self._flow(flows, body, ctx, prompts)
+        flow, watchers = self.flow(flows, body, ctx, prompts, bool(body.stream))
         if body.stream:
             events = self._stream(body, ctx, prompts, flow, watchers, head, chat=False)
             return StreamingResponse(events, media_type=EVENT_STREAM)
-        groups = await _all_groups(flow, len(prompts))
+        groups = await all_groups(flow, len(prompts))
         samples = [
             (i, k, finished_sample(ctx, groups[i], k, prompts[i])) for i in sorted(groups) for k in range(body.n)
         ]
@@ -270,13 +305,13 @@ class OpenAIServing:
         return Response(body_bytes, media_type="application/json")
 
     async def chat(self, flows: Flows, body: ChatCompletionRequest, prompt: list[int]) -> Response:
-        ctx = self._context(body, logprobs=bool(body.logprobs), tools=body.offered_tools())
+        ctx = self.context(body, logprobs=bool(body.logprobs), tools=body.offered_tools())
         head = response_head("chat.completion", self.model_name)
-        flow, watchers = self._flow(flows, body, ctx, [prompt])
+        flow, watchers = self.flow(flows, body, ctx, [prompt], bool(body.stream))
         if body.stream:
             events = self._stream(body, ctx, [prompt], flow, watchers, head, chat=True)
             return StreamingResponse(events, media_type=EVENT_STREAM)
-        groups = await _all_groups(flow, 1)
+        groups = await all_groups(flow, 1)
         samples = [finished_sample(ctx, groups[0], k, prompt) for k in range(body.n)]
         answer = {**head, "choices": [chat_choice(k, s, ctx.logprobs, ctx.rl) for k, s in enumerate(samples)]}
         answer["usage"] = usage(len(prompt), sum(len(s.token_ids) for s in samples))
@@ -287,7 +322,7 @@ class OpenAIServing:
     async def _stream(
         self,
         body: Any,
-        ctx: _Context,
+        ctx: AnswerContext,
         prompts: list[list[int]],
         flow: RequestFlow,
         watchers: list[_StreamWatcher],
@@ -319,7 +354,7 @@ class OpenAIServing:
 
 
 def _chunk(
-    ctx: _Context,
+    ctx: AnswerContext,
     head: dict[str, Any],
     n: int,
     i: int,
@@ -341,7 +376,8 @@ def _chunk(
     return completion_chunk(head, [choice])
 
 
-async def _all_groups(flow: RequestFlow, count: int) -> dict[int, RolloutGroup]:
+async def all_groups(flow: RequestFlow, count: int) -> dict[int, RolloutGroup]:
+    """Every group of `flow` by prompt index (499 if the client left before the last)."""
     groups = await flow.groups()
     if len(groups) < count:  # the client went away: nobody reads this
         raise HTTPException(status_code=499, detail="client disconnected")

@@ -11,6 +11,7 @@ server build and read bodies from these models.
 from __future__ import annotations
 
 import bisect
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -40,8 +41,32 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+#: Numeric sampling fields of every request body (OpenAI's, vLLM's, `GenerationConfig`'s): a number sent as a string
+#: (`"0.7"`, from a CLI or a YAML file) is read as that number before any check (`numbers_from_strings`).
+NUMERIC_FIELDS = frozenset(
+    {"temperature", "top_p", "top_k", "min_p", "typical_p", "top_h", "epsilon_cutoff", "eta_cutoff", "n", "seed",
+     "max_tokens", "max_completion_tokens", "max_new_tokens", "min_tokens", "min_new_tokens", "min_length",
+     "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "best_of"}
+)  # fmt: skip
+_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
+
+
+def numbers_from_strings(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with each `NUMERIC_FIELDS` value that is a decimal number written as a string turned into that number
+    (an int when it has no fraction or exponent), so that every check sees the same value whichever way it was sent
+    (`"0.0"` is off like `0.0`); other strings are left for the checks to refuse (422)."""
+    out = dict(data)
+    for name in NUMERIC_FIELDS & out.keys():
+        value = out[name]
+        if isinstance(value, str) and len(value) <= 64 and _NUMBER.fullmatch(value.strip()):
+            text = value.strip()
+            out[name] = int(text) if text.lstrip("+-").isdigit() else float(text)
+    return out
+
+
 class SamplingRequest(_Strict):
-    """A request that samples: `GenerationConfig` sampling fields it does not carry are refused (see below)."""
+    """A request that samples: numbers sent as strings are read as numbers first (`numbers_from_strings`, for every
+    numeric sampling field alike); `GenerationConfig` sampling fields it does not carry are refused (see below)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -50,6 +75,7 @@ class SamplingRequest(_Strict):
         off; anything else unknown is left for `extra="forbid"`."""
         if not isinstance(data, dict):
             return data
+        data = numbers_from_strings(data)
         settings = {k: v for k, v in data.items() if k not in cls.model_fields and k in FIELD_RULES}
         refused = settings_servers_cannot_apply(settings)
         if refused:

@@ -14,25 +14,35 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
+import transformers
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import GenerationConfig
 
+from .. import __version__
 from ..checks.inputs import validate_prompts
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.rollout_groups import RolloutGroup, oldest_version
 from .engine import ServingEngine, Ticket
 from .frames import FRAMES_MEDIA_TYPE, frame_pieces
+from .metrics import PROMETHEUS_CONTENT_TYPE, RequestCounters, metrics_snapshot, prometheus_text, wants_json
 from .middleware import RequestGate
-from .openai_protocol import ChatCompletionRequest, OpenAICompletionRequest, TokenizeRequest
+from .openai_protocol import (
+    ChatCompletionRequest,
+    DetokenizeRequest,
+    OpenAICompletionRequest,
+    OpenAIError,
+    TokenizeRequest,
+    context_overflow,
+    model_not_found,
+)
 from .openai_serving import OpenAIServing
 from .protocol import (
     DEFAULT_MAX_BODY_BYTES,
@@ -48,6 +58,7 @@ from .protocol import (
     value_runs,
 )
 from .request_flow import RequestFlow
+from .vllm_generate import GenerateRequest, generate
 from .weight_receiver import StaleVersion, WeightReceiver
 
 logger = logging.getLogger(__name__)
@@ -83,65 +94,72 @@ def create_app(
     per_request = bool(continuous_batching_config["per_request_processors"])
     engine = ServingEngine(generator, model, max_num_seqs, per_request=per_request)
     weights = WeightReceiver(model, engine.apply_weights)
-    requests_seen = {"served": 0, "rejected": 0}
+    counters = RequestCounters()
 
     eos = defaults.get("eos_token_id")
     eos_ids = set(eos if isinstance(eos, list) else [eos])
     app = FastAPI(title="trl_cb rollout server")
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes)  # auth and size, on headers
     app.state.engine = engine
+    #: The context: prompt + completion budget past it is refused with vLLM's wording (`context_overflow`).
+    max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     openai = OpenAIServing(with_response_parser(tokenizer), model_name, eos_ids)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         """422 naming each field and rule, without the input (FastAPI's default echoes it: megabytes for a long
         prompt, and a 500 for NaN, which JSON cannot encode)."""
-        requests_seen["rejected"] += 1
+        counters.rejected += 1
         errors = [
             {"loc": [str(part) for part in error.get("loc", ())][:6], "msg": str(error.get("msg", ""))[:300]}
             for error in exc.errors()[:10]
         ]
         return JSONResponse(status_code=422, content={"detail": errors})
 
+    @app.exception_handler(OpenAIError)
+    async def openai_refusal(request: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(status_code=exc.status_code, content=exc.body)
+
     @app.get("/health")
     def health() -> dict[str, Any]:
         # The pid lets a launcher tell its own child from another server that holds the port (`launch.py`).
         return {"status": "ok", "pid": os.getpid()}
 
-    @app.get("/v1/models")
-    def models() -> dict[str, Any]:
-        card = {
+    def card() -> dict[str, Any]:
+        return {
             "id": model_name,
             "object": "model",
             "owned_by": "trl_cb",
             "weight_version": engine.version,
             "dtype": str(model.dtype).removeprefix("torch."),
+            "max_model_len": max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    def model_card(model_id: str) -> Any:
+        """OpenAI's model retrieval; an unknown id gets OpenAI's 404 error object (without echoing the id)."""
+        if model_id != model_name:
+            counters.rejected += 1
+            return JSONResponse(status_code=404, content=model_not_found())
+        return card()
+
+    @app.get("/version")
+    def version() -> dict[str, str]:
+        """vLLM's `/version`: trl_cb's, and the transformers it runs on."""
+        return {"version": __version__, "transformers": transformers.__version__}
 
     @app.get("/metrics")
-    def metrics() -> dict[str, Any]:
-        stats = engine.stats
-        waiting, running = engine.queue_depth()
-        uptime = time.time() - stats.started
-        return {
-            "requests_served": requests_seen["served"],
-            "requests_rejected": requests_seen["rejected"],
-            "groups_finished": stats.groups_finished,
-            "groups_cancelled": stats.groups_cancelled,
-            "queue_groups": waiting,
-            "running_groups": running,
-            "tokens_generated": stats.tokens_generated,
-            "tokens_per_s": stats.tokens_generated / max(uptime, 1e-9),
-            "engine_builds": stats.engine_builds,
-            "paused": engine.paused,
-            "weight_version": engine.version,
-            "weight_updates_in_flight": stats.weight_updates_in_flight,
-            "weight_sync_open": weights.is_open,
-            "weight_sync_error": weights.last_error,
-            "weight_sync_dropped_owners": weights.dropped_owners,
-            "uptime_s": uptime,
-        }
+    def metrics(request: Request) -> Response:
+        """Prometheus text, or the JSON object with `Accept: application/json` (`metrics.py`)."""
+        snapshot = metrics_snapshot(engine, weights, counters)
+        if wants_json(request.headers.get("accept")):
+            return JSONResponse(snapshot)
+        info = {"model": model_name, "version": __version__, "dtype": str(model.dtype).removeprefix("torch.")}
+        return Response(prometheus_text(snapshot, info), media_type=PROMETHEUS_CONTENT_TYPE)
 
     def submit(
         prompts: list[list[int]],
@@ -151,18 +169,23 @@ def create_app(
         on_done: Callable[[Ticket], None],
         watchers: list[Any] | None = None,
     ) -> list[Ticket]:
-        """Check the request (400 naming the reason) and queue its groups."""
+        """Check the request (400 naming the reason; past the context, vLLM's wording) and queue its groups."""
+        longest = max((len(prompt) for prompt in prompts), default=0)
+        if max_model_len is not None and longest + max_tokens > max_model_len:
+            counters.rejected += 1
+            raise context_overflow(max_model_len, longest, max_tokens)
         try:
             validate_prompts(prompts, model, max_tokens, continuous_batching_config)
             config = GenerationConfig(do_sample=True, max_new_tokens=max_tokens, **sampling, **defaults)
             generator.checked_generation_config(config)  # refuses settings the engine cannot apply exactly
         except ValueError as exc:
-            requests_seen["rejected"] += 1
+            counters.rejected += 1
             raise HTTPException(status_code=400, detail=str(exc)) from exc
+        counters.prompt_tokens += sum(len(prompt) for prompt in prompts)
         return engine.submit(prompts, n, config, on_done=on_done, watchers=watchers)
 
     def served() -> None:
-        requests_seen["served"] += 1
+        counters.served += 1
 
     def flows(request: Request) -> Callable[..., RequestFlow]:
         """This request's `RequestFlow` factory (`openai_serving.Flows`)."""
@@ -181,7 +204,7 @@ def create_app(
         try:
             return convert()
         except Exception as exc:
-            requests_seen["rejected"] += 1
+            counters.rejected += 1
             raise HTTPException(status_code=400, detail=f"cannot build the prompt: {str(exc)[:300]}") from exc
 
     @app.post("/v1/completions")
@@ -203,13 +226,28 @@ def create_app(
 
     app.add_api_route("/v1/chat/completions/tokens", chat_completions, methods=["POST"])  # prime-rl's token-in path
 
+    @app.post("/inference/v1/generate")
+    async def inference_generate(body: GenerateRequest, request: Request) -> Response:
+        """vLLM's token-in, token-out route (`vllm_generate.py`): verifiers' and prime-rl's training clients."""
+        known_model(body.model)
+        return await generate(openai, flows(request), body)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         """vLLM's `/tokenize`: a text, or messages as the chat template renders them for generation."""
         known_model(body.model)
         ids = await run_in_threadpool(parsed, lambda: body.ids(tokenizer))
-        limit = getattr(model.config, "max_position_embeddings", None)
-        return {"count": len(ids), "max_model_len": limit, "tokens": ids}
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's `/detokenize`: token ids to their text (400 for an id outside the vocabulary)."""
+        known_model(body.model)
+        try:
+            return {"prompt": await run_in_threadpool(body.text, tokenizer)}
+        except ValueError as exc:
+            counters.rejected += 1
+            raise HTTPException(status_code=400, detail=str(exc)) from exc
 
     async def rollout_answer(body: CompletionRequest, request: Request) -> Response:
         """trl_cb's own answer to `/v1/completions` (`encoding="binary"`): every group, then one frame."""

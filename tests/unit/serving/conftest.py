@@ -28,6 +28,8 @@ FP32_LOGPROB_TOL = 2e-5
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+#: `/metrics` as JSON (without the Accept header it answers Prometheus text).
+METRICS_JSON = {**AUTH, "Accept": "application/json"}
 ROOT = Path(__file__).resolve().parents[3]
 
 

@@ -21,7 +21,7 @@ import requests
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.unit.serving.conftest import AUTH, KEY, running_server
+from tests.unit.serving.conftest import AUTH, KEY, METRICS_JSON, running_server
 from tests.unit.serving.test_server import checkpoint, perturbed  # noqa: F401 (fixture)
 from trl_cb.errors import RolloutServerError
 from trl_cb.serving.client import RolloutClient
@@ -102,7 +102,7 @@ def test_killed_trainer_frees_the_server_and_a_live_one_keeps_it(checkpoint, pro
         sender, accepted = kill_trainer_then_init(url, checkpoint, "push")
         print(f"\nkill-to-new-trainer-accepted: {accepted:.3f} s")
         assert accepted < 5
-        metrics = requests.get(url + "/metrics", headers=AUTH, timeout=5).json()
+        metrics = requests.get(url + "/metrics", headers=METRICS_JSON, timeout=5).json()
         assert metrics["weight_sync_dropped_owners"] == 1 and metrics["weight_sync_open"]
 
         new_model = perturbed(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval())
@@ -115,14 +115,14 @@ def test_killed_trainer_frees_the_server_and_a_live_one_keeps_it(checkpoint, pro
         with pytest.raises(RolloutServerError, match="409"):  # the new owner is alive: protected in turn
             WeightSender(url, api_key=KEY, timeout=10).init()
         sender.close()
-        metrics = requests.get(url + "/metrics", headers=AUTH, timeout=5).json()
+        metrics = requests.get(url + "/metrics", headers=METRICS_JSON, timeout=5).json()
         assert metrics["weight_sync_dropped_owners"] == 1 and not metrics["weight_sync_open"]
 
         # Killed mid-broadcast (update announced, no tensor sent): the receive fails, nothing is applied.
         sender, accepted = kill_trainer_then_init(url, checkpoint, "stall")
         print(f"mid-broadcast kill-to-new-trainer-accepted: {accepted:.3f} s")
         assert accepted < 5
-        metrics = requests.get(url + "/metrics", headers=AUTH, timeout=5).json()
+        metrics = requests.get(url + "/metrics", headers=METRICS_JSON, timeout=5).json()
         assert metrics["weight_sync_dropped_owners"] == 2 and metrics["weight_version"] == 2
         sender.push(new_model, 3)
         assert requests.get(url + "/v1/models", headers=AUTH, timeout=5).json()["data"][0]["weight_version"] == 3

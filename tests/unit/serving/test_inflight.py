@@ -17,7 +17,14 @@ import requests
 import torch
 from transformers import DynamicCache
 
-from tests.unit.serving.conftest import AUTH, FP32_LOGPROB_TOL, KEY, running_server, save_sharp_checkpoint
+from tests.unit.serving.conftest import (
+    AUTH,
+    FP32_LOGPROB_TOL,
+    KEY,
+    METRICS_JSON,
+    running_server,
+    save_sharp_checkpoint,
+)
 from tests.unit.serving.test_server import perturbed
 from tests.unit.trainers.test_trainers import make_trainer
 from trl_cb.serving.client import RolloutClient
@@ -30,7 +37,7 @@ def checkpoint(tmp_path_factory, tokenizer) -> str:
 
 
 def metrics(url: str) -> dict:
-    return requests.get(url + "/metrics", headers=AUTH, timeout=5).json()
+    return requests.get(url + "/metrics", headers=METRICS_JSON, timeout=5).json()
 
 
 def post(url: str, path: str) -> None:

@@ -17,7 +17,14 @@ import requests
 import torch
 
 from tests.unit.rollouts.test_generator import teacher_forced_logprobs
-from tests.unit.serving.conftest import AUTH, FP32_LOGPROB_TOL, KEY, running_server, save_sharp_checkpoint
+from tests.unit.serving.conftest import (
+    AUTH,
+    FP32_LOGPROB_TOL,
+    KEY,
+    METRICS_JSON,
+    running_server,
+    save_sharp_checkpoint,
+)
 
 #: (temperature, top_k, top_p) per request; two temperatures at least, and truncation next to none.
 SETTINGS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 20, 0.9), (1.3, 5, 1.0)]
@@ -35,7 +42,7 @@ def server(checkpoint):
 
 
 def metrics(url: str) -> dict:
-    return requests.get(url + "/metrics", headers=AUTH, timeout=10).json()
+    return requests.get(url + "/metrics", headers=METRICS_JSON, timeout=10).json()
 
 
 def test_mixed_settings_share_one_engine_with_exact_logprobs(server, local_model, prompts):

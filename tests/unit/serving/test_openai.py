@@ -19,6 +19,7 @@ import torch
 from tests.parity.scripted import chat_tokenizer, scripted_model
 from tests.unit.rollouts.test_generator import teacher_forced_logprobs
 from tests.unit.serving.conftest import AUTH, FP32_LOGPROB_TOL, KEY, in_process_server
+from trl_cb.offline import agent
 from trl_cb.offline.tiny import tiny_model
 from trl_cb.serving.server import create_app
 
@@ -67,6 +68,25 @@ def scripted():
     with in_process_server(app) as url:
         warm(url, "scripted")
         yield openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120), url, tokenizer
+
+
+#: What the multi-byte policy answers: characters of 2, 3 and 4 UTF-8 bytes, each split into byte tokens, no token
+#: twice (each token's successor is a function of it).
+MULTIBYTE = "Café €😀"
+
+
+@pytest.fixture(scope="module")
+def multibyte():
+    """A scripted policy (tests/parity/scripted.py's construction) that answers `MULTIBYTE`, token by token, with
+    probability 1 - 1e-15 each: several of its tokens end inside a character."""
+    tokenizer = agent.chat_tokenizer([])
+    tokens = tokenizer.convert_ids_to_tokens(tokenizer.encode(MULTIBYTE))
+    chain = ["<|assistant|>", *tokens, "<|end|>"]
+    assert len(set(chain)) == len(chain)
+    model = agent.scripted_model(tokenizer, [(a, b, 40.0) for a, b in zip(chain, chain[1:])], max_positions=1024)
+    with in_process_server(create_app(model, model_name="bytes", tokenizer=tokenizer, api_key=KEY)) as url:
+        warm(url, "bytes")
+        yield openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120), tokenizer
 
 
 def gaps(reference, prompt: list[int], ids: list[int], logprobs: list[float]) -> tuple[float, float]:
@@ -254,3 +274,35 @@ def test_chat_tool_call_two_turns_and_token_in(scripted):
     body = {"model": "scripted", "messages": history, "tokens": tokens, "max_tokens": 16, "return_token_ids": True}
     again = requests.post(url + "/v1/chat/completions/tokens", json=body, headers=AUTH, timeout=60).json()
     assert again["prompt_token_ids"] == tokens and again["choices"][0]["message"]["content"] == "Done!"
+
+
+def test_chat_logprob_bytes_are_each_tokens_own(multibyte):
+    """Chat logprobs' `bytes` are each token's own bytes, also for tokens that end inside a character (whose `token`,
+    its share of the text, is ""): they concatenate to the content's UTF-8, whole and streamed. Control: a mid-
+    character token's bytes do not decode on their own (they are not some completed character's)."""
+    client, tokenizer = multibyte
+    messages = [{"role": "user", "content": "Say it"}]
+    answer = client.chat.completions.create(model="bytes", messages=messages, max_tokens=32, logprobs=True)
+    content = answer.choices[0].logprobs.content
+    streamed = client.chat.completions.create(
+        model="bytes", messages=messages, max_tokens=32, logprobs=True, stream=True
+    )
+    chunks = [t for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+              for t in chunk.choices[0].logprobs.content]  # fmt: skip
+    assert answer.choices[0].message.content == MULTIBYTE
+    for tokens in (content, chunks):
+        assert len(tokens) == len(tokenizer.encode(MULTIBYTE)) + 1
+        assert tokens[-1].bytes == [] and tokens[-1].token == ""  # the EOS that ended the answer: no text
+        assert "".join(t.token for t in tokens) == MULTIBYTE
+        assert bytes(b for t in tokens for b in t.bytes) == MULTIBYTE.encode("utf-8")
+        mid = [t for t in tokens[:-1] if t.token == ""]
+        assert len(mid) >= 4  # é: 1, €: 2, 😀: 3 tokens end inside the character
+        for t in mid:
+            with pytest.raises(UnicodeDecodeError):
+                bytes(t.bytes).decode("utf-8")
+    # Per token: its slice of the UTF-8 (a byte-level vocabulary string has one character per byte).
+    encoded, at, expected = MULTIBYTE.encode("utf-8"), 0, []
+    for vocabulary_string in tokenizer.convert_ids_to_tokens(tokenizer.encode(MULTIBYTE)):
+        expected.append(list(encoded[at : at + len(vocabulary_string)]))
+        at += len(vocabulary_string)
+    assert [t.bytes for t in content[:-1]] == expected == [t.bytes for t in chunks[:-1]]

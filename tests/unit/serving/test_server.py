@@ -16,7 +16,14 @@ import requests
 import torch
 
 from tests.unit.rollouts.test_generator import teacher_forced_logprobs
-from tests.unit.serving.conftest import AUTH, FP32_LOGPROB_TOL, KEY, running_server, save_sharp_checkpoint
+from tests.unit.serving.conftest import (
+    AUTH,
+    FP32_LOGPROB_TOL,
+    KEY,
+    METRICS_JSON,
+    running_server,
+    save_sharp_checkpoint,
+)
 from tests.unit.trainers.test_trainers import make_trainer
 from trl_cb.engine.weight_export import iter_weights, weight_specs
 from trl_cb.errors import RolloutServerError
@@ -52,7 +59,7 @@ def test_health_models_metrics(server):
     assert requests.get(url + "/health", timeout=5).json()["status"] == "ok"
     card = requests.get(url + "/v1/models", headers=AUTH, timeout=5).json()["data"][0]
     assert card["weight_version"] == 0 and card["dtype"] == "float32"
-    metrics = requests.get(url + "/metrics", headers=AUTH, timeout=5).json()
+    metrics = requests.get(url + "/metrics", headers=METRICS_JSON, timeout=5).json()
     assert {"requests_served", "tokens_generated", "weight_version"} <= set(metrics)
 
 
@@ -119,7 +126,7 @@ def test_logprobs_match_teacher_forcing_then_weight_sync(server, local_model, pr
     gap, control = max_gap(new_model, short, result, n), max_gap(local_model, short, result, n)
     print(f"after push: max|d|={gap:.2e}; old-weights control {control:.3f}")
     assert gap <= FP32_LOGPROB_TOL and control > 0.05
-    metrics = requests.get(url + "/metrics", headers=AUTH, timeout=5).json()
+    metrics = requests.get(url + "/metrics", headers=METRICS_JSON, timeout=5).json()
     assert metrics["weight_version"] == 1 and metrics["requests_served"] >= 2 and metrics["tokens_generated"] > 0
     sender.close()
 
@@ -175,7 +182,7 @@ def test_trainer_trains_on_server_rollouts(server, tokenizer, tmp_path, kind):
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == 2 and trainer.rollout_state.generator is None, "no local engine on the server path"
     assert trainer.rollout_state.remote.weight_version == 2, "one push per step"
-    metrics = requests.get(url + "/metrics", headers=AUTH, timeout=5).json()
+    metrics = requests.get(url + "/metrics", headers=METRICS_JSON, timeout=5).json()
     assert metrics["weight_version"] == 2
     # The trainer's own logprobs of the server's samples: equal up to batching noise only if the weights synced.
     gaps = [entry["sampling/sampling_logp_difference/max"] for entry in logs]

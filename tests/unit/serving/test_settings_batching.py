@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 
-from tests.unit.serving.conftest import AUTH, KEY, running_server, save_sharp_checkpoint
+from tests.unit.serving.conftest import AUTH, KEY, METRICS_JSON, running_server, save_sharp_checkpoint
 
 A, B = 1.0, 0.7  # two temperatures: two engine settings on an engine without per-request warpers
 
@@ -33,7 +33,7 @@ def server(checkpoint):
 
 
 def metrics(url: str) -> dict:
-    return requests.get(url + "/metrics", headers=AUTH, timeout=10).json()
+    return requests.get(url + "/metrics", headers=METRICS_JSON, timeout=10).json()
 
 
 def rebuilds_for(url: str, prompt: list[int], temperatures: list[float]) -> int:

@@ -1,0 +1,139 @@
+"""vLLM's token-in, token-out route, `POST /inference/v1/generate`, as RL environment libraries call it (verifiers'
+training mode, prime-rl, SkyRL): token ids in, sampled token ids and their logprobs out, no text on the wire.
+
+Request (vLLM's `GenerateRequest`): `{"model", "token_ids", "sampling_params": {temperature, top_p, top_k, max_tokens,
+stop_token_ids, stop, logprobs, skip_special_tokens, n, ...}}`. Answer (vLLM's `GenerateResponse`): `request_id`,
+`choices[k] = {index, token_ids, logprobs: {content: [{"token": "token_id:<id>", "logprob"}]}, finish_reason,
+stop_reason}`, `prompt_token_ids`, `usage`, with trl_cb's per-token `policy_logprobs`, `token_weight_versions` and
+the choice's `weight_version` beside them (the RL fields every trl_cb route gives).
+
+Invariants: the samples are the shared engine's, exactly as on `/v1/completions` (`openai_serving.py`: the same
+flow, stop handling and answer values); `logprobs` are the sampled distribution's (after temperature, top-k, top-p),
+`policy_logprobs` the trainer's `log_softmax(logits / T)`. Fields that would change the distribution and that the
+server does not apply are refused with 422 naming them, never ignored; `logprobs` > 1 is refused (only the sampled
+token's logprob is recorded: `logprobs: 1` returns it, with no alternatives).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Literal
+
+from fastapi.responses import Response
+from pydantic import Field, model_validator
+
+from ..checks.generation_settings import MIN_SAMPLING_TEMPERATURE
+from .openai_answers import DecodedSample, dump, usage
+from .openai_protocol import MAX_STOP_TOKEN_IDS, MAX_STOPS, Stop
+from .openai_serving import Flows, OpenAIServing, all_groups, finished_sample
+from .protocol import MAX_N, MAX_TOKENS, PromptIds, SamplingRequest
+from .protocol import _Strict as Strict
+
+__all__ = ["GenerateRequest", "VLLMSamplingParams", "generate"]
+
+#: vLLM's `SamplingParams.max_tokens` default.
+DEFAULT_MAX_TOKENS = 16
+
+
+class VLLMSamplingParams(SamplingRequest):
+    """vLLM's `sampling_params` (its defaults): what the engine applies, and the neutral values of what it does not
+    (sent by clients that fill every field) accepted; anything else set is refused (422, naming it)."""
+
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    temperature: float = Field(default=1.0, ge=MIN_SAMPLING_TEMPERATURE)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # 0 or -1: every token
+    max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=1, le=MAX_TOKENS)
+    stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=1)  # the sampled token's only: no alternatives
+    skip_special_tokens: bool = True  # no text is returned: accepted, changes nothing
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _honoured(self) -> VLLMSamplingParams:
+        refused = [name for name in ("presence_penalty", "frequency_penalty") if getattr(self, name)]
+        refused += [name for name in ("seed",) if getattr(self, name) is not None]
+        refused += [name for name in ("ignore_eos", "min_tokens") if getattr(self, name)]
+        if refused:
+            raise ValueError(
+                f"{refused}: not applied by this server's token-in route (it samples with temperature, top_p and "
+                "top_k, stopping at EOS, stop_token_ids and stop strings); unset them"
+            )
+        return self
+
+    @property
+    def return_token_ids(self) -> bool:
+        return True  # the route is for token ids
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0)}
+
+    def new_tokens(self) -> int:
+        return DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+
+
+class GenerateRequest(Strict):
+    """vLLM's `/inference/v1/generate` body. `stream`, `kv_transfer_params`, multimodal `features` and a `priority`
+    other than 0 are refused (422): this server does not serve them."""
+
+    model: str | None = None
+    token_ids: Annotated[PromptIds, Field(min_length=1)]
+    sampling_params: VLLMSamplingParams = Field(default_factory=VLLMSamplingParams)
+    request_id: str | None = Field(default=None, max_length=256)
+    cache_salt: str | None = Field(default=None, max_length=256)  # prefix-cache isolation: no shared prefixes here
+    stream: Literal[False] | None = False
+    priority: Literal[0] = 0
+    features: None = None
+    kv_transfer_params: None = None
+
+
+async def generate(serving: OpenAIServing, flows: Flows, body: GenerateRequest) -> Response:
+    """vLLM's answer for `body` (module docstring): every sample of the one prompt, then one JSON object."""
+    params, prompt = body.sampling_params, list(body.token_ids)
+    ctx = serving.context(params, logprobs=params.logprobs is not None)
+    flow, _ = serving.flow(flows, params, ctx, [prompt])
+    groups = await all_groups(flow, 1)
+    samples = [finished_sample(ctx, groups[0], k, prompt) for k in range(params.n)]
+    choices = [_choice(k, sample, ctx.logprobs) for k, sample in enumerate(samples)]
+    answer = {
+        "request_id": body.request_id or uuid.uuid4().hex,
+        "choices": choices,
+        "prompt_token_ids": prompt,
+        "prompt_logprobs": None,
+        "kv_transfer_params": None,
+        "usage": usage(len(prompt), sum(len(sample.token_ids) for sample in samples)),
+    }
+    return Response(dump(answer), media_type="application/json")
+
+
+def _choice(index: int, sample: DecodedSample, logprobs: bool) -> dict[str, Any]:
+    """vLLM's choice: ids, and (asked for) each sampled token's logprob named `token_id:<id>`, as vLLM names tokens
+    when it does not detokenize; trl_cb's RL fields beside them."""
+    values = None
+    if logprobs:
+        content = [
+            {"token": f"token_id:{token}", "logprob": lp, "bytes": None, "top_logprobs": []}
+            for token, lp in zip(sample.token_ids, sample.logprobs)
+        ]
+        values = {"content": content}
+    return {
+        "index": index,
+        "token_ids": sample.token_ids,
+        "logprobs": values,
+        "finish_reason": sample.finish_reason,
+        "stop_reason": sample.stop_reason,
+        "policy_logprobs": sample.policy_logprobs,
+        "token_weight_versions": sample.versions,
+        "weight_version": sample.weight_version,
+    }
