@@ -122,18 +122,14 @@ def with_fast_path(
         def advance(last: Any, batch: list, processors: Any, num_q_tokens: int, max_kv_read: int) -> Any:
             return _advance_table(ios, allocator, host, last, batch, processors, num_q_tokens)
 
-        remember = None  # `advance` prepares every steady block-table step, from the last one or from the states
     else:
 
         def advance(last: Any, batch: list, processors: Any, num_q_tokens: int, max_kv_read: int) -> Any:
             return _advance(ios, allocator, last, batch, processors, max_kv_read)
 
-        def remember(batch: list, num_q_tokens: int) -> Any:
-            return _remember_rows(ios, batch)
-
     return (
         _fast_scheduler(scheduler, cache, allocator, schedule, stats, last, lazy, block_tables),
-        _fast_prepare(ios, stats, prepare, block_tables, advance, remember),
+        _fast_prepare(ios, stats, prepare, block_tables, advance),
         _fast_update(ios, update),
     )
 
@@ -469,14 +465,11 @@ def _fast_prepare(
     slow: Callable,
     block_tables: bool,
     advance: Callable[[Any, list, Any, int, int], Any],
-    remember: Callable[[list, int], Any] | None,
 ) -> Callable:
     """`prepare_batch_tensors`: a steady step (every row one decode token; in the block-table layout a step the
-    scheduler sent through block tables, in the read-row layout an unpadded one) is advanced from the last one
-    (`advance(last, batch, processors, num_q_tokens, max_kv_read)`, None when it is not a steady continuation); any
-    other step is `slow` (upstream's), after which `remember(batch, num_q_tokens)` records the state to advance from
-    (None where the step cannot be). In the block-table layout `advance` also takes `last=None` (a step prepared from
-    the request states alone), so every steady step is fast there and there is nothing to remember."""
+    scheduler sent through block tables, in the read-row layout an unpadded one) is prepared by
+    `advance(last, batch, processors, num_q_tokens, max_kv_read)`, from the last fast step where it continues it
+    (`last`; None after any other step) and else from the request states; any other step is `slow` (upstream's)."""
     previous: list[Any] = [None]
 
     def prepare_batch_tensors(requests_in_batch: list, logits_processors: Any, use_decode_fast_path: bool,
@@ -487,80 +480,38 @@ def _fast_prepare(
         steady = layout_fits and (planned or all(f.query_length == 1 and f.has_new_token for f in requests_in_batch))
         if steady and last is not None and ios.requests_in_batch is not last.marker:
             last = None  # something else ran since: not a continuation
-        if steady and (last is not None or block_tables):  # a block-table step can also start from the states
-            advanced = advance(last, requests_in_batch, logits_processors, num_q_tokens, max_kv_read)
-            if advanced is not None:
-                stats.fast += 1
-                previous[0] = advanced
-                return
+        if steady:
+            stats.fast += 1
+            previous[0] = advance(last, requests_in_batch, logits_processors, num_q_tokens, max_kv_read)
+            return
         stats.slow += 1
         previous[0] = None
         if planned:
             _write_pending(requests_in_batch)  # upstream's prepare reads the request states
         slow(requests_in_batch, logits_processors, use_decode_fast_path, num_q_tokens, max_kv_read, use_padding)
-        if steady and remember is not None:
-            previous[0] = remember(requests_in_batch, num_q_tokens)
 
     return prepare_batch_tensors
-
-
-def _remember_rows(ios: ContinuousBatchingIOs, batch: list) -> _Previous | None:
-    """The read-row state of a step upstream just prepared (None if it read no key rows)."""
-    if ios.true_read_sizes[0] == 0:
-        return None
-    n = len(batch)
-    positions = ios.position_ids[:n].numpy().astype(np.int64)
-    key_lengths = positions + 1
-    return _Previous(
-        ios.requests_in_batch,
-        [f.state for f in batch],
-        positions,
-        ios.write_index_storage[0, :n].numpy().copy(),
-        key_lengths,
-        int(key_lengths.sum()),
-    )
 
 
 def _advance(
     ios: ContinuousBatchingIOs,
     allocator: FullAttentionCacheAllocator,
-    last: _Previous,
+    last: _Previous | None,
     batch: list[FutureRequestState],
     logits_processors: Any,
     max_kv_read: int,
-) -> _Previous | None:
-    """Prepare `batch` from `last` in place; None (nothing changed) unless its rows are a subsequence of `last`'s,
-    each one position further. Host arrays through numpy views of the IOs' CPU tensors (same memory)."""
-    # 1) map each row to its row in the previous batch (same order, finished requests dropped)
-    previous_states = last.states
-    states, mapped = _rows_of(batch, last)
-    if mapped is None:
-        return None
-    kept, positions, input_ids = mapped
-    n = len(states)
-    # 2) write rows: the next slot inside a page, the block table's slot at a page start
-    page, stride = allocator.tokens_per_page, allocator.block_physical_stride
-    writes = (last.writes if kept is None else last.writes[kept]) + 1  # (n,)
-    page_starts = np.flatnonzero(positions % page == 0).tolist()
-    for i in page_starts:
-        writes[i] = allocator.block_table[states[i].request_id][int(positions[i]) // page] * stride
-    # 3) read rows: each row's previous keys, then its new key
+) -> _Previous:
+    """Prepare `batch` in place: from `last` where its rows are a subsequence of `last`'s, each one position further,
+    else from the request states and block tables alone (the first decode step after a prefill, a join or a fork, or
+    after a step the fast path did not prepare). Host arrays through numpy views of the IOs' CPU tensors."""
     read_storage = ios.read_index_storage[0].numpy()
-    old_rows, old_lengths = read_storage[: last.total], last.key_lengths
-    if kept is not None:
-        row_mask = np.zeros(len(previous_states), dtype=bool)
-        row_mask[kept] = True
-        old_rows, old_lengths = old_rows[np.repeat(row_mask, old_lengths)], old_lengths[kept]
-    rows = np.insert(old_rows, np.cumsum(old_lengths), writes)  # write i after row i's old keys (stable order)
+    advanced = None if last is None else _rows_from_last(allocator, last, batch, read_storage)
+    states, positions, input_ids, writes, rows = advanced or _rows_from_states(allocator, batch)
+    n = len(states)
     key_lengths = positions + 1  # (n,)
     cu_k = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(key_lengths, out=cu_k[1:])
     total = int(cu_k[-1])
-    if page_starts:  # completing the previous page may have swapped it for a shared one: read the block tables
-        at_start = np.zeros(n, dtype=bool)
-        at_start[page_starts] = True
-        requests = [(states[i].request_id, int(key_lengths[i])) for i in page_starts]
-        rows[np.repeat(at_start, key_lengths)] = read_index_rows(allocator, requests).numpy()
     # 4) the request states, as upstream's loop leaves them (a lazy plan's are written when read: `_Pending`)
     _advance_states(batch, states)
     # 5) the static tensors and counters the forward and `update_batch` read
@@ -586,6 +537,61 @@ def _advance(
     ios.requests_in_batch = batch
     ios.req_id_to_new_token_position = {}  # read by the asynchronous IOs only, which the fast path does not serve
     return _Previous(batch, states, positions, writes, key_lengths, total)
+
+
+def _rows_from_last(
+    allocator: FullAttentionCacheAllocator, last: _Previous, batch: list[FutureRequestState], read_storage: np.ndarray
+) -> tuple[list[RequestState], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """`(states, positions, input_ids, writes, read rows)` of `batch` advanced from `last` (None: not a steady
+    continuation of it): each row's write row the next slot inside its page (the block table's at a page start), its
+    read rows its previous keys and then its new key."""
+    # 1) map each row to its row in the previous batch (same order, finished requests dropped)
+    states, mapped = _rows_of(batch, last)
+    if mapped is None:
+        return None
+    kept, positions, input_ids = mapped
+    n = len(states)
+    # 2) write rows: the next slot inside a page, the block table's slot at a page start
+    page, stride = allocator.tokens_per_page, allocator.block_physical_stride
+    writes = (last.writes if kept is None else last.writes[kept]) + 1  # (n,)
+    page_starts = np.flatnonzero(positions % page == 0).tolist()
+    for i in page_starts:
+        writes[i] = allocator.block_table[states[i].request_id][int(positions[i]) // page] * stride
+    # 3) read rows: each row's previous keys, then its new key
+    old_rows, old_lengths = read_storage[: last.total], last.key_lengths
+    if kept is not None:
+        row_mask = np.zeros(len(last.states), dtype=bool)
+        row_mask[kept] = True
+        old_rows, old_lengths = old_rows[np.repeat(row_mask, old_lengths)], old_lengths[kept]
+    rows = np.insert(old_rows, np.cumsum(old_lengths), writes)  # write i after row i's old keys (stable order)
+    if page_starts:  # completing the previous page may have swapped it for a shared one: read the block tables
+        key_lengths = positions + 1
+        at_start = np.zeros(n, dtype=bool)
+        at_start[page_starts] = True
+        requests = [(states[i].request_id, int(key_lengths[i])) for i in page_starts]
+        rows[np.repeat(at_start, key_lengths)] = read_index_rows(allocator, requests).numpy()
+    return states, positions, input_ids, writes, rows
+
+
+def _rows_from_states(
+    allocator: FullAttentionCacheAllocator, batch: list[FutureRequestState]
+) -> tuple[list[RequestState], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`(states, positions, input_ids, writes, read rows)` of `batch` from the request states (or the scheduler's
+    plan) and the block tables alone: each row's write row its position's slot, its read rows keys `[0, position]`."""
+    states, _ = _rows_of(batch, None)
+    plan = getattr(batch, "plan", None)
+    n = len(states)
+    if plan is not None:
+        positions, input_ids = plan.past, plan.input_ids
+    else:
+        positions = np.fromiter((s.position_offset for s in states), np.int64, n)  # (n,)
+        input_ids = np.fromiter((s.tokens_to_process[0] for s in states), np.int32, n)  # the token sampled last
+    page, stride, tables = allocator.tokens_per_page, allocator.block_physical_stride, allocator.block_table
+    writes = np.fromiter(
+        (tables[s.request_id][p // page] * stride + p % page for s, p in zip(states, positions.tolist())), np.int64, n
+    )
+    requests = [(s.request_id, length) for s, length in zip(states, (positions + 1).tolist())]
+    return states, positions, input_ids, writes, read_index_rows(allocator, requests).numpy()
 
 
 def _advance_states(batch: list[FutureRequestState], states: list[RequestState]) -> None:

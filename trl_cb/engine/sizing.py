@@ -22,10 +22,10 @@ from . import cuda_kernels
 
 #: Upper bound on tokens per forward; larger batches buy nothing on CPU and little on GPU.
 MAX_BATCH_TOKENS_CAP = 8192
-#: Token budget per forward on CPU when the user sets none, with trl_cb's attention (`varlen_attention.py`: each query
-#: attends to its own request's keys, so a step costs ~ tokens x own length and larger batches amortise the per-step
-#: CPU work; measurements: docs/benchmark-log.md, "Attention path"), raised to hold one decode token of every request.
-CPU_MAX_BATCH_TOKENS = 256
+#: Least token budget per forward on CPU when the user sets none, with trl_cb's attention (`varlen_attention.py`: each
+#: query attends to its own request's keys, so a step costs ~ tokens x own length and larger batches amortise the
+#: per-step CPU work; measurements: docs/benchmark-log.md, "Attention path").
+CPU_MIN_BATCH_TOKENS = 256
 #: Page size used on CPU when the user sets none: small pages waste less cache (one partial page per request); with
 #: trl_cb's attention the page size does not change the speed, and 32 keeps prompt pages shareable between samples.
 CPU_PAGE_SIZE = 32
@@ -97,14 +97,13 @@ def size_cache(
     if shared_prompts and workload.num_prompts is not None:
         shared = workload.num_prompts * (prompt // page_size) + requests * math.ceil((page_size - 1 + new) / page_size)
         num_blocks = min(num_blocks, shared)
-    # One forward should hold one decode token per running request and, ideally, the whole prefill (larger prefill is
-    # chunked by the engine). A power of two keeps the shape stable while prompt lengths jitter between steps.
-    wanted = max(workload.num_requests, workload.prefill_tokens, 64)
-    if device is not None and device.type == "cpu":
-        # Every running request decodes in one forward (up to `MAX_BATCH_TOKENS_CAP`): splitting a decode step over
-        # several forwards pays each forward's fixed cost again (docs/benchmark-log.md, "Engine step sweep").
-        cap = max(CPU_MAX_BATCH_TOKENS, min(MAX_BATCH_TOKENS_CAP, 1 << (workload.num_requests - 1).bit_length()))
-    else:
-        cap = MAX_BATCH_TOKENS_CAP
-    max_batch_tokens = min(cap, 1 << (wanted - 1).bit_length())
+    # One forward holds one decode token per running request and the whole prefill (up to `MAX_BATCH_TOKENS_CAP`):
+    # a prefill split over several forwards runs them beside the decode rows of the requests already forked, and such
+    # mixed steps take upstream's per-request path (null model, 512 rows, CPU: 30 ms per mixed step against 13 ms per
+    # decode step, seven of them per round at a 512-token budget; docs/benchmark-log.md, "Prefill in one forward").
+    # A power of two keeps the shape stable while prompt lengths jitter between steps; CPU forwards get at least
+    # `CPU_MIN_BATCH_TOKENS` (larger batches amortise the per-step CPU work).
+    wanted = max(workload.num_requests + workload.prefill_tokens, 64)
+    floor = CPU_MIN_BATCH_TOKENS if device is not None and device.type == "cpu" else 0
+    max_batch_tokens = min(MAX_BATCH_TOKENS_CAP, max(floor, 1 << (wanted - 1).bit_length()))
     return CacheSize(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)

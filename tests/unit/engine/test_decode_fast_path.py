@@ -129,7 +129,11 @@ def test_every_fast_step_holds_the_allocators_rows_and_positions(request, tokeni
         assert ios.read_index_storage[0, : len(reads)].tolist() == reads
         cu_k = ios.cumulative_seqlens_k["full_attention"][: n + 1].tolist()
         assert [b - a for a, b in zip(cu_k, cu_k[1:])] == [p + 1 for p in past]
-        assert ios.input_ids[:n].tolist() == [s.generated_tokens[-1] for s in states]
+        # the token each row samples from: its last sampled one, or the prompt token of a one-token prefill step
+        expected = [
+            t.generated_tokens[-1] if t.generated_tokens else t.initial_tokens[p] for t, p in zip(states, past)
+        ]
+        assert ios.input_ids[:n].tolist() == expected
         checked.append(n)
         return result
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trl_cb.engine.sizing import (
-    CPU_MAX_BATCH_TOKENS,
+    CPU_MIN_BATCH_TOKENS,
     MAX_BATCH_TOKENS_CAP,
     CacheSize,
     Workload,
@@ -30,17 +30,20 @@ def test_every_request_fits_at_full_length():
     w = Workload(num_requests=32, max_prompt_len=100, max_new_tokens=48, prefill_tokens=800)
     size = size_cache(w, page_size=32, device=GPU)
     assert size.num_blocks == 32 * 5  # ceil(148 / 32) = 5 pages (a fork copies a partial page, shares the rest)
-    assert size.max_batch_tokens == 1024  # next power of two >= max(32 requests, 800 prefill tokens)
+    assert size.max_batch_tokens == 1024  # next power of two >= 32 decode tokens + 800 prefill tokens
 
 
-def test_cpu_caps_tokens_per_forward(monkeypatch):
+def test_one_forward_holds_every_decode_token_and_the_whole_prefill():
+    """No mixed prefill/decode steps when it fits: a decode token per request plus the unique prompts' tokens."""
+    w = Workload(num_requests=512, max_prompt_len=16, max_new_tokens=32, prefill_tokens=1024)
+    assert size_cache(w, 32, CPU).max_batch_tokens == size_cache(w, 32, GPU).max_batch_tokens == 2048  # not 1024
     w = Workload(num_requests=100, max_prompt_len=40, max_new_tokens=256, prefill_tokens=1600)
-    assert size_cache(w, 32, CPU).max_batch_tokens == CPU_MAX_BATCH_TOKENS  # prefill is chunked on CPU
-    assert size_cache(w, 32, GPU).max_batch_tokens == 2048
-    w = Workload(num_requests=1000, max_prompt_len=40, max_new_tokens=256, prefill_tokens=160)
-    assert size_cache(w, 32, CPU).max_batch_tokens == 1024  # but every request decodes in one forward
-    assert size_cache(w, 32, GPU).max_batch_tokens == 1024
+    assert size_cache(w, 32, CPU).max_batch_tokens == size_cache(w, 32, GPU).max_batch_tokens == 2048
+    small = Workload(num_requests=4, max_prompt_len=10, max_new_tokens=8, prefill_tokens=10)
+    assert size_cache(small, 32, CPU).max_batch_tokens == CPU_MIN_BATCH_TOKENS  # CPU forwards: at least this
+    assert size_cache(small, 32, GPU).max_batch_tokens == 64
     huge = Workload(num_requests=20_000, max_prompt_len=10, max_new_tokens=10, prefill_tokens=10)
+    assert size_cache(huge, 256, GPU).max_batch_tokens == size_cache(huge, 256, CPU).max_batch_tokens
     assert size_cache(huge, 256, GPU).max_batch_tokens == MAX_BATCH_TOKENS_CAP
 
 
