@@ -9,11 +9,10 @@ blocks) > decode graphs or eager (`decode_graphs`) > upstream; `_sample`: policy
 upstream; `maybe_pad_inputs`: decode padding (`decode_graphs`); `prepare_batch_update`: (processed, policy) logprob
 pairs > upstream; `schedule_batch`: steady decode batch > upstream; `prepare_batch_tensors`: steady decode advance >
 read rows by tensor ops (`_upstream_cache`) > upstream; `update_batch`: steady rows inline > forks copied field by
-field (`_upstream_fork`) > upstream; `handle_batch_error` / `fail_all_requests`: the fast path's lazy request states
-written > upstream; `cache.update` (5.24): one-gather reads and block-table marks > upstream;
-`_run_generation_loop`: a context for the loop (`run_loop_in`); process-wide, on the classes: block hashes chained from
-the weight epoch (`install_epoch_hashes`, `_upstream_prefix`). The mask placeholder: a 4D `attention_mask`
-short-circuits the mask builders (`varlen_attention` never reads it). Upstream surface: tests/unit/test_contracts.py.
+field (`_upstream_fork`) > upstream; `handle_batch_error` / `fail_all_requests`: lazy request states written >
+upstream; `cache.update` (5.24): one-gather reads and block-table marks > upstream; `_run_generation_loop`: a context
+(`run_loop_in`); on the classes: block hashes chained from the weight epoch (`install_epoch_hashes`). The mask
+placeholder: a 4D `attention_mask` short-circuits the mask builders. Upstream surface: tests/unit/test_contracts.py.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from transformers.generation.continuous_batching.cache_allocators.cache_allocato
 from tests.conftest import sampling_config
 from tests.graph_fakes import use_fake_graphs
 from trl_cb import ContinuousBatchingGenerator
-from trl_cb.engine import _upstream_decode
+from trl_cb.engine import _upstream_decode, _upstream_decode_plan
 from trl_cb.offline.tiny import tiny_model
 
 NEW_TOKENS = 64
@@ -52,7 +52,7 @@ def _positions(batch, states) -> list[int]:
     (as when anything else reads them), which then stand before the step (upstream's prepare advances them)."""
     plan = getattr(batch, "plan", None)
     lazy = plan is not None and plan.pending is not None
-    _upstream_decode._write_pending(batch)
+    _upstream_decode_plan.write_pending(batch)
     return [s.position_offset - (0 if lazy else 1) for s in states]
 
 
