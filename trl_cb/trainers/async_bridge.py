@@ -26,11 +26,11 @@ from ..engine import sharding
 from ..engine.model_view import SHARDED_REFUSAL
 from ..rollouts.async_controller import AsyncRolloutController
 from ..rollouts.async_core import AsyncBounds, AsyncRolloutSource, PromptStream
-from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.model_access import plain_module
 from ..rollouts.multi_turn import with_turns
 from ..rollouts.rollout_groups import TokenValues, as_lists
 from . import tool_turns, trl_internals
+from .generators import build_generator
 from .rollout_state import RolloutStateMixin
 from .tool_turns import ToolTurns
 
@@ -224,13 +224,8 @@ class AsyncRolloutsMixin(RolloutStateMixin):
             # `RemoteRolloutsMixin.cb_remote_async_rollouts` (remote.py), a method of the same trainer
             controller = self.cb_remote_async_rollouts(stream, validate_one, groups_per_step, bounds)
         else:
-            generator = ContinuousBatchingGenerator(
-                self.model_wrapped,
-                self.generation_config,
-                continuous_batching_config=args.transformers_continuous_batching_config,
-                timeout=args.cb_generation_timeout,
-                **self._cb_generator_kwargs(),
-            )
+            # Its own generator (the synchronous one may hold an engine for evaluation), built the same way.
+            generator = build_generator(self.model_wrapped, self.generation_config, args, self.accelerator)
             if state.longest_prompt is None:
                 state.longest_prompt = self._cb_scan_prompts(lambda ids: generator.validate_prompts(ids, module))
             controller = AsyncRolloutController(

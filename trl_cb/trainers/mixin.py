@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import trl
 from transformers import ProcessorMixin
 
@@ -22,6 +21,7 @@ from ..rollouts.model_access import plain_module
 from ..rollouts.rollout_groups import TokenValues, as_lists
 from . import trl_internals
 from .async_bridge import ASYNC_STATE_FILE, AsyncRolloutsMixin
+from .generators import build_generator
 from .is_correction import IS_METRIC_NAMES, ImportanceSamplingMixin
 from .remote import RemoteRolloutsMixin
 from .trl_internals import quiet_trl_gradient_checkpointing
@@ -96,30 +96,8 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
             state.generator.close()
             state.generator = None
         if state.generator is None:
-            args = self.args
-            state.generator = ContinuousBatchingGenerator(
-                wrapped,
-                self.generation_config,
-                continuous_batching_config=args.transformers_continuous_batching_config,
-                accelerator=self.accelerator,
-                gather_deepspeed3_params=args.ds3_gather_for_generation,
-                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
-                timeout=args.cb_generation_timeout,
-                **self._cb_generator_kwargs(),
-            )
+            state.generator = build_generator(wrapped, self.generation_config, self.args, self.accelerator)
         return state.generator
-
-    def _cb_generator_kwargs(self) -> dict[str, Any]:
-        """Generator options from the config: the generation dtype as TRL's CB path picks it (`bf16`/`fp16`, fp32 LM
-        head; applied to copies of the weights, never to the training module, `engine/precision.py`), kept between
-        rounds per `cb_keep_generation_weights`, and the OpenMP guard (`engine/openmp.py`)."""
-        args = self.args
-        return {
-            "cast_dtype": torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
-            "cast_lm_head_to_fp32": bool(getattr(args, "cast_lm_head_to_fp32", False)),
-            "openmp_guard": args.cb_openmp_guard,
-            "keep_generation_weights": args.cb_keep_generation_weights,
-        }
 
     def _cb_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[TokenValues]]:
         """Completions (lists) and their sampler-side policy logprobs (`GenerationResult.policy_logprobs`: what TRL's
