@@ -30,7 +30,7 @@ from .checks.engine_config import DEFAULT_MAX_MEMORY_PERCENT, cb_kwargs
 from .checks.inputs import check_type
 from .deprecation import warn_deprecated
 from .importance_sampling import DEFAULT_M2_THRESHOLD, IS_MODES, TOKEN_LEVEL_MODES, is_token_level, validate_mode
-from .trainers.trl_internals import trl_config_post_init
+from .upstream_warnings import trl_config_post_init
 
 #: `cb_async_prefetch_depth` when unset. Overlap's engine keeps generating through the training step, so its
 #: staleness is one step above the held engine's at the same depth: measured at 6 seeds, depth 0 gives it staleness

@@ -16,12 +16,20 @@ PACKAGE = Path(__file__).resolve().parents[2] / "trl_cb"
 #: Bottom to top. A module imports modules of its own layer or of lower ones, never of a higher one. A layer entry is
 #: a folder (every module in it) or a module; the package root (`trl_cb/__init__.py`, the public API) is the top.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("trl_cb.errors", "trl_cb.deprecation", "trl_cb.importance_sampling", "trl_cb.offline"),
+    (
+        "trl_cb.errors",
+        "trl_cb.deprecation",
+        "trl_cb.importance_sampling",
+        "trl_cb.offline",
+        "trl_cb.upstream_warnings",
+        "trl_cb.version",
+    ),
     ("trl_cb.engine",),
     ("trl_cb.checks",),
     ("trl_cb.rollouts",),
     ("trl_cb.serving",),
-    ("trl_cb.configs", "trl_cb.trainers"),
+    ("trl_cb.configs",),
+    ("trl_cb.trainers",),
     ("trl_cb.cli",),
     ("trl_cb",),
 )
@@ -134,6 +142,25 @@ def test_the_checks_see_an_injected_upward_import_and_its_cycle():
     injected = [*EDGES, ("trl_cb.engine._upstream", "trl_cb.checks.model", "injected")]
     assert upward(injected) == [f"injected imports trl_cb.checks.model (layer {layer_of('trl_cb.checks.model')} > 1)"]
     assert any({"trl_cb.engine._upstream", "trl_cb.checks.model"} <= set(c) for c in cycles(injected))
+
+
+def test_the_configs_sit_below_the_trainers():
+    """What issue 50 removed: `configs.py` importing `trainers.trl_internals` (a config loaded the trainer stack), the
+    trainers' reverse edge hidden as a function-level import, and the server importing the package root for its
+    version: each is an upward import now, reported as such."""
+    assert layer_of("trl_cb.configs") < layer_of("trl_cb.trainers.async_bridge")
+    injected = [
+        *EDGES,
+        ("trl_cb.configs", "trl_cb.trainers.trl_internals", "configs"),
+        ("trl_cb.serving.server", "trl_cb", "server"),
+    ]
+    configs, trainers, serving, root = (
+        layer_of(m) for m in ("trl_cb.configs", "trl_cb.trainers", "trl_cb.serving", "trl_cb")
+    )
+    assert upward(injected) == [
+        f"configs imports trl_cb.trainers.trl_internals (layer {trainers} > {configs})",
+        f"server imports trl_cb (layer {root} > {serving})",
+    ]
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

@@ -26,10 +26,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import GenerationConfig
 
-from .. import __version__
 from ..checks.inputs import validate_prompts
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.rollout_groups import RolloutGroup, oldest_version
+from ..version import __version__
 from .engine import ServingEngine, Ticket
 from .frames import FRAMES_MEDIA_TYPE, frame_pieces
 from .metrics import PROMETHEUS_CONTENT_TYPE, RequestCounters, metrics_snapshot, prometheus_text, wants_json

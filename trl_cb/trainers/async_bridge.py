@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..checks import inputs
+from ..configs import DEFAULT_TOOLS_PREFETCH_DEPTH, prefetch_depth_was_set
 from ..engine import sharding
 from ..engine.model_view import SHARDED_REFUSAL
 from ..rollouts.async_controller import AsyncRolloutController
@@ -257,8 +258,6 @@ class AsyncRolloutsMixin(RolloutStateMixin):
         """`args.cb_async_prefetch_depth`, or, unset with tools or environments, `DEFAULT_TOOLS_PREFETCH_DEPTH`
         (multi-turn: staleness <= 1, measured; its comment in trl_cb/configs.py). The config is the user's and may
         serve another trainer: it is read, never written."""
-        from ..configs import DEFAULT_TOOLS_PREFETCH_DEPTH, prefetch_depth_was_set  # configs imports the trainers
-
         if getattr(self, "tools", None) and not prefetch_depth_was_set(self.args):
             return DEFAULT_TOOLS_PREFETCH_DEPTH
         return self.args.cb_async_prefetch_depth

@@ -19,12 +19,12 @@ from ..engine import guards
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.model_access import plain_module
 from ..rollouts.rollout_groups import TokenValues, as_lists
+from ..upstream_warnings import quiet_trl_gradient_checkpointing
 from . import trl_internals
 from .async_bridge import ASYNC_STATE_FILE, AsyncRolloutsMixin
 from .generators import build_generator
 from .is_correction import IS_METRIC_NAMES, ImportanceSamplingMixin
 from .remote import RemoteRolloutsMixin
-from .trl_internals import quiet_trl_gradient_checkpointing
 
 __all__ = ["ASYNC_STATE_FILE", "IS_METRIC_NAMES", "ContinuousBatchingTrainerMixin", "GRPOTrainer", "RLOOTrainer"]
 
