@@ -22,7 +22,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..checks import inputs
-from ..configs import DEFAULT_TOOLS_PREFETCH_DEPTH, prefetch_depth_was_set
+from ..configs import default_prefetch_depth, prefetch_depth_was_set
 from ..engine import sharding
 from ..engine.model_view import SHARDED_REFUSAL
 from ..rollouts.async_controller import AsyncRolloutController
@@ -106,12 +106,14 @@ class AsyncRolloutsMixin(RolloutStateMixin):
                 "cb_async_generation with tools or environments runs on one process (each sample's tool loop and "
                 "environment live beside the rollout producer); use one process, or sync mode for several."
             )
-        if self._cb_prefetch_depth() != args.cb_async_prefetch_depth:
+        depth = self._cb_prefetch_depth()
+        if depth != args.cb_async_prefetch_depth:  # as TRL's trainers override a field: args show what runs
             logger.info(
-                "Async rollouts with tools: cb_async_prefetch_depth %d (unset; %d without tools).",
-                self._cb_prefetch_depth(),
+                "Async rollouts with tools: cb_async_prefetch_depth set to %d (unset; %d without tools).",
+                depth,
                 args.cb_async_prefetch_depth,
             )
+            args.cb_async_prefetch_depth = depth
         self.add_callback(_PauseEngineForOptimizerStep(self))
         self.add_callback(_SaveAsyncState(self))
 
@@ -255,12 +257,14 @@ class AsyncRolloutsMixin(RolloutStateMixin):
         return int(self.args.max_completion_length) if self._cb_turns() is not None else 0
 
     def _cb_prefetch_depth(self) -> int:
-        """`args.cb_async_prefetch_depth`, or, unset with tools or environments, `DEFAULT_TOOLS_PREFETCH_DEPTH`
-        (multi-turn: staleness <= 1, measured; its comment in trl_cb/configs.py). The config is the user's and may
-        serve another trainer: it is read, never written."""
-        if getattr(self, "tools", None) and not prefetch_depth_was_set(self.args):
-            return DEFAULT_TOOLS_PREFETCH_DEPTH
-        return self.args.cb_async_prefetch_depth
+        """The depth async rollouts run at: the user's `cb_async_prefetch_depth`, or, unset, the default for this
+        trainer (with tools or environments `DEFAULT_TOOLS_PREFETCH_DEPTH`: multi-turn staleness <= 1, measured; its
+        comment in trl_cb/configs.py). Derived from the unset state, not from the value `_cb_async_setup` wrote into
+        the args: a config shared with a trainer without tools still gets that trainer's default."""
+        args = self.args
+        if prefetch_depth_was_set(args):
+            return args.cb_async_prefetch_depth
+        return default_prefetch_depth(bool(args.cb_async_overlap), multi_turn=bool(getattr(self, "tools", None)))
 
     def _cb_max_staleness(self) -> int:
         """`args.cb_async_max_staleness`, or (unset) the bound that drops nothing for this schedule: rollouts are
