@@ -314,17 +314,21 @@ class AsyncRolloutsMixin(RolloutStateMixin):
     @contextlib.contextmanager
     def _cb_async_replay(self) -> Iterator[None]:
         """Around TRL's scoring of the taken groups: their environments replayed (`tool_turns.replay_environments`),
-        then given back to the pool."""
+        then given back to the pool; the step's groups are dropped on exit, whatever happened (`_cb_async_take` set
+        them: this module writes the async state, `rollout_state.py`)."""
         state = self.rollout_state.async_rollouts
         groups = state.step_groups
-        if not groups or groups[0].conversations is None:
-            yield
-            return
         try:
-            with tool_turns.replay_environments(self, groups, self.num_generations):
+            if not groups or groups[0].conversations is None:
                 yield
+                return
+            try:
+                with tool_turns.replay_environments(self, groups, self.num_generations):
+                    yield
+            finally:
+                state.turns.release([c for group in groups for c in group.conversations])
         finally:
-            state.turns.release([c for group in groups for c in group.conversations])
+            state.step_groups = None
 
     def _cb_async_active(self) -> bool:
         return bool(getattr(self.args, "cb_async_generation", False) and self.model.training)

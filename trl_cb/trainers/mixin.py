@@ -8,6 +8,7 @@ With `cb_async_generation`, finished groups of an `AsyncRolloutController` repla
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import trl
@@ -103,7 +104,8 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
         """Completions (lists) and their sampler-side policy logprobs (`GenerationResult.policy_logprobs`: what TRL's
         trainer computes, so the IS weight compares like with like; lists, or tensors from a server's binary answer)
         for TRL's prompt list (each prompt repeated per sample). The logprobs are also kept in
-        `rollout_state.sampling_logprobs` (its only writer) for `_cb_score` to hand to the IS correction."""
+        `rollout_state.sampling_logprobs` (its only writer, a new object each round) for `_cb_score` to hand to the IS
+        correction."""
         if self.rollout_state.async_rollouts.step_groups is not None:
             completion_ids, logprobs = self._cb_async_completions(prompt_ids)
         elif self.args.cb_server_urls:  # rollouts from `trl-cb serve` replicas (trainers/remote.py)
@@ -132,17 +134,13 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
         logprobs enter the batch as one padded tensor (`sampling_per_token_logps`, as TRL names it) built here from
         the rows (tensors from a server's binary answer, or lists), not from per-token lists TRL would pad itself."""
         state = self.rollout_state
-        state.sampling_logprobs = None
         if self._cb_async_active():
             inputs = self._cb_async_take(inputs)
-        try:
-            with self._cb_async_replay():  # multi-turn: the groups' environments, as the rollout left them
-                output = self._cb_trl_score(
-                    lambda: super(ContinuousBatchingTrainerMixin, self)._generate_and_score_completions(inputs)
-                )
-        finally:
-            state.async_rollouts.step_groups = None
-        sampled, state.sampling_logprobs = state.sampling_logprobs, None  # this batch's, consumed here
+        before = state.sampling_logprobs
+        with self._cb_async_replay():  # multi-turn: the groups' environments, as the rollout left them
+            output = self._cb_trl_score(functools.partial(super()._generate_and_score_completions, inputs))
+        # This batch's: `_cb_generate` (the one writer) put a new object there during TRL's scoring, else no CB round
+        sampled = state.sampling_logprobs if state.sampling_logprobs is not before else None
         if self._cb_per_token_loss and sampled is not None and "sampling_per_token_logps" not in output:
             # GRPO: the sampler's logprobs TRL would have padded from lists (its loss reads them, e.g. for OPSM)
             output["sampling_per_token_logps"] = self._cb_sampling_logps(output, sampled)
