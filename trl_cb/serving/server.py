@@ -12,6 +12,7 @@ weights are refused (400 from `/weights/wait`) with the served weights unchanged
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import uuid
@@ -30,7 +31,7 @@ from ..checks.inputs import validate_prompts
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.rollout_groups import RolloutGroup, oldest_version
 from ..version import __version__
-from .engine import ServingEngine, Ticket
+from .engine import ServerShuttingDown, ServingEngine, Ticket
 from .frames import FRAMES_MEDIA_TYPE, frame_pieces
 from .metrics import PROMETHEUS_CONTENT_TYPE, RequestCounters, metrics_snapshot, prometheus_text, wants_json
 from .middleware import RequestGate
@@ -57,7 +58,7 @@ from .protocol import (
     WeightsWaitResponse,
     value_runs,
 )
-from .request_flow import RequestFlow
+from .request_flow import RequestFlow, refusal
 from .vllm_generate import GenerateRequest, generate
 from .weight_receiver import StaleVersion, WeightReceiver
 
@@ -182,7 +183,10 @@ def create_app(
             counters.rejected += 1
             raise HTTPException(status_code=400, detail=str(exc)) from exc
         counters.prompt_tokens += sum(len(prompt) for prompt in prompts)
-        return engine.submit(prompts, n, config, on_done=on_done, watchers=watchers)
+        try:
+            return engine.submit(prompts, n, config, on_done=on_done, watchers=watchers)
+        except ServerShuttingDown as exc:
+            raise refusal(exc) from exc
 
     def served() -> None:
         counters.served += 1
@@ -357,6 +361,28 @@ def create_app(
         return {"status": "closed"}
 
     return app
+
+
+def serve(app: FastAPI, host: str, port: int, timeout_graceful_shutdown: float = 1.0) -> None:
+    """Run `app` (from `create_app`) on uvicorn until SIGINT or SIGTERM.
+
+    On the signal the engine shuts down first (`ServingEngine.shut_down`: every queued or running group, also on a
+    paused server, is answered 503 with `Retry-After` while the HTTP server still answers), then uvicorn stops, waiting
+    at most `timeout_graceful_shutdown` seconds for the answers to go out. Without that first step uvicorn would
+    cancel the waiting requests at its timeout and answer them 500.
+    """
+    import uvicorn
+
+    class _EngineFirst(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:  # uvicorn's signal handler, on the event loop's thread
+            app.state.engine.shut_down()  # does not wait: only posts to the engine loop
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=timeout_graceful_shutdown
+    )
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the signal it handled, as `uvicorn.run` does
+        _EngineFirst(config).run()
 
 
 def with_response_parser(tokenizer: Any) -> Any:
