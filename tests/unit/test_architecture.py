@@ -7,6 +7,7 @@ under `TYPE_CHECKING`): a function-level import cannot be used to reach up a lay
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,40 @@ def test_the_configs_sit_below_the_trainers():
         f"configs imports trl_cb.trainers.trl_internals (layer {trainers} > {configs})",
         f"server imports trl_cb (layer {root} > {serving})",
     ]
+
+
+#: Functions of `serving/` and `trainers/` that nothing in trl_cb calls, and why they stay: called by someone else.
+CALLED_FROM_OUTSIDE = {
+    "cb_sync_rollout_servers": "public: a TRL `rollout_func` calls it (docs/server.md, examples/agent_openai_client)",
+    "on_pre_optimizer_step": "a `TrainerCallback` hook: transformers' `Trainer` calls it",
+    "on_optimizer_step": "a `TrainerCallback` hook: transformers' `Trainer` calls it",
+}
+
+
+def uncalled(sources: dict[str, str]) -> list[str]:
+    """Functions and properties (not route handlers: their decorators are calls) in `sources` whose name appears
+    nowhere in the package but their own definition: dead, or kept alive by tests only."""
+    package = "\n".join(path.read_text() for path in MODULES.values())
+    found = []
+    for name, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("__"):
+                continue
+            if any(isinstance(d, ast.Call) for d in node.decorator_list) or node.name in CALLED_FROM_OUTSIDE:
+                continue
+            if len(re.findall(rf"\b{re.escape(node.name)}\b", package)) <= 1:
+                found.append(f"{name}:{node.lineno} {node.name}")
+    return found
+
+
+def test_serving_and_trainers_hold_no_uncalled_function():
+    """What issue 50 removed: `detokenize.TokenText.token_end` (no caller) and `RemoteRolloutController.num_threads`
+    (tests only). A function only tests call is tested dead code: remove it, or say in `CALLED_FROM_OUTSIDE` who
+    calls it."""
+    sources = {m: MODULES[m].read_text() for m in MODULES if m.startswith(("trl_cb.serving", "trl_cb.trainers"))}
+    assert not uncalled(sources), uncalled(sources)
+    dead = "class RemoteRolloutController:\n    @property\n    def num_threads(self) -> int:\n        return 4\n"
+    assert uncalled({"injected": dead}) == ["injected:3 num_threads"]
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
