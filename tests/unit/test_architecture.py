@@ -198,6 +198,21 @@ def test_serving_and_trainers_hold_no_uncalled_function():
     assert uncalled({"injected": dead}) == ["injected:3 num_threads"]
 
 
+def test_the_server_checks_the_weight_owner_once_and_assembles_route_groups():
+    """What issue 50 changed: the weight routes' owner check was written three times in `create_app` (now
+    `weight_routes.require_owner`), and the info and weight routes are modules of their own. `create_app`'s bound is a
+    smoke alarm on the way to the issue's 80 lines."""
+    serving = [m for m in MODULES if m.startswith("trl_cb.serving.")]
+    checks = sum(MODULES[m].read_text().count("token does not match the trainer") for m in serving)
+    assert checks == 1, "the owner check: `weight_routes.require_owner` only"
+    tree = ast.parse(MODULES["trl_cb.serving.server"].read_text())
+    (create_app,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "create_app"]
+    assert create_app.end_lineno - create_app.lineno + 1 <= 180
+    routes = [d for n in ast.walk(create_app) for d in getattr(n, "decorator_list", []) if isinstance(d, ast.Call)]
+    paths = {d.args[0].value for d in routes if d.args and isinstance(d.args[0], ast.Constant)}
+    assert not paths & {"/health", "/metrics", "/v1/models", "/tokenize", "/pause", "/weights/update"}, paths
+
+
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_module_and_class_sizes(module):
     source = MODULES[module].read_text()
