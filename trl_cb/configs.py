@@ -12,8 +12,7 @@ Invariants after `__post_init__`:
 - The IS settings are a valid combination for the trainer (GRPO's VESPO loss needs `token_*`; every mode suits
   RLOO: token-level weights scale its logprobs' gradient, `trainers/is_correction.py`). An unset
   `cb_importance_sampling_mode` becomes the mode the loss needs; only an explicit, conflicting choice raises.
-- `cb_async_prefetch_depth` is an int: unset becomes 0 with `cb_async_overlap`, 1 otherwise; a trainer with tools
-  writes the depth it runs (`default_prefetch_depth`) into its args, so the logged config shows what ran.
+- `cb_async_prefetch_depth` is an int: unset, 0 with `cb_async_overlap`, else 1 (a trainer with tools writes 0).
 """
 
 from __future__ import annotations
