@@ -8,8 +8,7 @@ from .configs import ContinuousBatchingArguments, GRPOConfig, RLOOConfig
 from .errors import EngineDiedError, GenerationError
 from .rollouts.generator import ContinuousBatchingGenerator, GenerationResult
 from .trainers import ContinuousBatchingTrainerMixin, GRPOTrainer, RLOOTrainer
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "ContinuousBatchingArguments",

@@ -12,7 +12,7 @@ Invariants after `__post_init__`:
 - The IS settings are a valid combination for the trainer (GRPO's VESPO loss needs `token_*`; every mode suits
   RLOO: token-level weights scale its logprobs' gradient, `trainers/is_correction.py`). An unset
   `cb_importance_sampling_mode` becomes the mode the loss needs; only an explicit, conflicting choice raises.
-- `cb_async_prefetch_depth` is an int: unset becomes 0 with `cb_async_overlap`, 1 otherwise (0 with tools: trainer).
+- `cb_async_prefetch_depth` is an int: unset, 0 with `cb_async_overlap`, else 1 (a trainer with tools writes 0).
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ from .checks.engine_config import DEFAULT_MAX_MEMORY_PERCENT, cb_kwargs
 from .checks.inputs import check_type
 from .deprecation import warn_deprecated
 from .importance_sampling import DEFAULT_M2_THRESHOLD, IS_MODES, TOKEN_LEVEL_MODES, is_token_level, validate_mode
-from .trainers.trl_internals import trl_config_post_init
+from .upstream_warnings import trl_config_post_init
 
 #: `cb_async_prefetch_depth` when unset. Overlap's engine keeps generating through the training step, so its
 #: staleness is one step above the held engine's at the same depth: measured at 6 seeds, depth 0 gives it staleness
 #: 0.98 and sync's learning curve, depth 1 staleness 1.93 and 1.08-1.20x samples (docs/async.md).
 DEFAULT_PREFETCH_DEPTH = 1
 DEFAULT_OVERLAP_PREFETCH_DEPTH = 0
-#: `cb_async_prefetch_depth` when unset and the trainer has tools or environments (multi-turn rollouts), chosen by the
-#: trainer (`_cb_prefetch_depth`: the config does not know its tools, and is left as the user built it). Measured on
+#: `cb_async_prefetch_depth` when unset and the trainer has tools or environments (multi-turn rollouts), applied by the
+#: trainer (the config does not know its tools; `default_prefetch_depth` tells the trainer which default). Measured on
 #: the long-tailed tool task (docs/benchmarks.md, "Multi-turn agents"; 10 seeds in two runs of every backend): at
 #: depth 1 (staleness up to 2) 5 runs of 10 ended collapsed (evaluated reward < 0.5 at the last step), at depth 0 1 of
 #: 10, as sync (1 of 10); step time 0.27x sync's instead of 0.20x. At lr 2e-3 (sync stable): depth 0 0.92x sync's
@@ -342,11 +342,19 @@ def prefetch_depth_was_set(args: Any) -> bool:
     return bool(getattr(args, "_cb_prefetch_depth_was_set", True))
 
 
-def _resolved_prefetch_depth(prefetch_depth: int | None, overlap: bool) -> int:
-    """`cb_async_prefetch_depth`, or its default where unset (`DEFAULT_OVERLAP_PREFETCH_DEPTH` with overlap)."""
-    if prefetch_depth is not None:
-        return prefetch_depth
+def default_prefetch_depth(overlap: bool, multi_turn: bool = False) -> int:
+    """`cb_async_prefetch_depth` where the user set none: `DEFAULT_TOOLS_PREFETCH_DEPTH` for a trainer with tools or
+    environments, `DEFAULT_OVERLAP_PREFETCH_DEPTH` with overlap, else `DEFAULT_PREFETCH_DEPTH`. Derived from the unset
+    state each time, never from a value a trainer wrote: a config reused by a trainer without tools gets its own
+    default back."""
+    if multi_turn:
+        return DEFAULT_TOOLS_PREFETCH_DEPTH
     return DEFAULT_OVERLAP_PREFETCH_DEPTH if overlap else DEFAULT_PREFETCH_DEPTH
+
+
+def _resolved_prefetch_depth(prefetch_depth: int | None, overlap: bool) -> int:
+    """`cb_async_prefetch_depth`, or its default where unset (`default_prefetch_depth`)."""
+    return default_prefetch_depth(overlap) if prefetch_depth is None else prefetch_depth
 
 
 def _validate_async_fields(args: ContinuousBatchingArguments) -> None:

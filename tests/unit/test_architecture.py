@@ -7,6 +7,7 @@ under `TYPE_CHECKING`): a function-level import cannot be used to reach up a lay
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -16,12 +17,20 @@ PACKAGE = Path(__file__).resolve().parents[2] / "trl_cb"
 #: Bottom to top. A module imports modules of its own layer or of lower ones, never of a higher one. A layer entry is
 #: a folder (every module in it) or a module; the package root (`trl_cb/__init__.py`, the public API) is the top.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("trl_cb.errors", "trl_cb.deprecation", "trl_cb.importance_sampling", "trl_cb.offline"),
+    (
+        "trl_cb.errors",
+        "trl_cb.deprecation",
+        "trl_cb.importance_sampling",
+        "trl_cb.offline",
+        "trl_cb.upstream_warnings",
+        "trl_cb.version",
+    ),
     ("trl_cb.engine",),
     ("trl_cb.checks",),
     ("trl_cb.rollouts",),
     ("trl_cb.serving",),
-    ("trl_cb.configs", "trl_cb.trainers"),
+    ("trl_cb.configs",),
+    ("trl_cb.trainers",),
     ("trl_cb.cli",),
     ("trl_cb",),
 )
@@ -134,6 +143,74 @@ def test_the_checks_see_an_injected_upward_import_and_its_cycle():
     injected = [*EDGES, ("trl_cb.engine._upstream", "trl_cb.checks.model", "injected")]
     assert upward(injected) == [f"injected imports trl_cb.checks.model (layer {layer_of('trl_cb.checks.model')} > 1)"]
     assert any({"trl_cb.engine._upstream", "trl_cb.checks.model"} <= set(c) for c in cycles(injected))
+
+
+def test_the_configs_sit_below_the_trainers():
+    """What issue 50 removed: `configs.py` importing `trainers.trl_internals` (a config loaded the trainer stack), the
+    trainers' reverse edge hidden as a function-level import, and the server importing the package root for its
+    version: each is an upward import now, reported as such."""
+    assert layer_of("trl_cb.configs") < layer_of("trl_cb.trainers.async_bridge")
+    injected = [
+        *EDGES,
+        ("trl_cb.configs", "trl_cb.trainers.trl_internals", "configs"),
+        ("trl_cb.serving.server", "trl_cb", "server"),
+    ]
+    configs, trainers, serving, root = (
+        layer_of(m) for m in ("trl_cb.configs", "trl_cb.trainers", "trl_cb.serving", "trl_cb")
+    )
+    assert upward(injected) == [
+        f"configs imports trl_cb.trainers.trl_internals (layer {trainers} > {configs})",
+        f"server imports trl_cb (layer {root} > {serving})",
+    ]
+
+
+#: Functions of `serving/` and `trainers/` that nothing in trl_cb calls, and why they stay: called by someone else.
+CALLED_FROM_OUTSIDE = {
+    "cb_sync_rollout_servers": "public: a TRL `rollout_func` calls it (docs/server.md, examples/agent_openai_client)",
+    "on_pre_optimizer_step": "a `TrainerCallback` hook: transformers' `Trainer` calls it",
+    "on_optimizer_step": "a `TrainerCallback` hook: transformers' `Trainer` calls it",
+}
+
+
+def uncalled(sources: dict[str, str]) -> list[str]:
+    """Functions and properties (not route handlers: their decorators are calls) in `sources` whose name appears
+    nowhere in the package but their own definition: dead, or kept alive by tests only."""
+    package = "\n".join(path.read_text() for path in MODULES.values())
+    found = []
+    for name, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("__"):
+                continue
+            if any(isinstance(d, ast.Call) for d in node.decorator_list) or node.name in CALLED_FROM_OUTSIDE:
+                continue
+            if len(re.findall(rf"\b{re.escape(node.name)}\b", package)) <= 1:
+                found.append(f"{name}:{node.lineno} {node.name}")
+    return found
+
+
+def test_serving_and_trainers_hold_no_uncalled_function():
+    """What issue 50 removed: `detokenize.TokenText.token_end` (no caller) and `RemoteRolloutController.num_threads`
+    (tests only). A function only tests call is tested dead code: remove it, or say in `CALLED_FROM_OUTSIDE` who
+    calls it."""
+    sources = {m: MODULES[m].read_text() for m in MODULES if m.startswith(("trl_cb.serving", "trl_cb.trainers"))}
+    assert not uncalled(sources), uncalled(sources)
+    dead = "class RemoteRolloutController:\n    @property\n    def num_threads(self) -> int:\n        return 4\n"
+    assert uncalled({"injected": dead}) == ["injected:3 num_threads"]
+
+
+def test_the_server_checks_the_weight_owner_once_and_assembles_route_groups():
+    """What issue 50 changed: the weight routes' owner check was written three times in `create_app` (now
+    `weight_routes.require_owner`), and the info and weight routes are modules of their own. `create_app`'s bound is a
+    smoke alarm on the way to the issue's 80 lines."""
+    serving = [m for m in MODULES if m.startswith("trl_cb.serving.")]
+    checks = sum(MODULES[m].read_text().count("token does not match the trainer") for m in serving)
+    assert checks == 1, "the owner check: `weight_routes.require_owner` only"
+    tree = ast.parse(MODULES["trl_cb.serving.server"].read_text())
+    (create_app,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "create_app"]
+    assert create_app.end_lineno - create_app.lineno + 1 <= 180
+    routes = [d for n in ast.walk(create_app) for d in getattr(n, "decorator_list", []) if isinstance(d, ast.Call)]
+    paths = {d.args[0].value for d in routes if d.args and isinstance(d.args[0], ast.Constant)}
+    assert not paths & {"/health", "/metrics", "/v1/models", "/tokenize", "/pause", "/weights/update"}, paths
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

@@ -1,7 +1,8 @@
 """`trl-cb serve`: run a rollout server (docs/server.md) on uvicorn. Thin: parsing and loading only; the app is
 `trl_cb.serving.server.create_app`. Every option is checked while parsing (bad `--continuous_batching_config` JSON or
 keys: exit status 2 naming the option), before any model is loaded. Ctrl-C stops it within about a second
-(`timeout_graceful_shutdown=1`, then `os._exit`: interpreter teardown alone takes seconds)."""
+(`timeout_graceful_shutdown=1`, then `os._exit`: interpreter teardown alone takes seconds); its queued requests are
+answered 503 with `Retry-After` first (`serving.server.serve`)."""
 
 from __future__ import annotations
 
@@ -110,12 +111,12 @@ def load_tokenizer(path: str) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import uvicorn
+    from ..serving.server import serve
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     app = build_app(args)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=1)
+        serve(app, args.host, args.port, timeout_graceful_shutdown=1)  # SIGINT: queued requests answered 503 first
     finally:
         app.state.engine.close()
     # Nothing is left to save; the interpreter's teardown (torch, thread pools) takes ~5 s on CPU, which would break

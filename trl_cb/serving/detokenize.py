@@ -142,14 +142,6 @@ class TokenText:
             self.text += rest
         return rest
 
-    def token_end(self, char: int) -> int:
-        """How many tokens it takes for the text to reach `char` characters (the token whose share covers position
-        `char - 1`, plus everything before it)."""
-        for i, (offset, piece) in enumerate(zip(self.offsets, self.pieces)):
-            if offset + len(piece) >= char and piece:
-                return i + 1
-        return len(self.ids)
-
     def _record(self, piece: str) -> None:
         self.offsets.append(len(self.text))
         self.pieces.append(piece)

@@ -10,7 +10,8 @@ as the engine has room. Invariants:
   top_p to transformers' per-request warpers (`request_settings.py`), exact per request; the engine gains a warper the
   first time a group needs one (grow-only). Other differences (and every one without `per_request`) need a rebuild:
   groups the engine can take pass those waiting for one, each passed at most `max_num_seqs` times (none starves).
-- Every group submitted ends exactly once: finished, failed (engine error, bad settings) or cancelled.
+- Every group submitted ends exactly once: finished, failed (engine error, bad settings, `ServerShuttingDown`) or
+  cancelled.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ _POLL_SECONDS = 0.005
 #: Prompt lengths the engine is sized for are rounded up to a power of two, at least this: varying prompt lengths
 #: then rarely force a rebuild (which waits for the engine to empty).
 _MIN_SIZED_PROMPT = 256
+
+
+class ServerShuttingDown(RuntimeError):
+    """The server is stopping (`ServingEngine.shut_down`): the group was not, or not wholly, generated. Retryable: the
+    routes answer it 503 with `Retry-After`, which the trainer's client retries (on another replica)."""
 
 
 @dataclass(eq=False)
@@ -143,6 +149,7 @@ class ServingEngine:
         self._workload: Workload | None = None
         self._pause_hold: contextlib.ExitStack | None = None
         self._stopping = False
+        self._shutting_down = False  # set by `shut_down` on any thread: no new operation is accepted
         self._thread = threading.Thread(target=self._loop, name="trl_cb-serving-engine", daemon=True)
         self._thread.start()
 
@@ -167,8 +174,10 @@ class ServingEngine:
         return tickets
 
     def cancel(self, tickets: list[Ticket]) -> None:
-        """Drop groups nobody waits for any more (a client went away): queued ones never start, running ones stop."""
-        self._post(lambda: [self._cancel(ticket) for ticket in tickets if not ticket.done.is_set()])
+        """Drop groups nobody waits for any more (a client went away): queued ones never start, running ones stop. A
+        no-op once shutting down: the loop fails them all anyway."""
+        with contextlib.suppress(ServerShuttingDown):
+            self._post(lambda: [self._cancel(ticket) for ticket in tickets if not ticket.done.is_set()])
 
     def apply_weights(self, copy: Callable[[], None], version: int) -> None:
         """Run `copy` (which writes new weights into the model) between two engine steps, then serve `version`."""
@@ -182,18 +191,27 @@ class ServingEngine:
         """(groups waiting for room, groups in the engine), as last seen by the loop."""
         return len(self._waiting), len(self._groups.pending)
 
-    def close(self) -> None:
-        """Stop the loop, fail what is left (`RuntimeError`), and hard-stop the engine."""
-        if self._thread.is_alive():
+    def shut_down(self) -> None:
+        """Begin stopping, without waiting (safe in a signal handler, on the event loop's thread): the loop ends, every
+        group queued or running fails with `ServerShuttingDown` (also while paused), and so does any later
+        submission. Called when the server receives SIGINT/SIGTERM, so its clients get a retryable 503 while the HTTP
+        server still answers, not a 500 when it cancels their requests."""
+        with contextlib.suppress(ServerShuttingDown):  # already stopping or stopped
             self._post(lambda: setattr(self, "_stopping", True))
+        self._shutting_down = True
+
+    def close(self) -> None:
+        """Stop the loop, fail what is left (`ServerShuttingDown`), and hard-stop the engine."""
+        if self._thread.is_alive():
+            self.shut_down()
             self._thread.join(timeout=30)
         self.generator.close()
 
     # ----------------------------------------------------------------------------------- the engine loop only
 
     def _post(self, op: Callable[[], None]) -> None:
-        if not self._thread.is_alive():
-            raise RuntimeError("the serving engine has stopped")
+        if self._shutting_down or not self._thread.is_alive():
+            raise ServerShuttingDown("the rollout server is shutting down")
         self._ops.put(op)
 
     def _call(self, op: Callable[[], None]) -> None:
@@ -228,7 +246,7 @@ class ServingEngine:
                 logger.exception("rollout engine failed; its requests are answered with the error")
                 self._fail_all(exc, waiting=False)
                 self._drop_engine()
-        self._fail_all(RuntimeError("the rollout server is shutting down"), waiting=True)
+        self._fail_all(ServerShuttingDown("the rollout server is shutting down"), waiting=True)
         self._drop_engine()
 
     def _run_ops(self, block: bool) -> None:

@@ -192,8 +192,3 @@ class RemoteRolloutController(AsyncRollouts[ServerBackend]):
         """The servers now serve `policy_version` (applied between engine steps, mid-request): staleness counts
         from it."""
         self.policy_version = policy_version
-
-    @property
-    def num_threads(self) -> int:
-        """Worker threads started (`streams_per_replica` x replicas)."""
-        return len(self.server_backend.workers)

@@ -3,8 +3,9 @@ the routes consume them (`server.py`: trl_cb's answers; `openai_serving.py`: Ope
 
 Invariants: constructing the flow checks the prompts and settings and submits the groups (so a bad request fails
 before any answer starts: `HTTPException` 400 naming the reason); iterating yields what the groups' watchers post and
-each group as it ends, in finishing order, each once; a failed group raises (400 for a refused setting or prompt,
-500 otherwise); a client that disconnects, or a consumer that stops early, cancels every group still running.
+each group as it ends, in finishing order, each once; a failed group raises (`refusal`: 400 for a refused setting or
+prompt, 503 with `Retry-After` while the server shuts down, 500 otherwise); a client that disconnects, or a consumer
+that stops early, cancels every group still running.
 """
 
 from __future__ import annotations
@@ -16,15 +17,27 @@ from typing import Any
 
 from fastapi import HTTPException, Request
 
-from .engine import Ticket
+from .engine import ServerShuttingDown, Ticket
 
-__all__ = ["RequestFlow", "Submit"]
+__all__ = ["RETRY_AFTER_S", "RequestFlow", "Submit", "refusal"]
+
+#: `Retry-After` of a 503 from a server shutting down: a replica restarting, or another one, can take the retry.
+RETRY_AFTER_S = 1
 
 #: How often a request waiting for its groups checks that its client is still connected.
 DISCONNECT_POLL_S = 0.25
 
 #: `submit(prompts, n, max_tokens, sampling, on_done, watchers) -> tickets`: the server's checked submission.
 Submit = Callable[..., list[Ticket]]
+
+
+def refusal(error: BaseException) -> HTTPException:
+    """The HTTP answer to a group that failed, or a submission refused, with `error`: one mapping for every route."""
+    if isinstance(error, ServerShuttingDown):  # nothing wrong with the request: the client may send it again
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+        return HTTPException(status_code=503, detail=f"generation failed: {error}; retry", headers=headers)
+    status = 400 if isinstance(error, ValueError) else 500
+    return HTTPException(status_code=status, detail=f"generation failed: {error}")
 
 
 class RequestFlow:
@@ -71,8 +84,7 @@ class RequestFlow:
                     continue
                 ticket: Ticket = payload
                 if ticket.error is not None:
-                    status = 400 if isinstance(ticket.error, ValueError) else 500
-                    raise HTTPException(status_code=status, detail=f"generation failed: {ticket.error}")
+                    raise refusal(ticket.error)
                 remaining -= 1
                 yield "group", (self._index[id(ticket)], ticket.group)
         finally:

@@ -1,4 +1,5 @@
-"""The rollout server's HTTP app: one persistent `ServingEngine` behind FastAPI (docs/server.md).
+"""The rollout server's HTTP app: one persistent `ServingEngine` behind FastAPI (docs/server.md). `create_app` holds
+the generation routes and includes the others (`info_routes.py`, `weight_routes.py`); `serve` runs it.
 
 Invariants: concurrent requests share the engine's batch (`engine.py`); weights change between two engine steps, and
 every token reports the `weight_version` that sampled it (`token_weight_versions`; a choice's `weight_version` is its
@@ -12,36 +13,32 @@ weights are refused (400 from `/weights/wait`) with the served weights unchanged
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
-import transformers
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import GenerationConfig
 
-from .. import __version__
 from ..checks.inputs import validate_prompts
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.rollout_groups import RolloutGroup, oldest_version
-from .engine import ServingEngine, Ticket
+from .engine import ServerShuttingDown, ServingEngine, Ticket
 from .frames import FRAMES_MEDIA_TYPE, frame_pieces
-from .metrics import PROMETHEUS_CONTENT_TYPE, RequestCounters, metrics_snapshot, prometheus_text, wants_json
+from .info_routes import converted, info_router, require_model
+from .metrics import RequestCounters
 from .middleware import RequestGate
 from .openai_protocol import (
     ChatCompletionRequest,
-    DetokenizeRequest,
     OpenAICompletionRequest,
     OpenAIError,
-    TokenizeRequest,
     context_overflow,
-    model_not_found,
 )
 from .openai_serving import OpenAIServing
 from .protocol import (
@@ -50,16 +47,12 @@ from .protocol import (
     CompletionRequest,
     PackedColumns,
     StreamLine,
-    WeightsClose,
-    WeightsInit,
-    WeightsUpdate,
-    WeightsWait,
-    WeightsWaitResponse,
     value_runs,
 )
-from .request_flow import RequestFlow
+from .request_flow import RequestFlow, refusal
 from .vllm_generate import GenerateRequest, generate
-from .weight_receiver import StaleVersion, WeightReceiver
+from .weight_receiver import WeightReceiver
+from .weight_routes import weight_router
 
 logger = logging.getLogger(__name__)
 
@@ -120,46 +113,7 @@ def create_app(
     async def openai_refusal(request: Request, exc: OpenAIError) -> JSONResponse:
         return JSONResponse(status_code=exc.status_code, content=exc.body)
 
-    @app.get("/health")
-    def health() -> dict[str, Any]:
-        # The pid lets a launcher tell its own child from another server that holds the port (`launch.py`).
-        return {"status": "ok", "pid": os.getpid()}
-
-    def card() -> dict[str, Any]:
-        return {
-            "id": model_name,
-            "object": "model",
-            "owned_by": "trl_cb",
-            "weight_version": engine.version,
-            "dtype": str(model.dtype).removeprefix("torch."),
-            "max_model_len": max_model_len,
-        }
-
-    @app.get("/v1/models")
-    def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card()]}
-
-    @app.get("/v1/models/{model_id:path}")
-    def model_card(model_id: str) -> Any:
-        """OpenAI's model retrieval; an unknown id gets OpenAI's 404 error object (without echoing the id)."""
-        if model_id != model_name:
-            counters.rejected += 1
-            return JSONResponse(status_code=404, content=model_not_found())
-        return card()
-
-    @app.get("/version")
-    def version() -> dict[str, str]:
-        """vLLM's `/version`: trl_cb's, and the transformers it runs on."""
-        return {"version": __version__, "transformers": transformers.__version__}
-
-    @app.get("/metrics")
-    def metrics(request: Request) -> Response:
-        """Prometheus text, or the JSON object with `Accept: application/json` (`metrics.py`)."""
-        snapshot = metrics_snapshot(engine, weights, counters)
-        if wants_json(request.headers.get("accept")):
-            return JSONResponse(snapshot)
-        info = {"model": model_name, "version": __version__, "dtype": str(model.dtype).removeprefix("torch.")}
-        return Response(prometheus_text(snapshot, info), media_type=PROMETHEUS_CONTENT_TYPE)
+    app.include_router(info_router(model, model_name, engine, weights, counters, max_model_len, tokenizer))
 
     def submit(
         prompts: list[list[int]],
@@ -182,7 +136,10 @@ def create_app(
             counters.rejected += 1
             raise HTTPException(status_code=400, detail=str(exc)) from exc
         counters.prompt_tokens += sum(len(prompt) for prompt in prompts)
-        return engine.submit(prompts, n, config, on_done=on_done, watchers=watchers)
+        try:
+            return engine.submit(prompts, n, config, on_done=on_done, watchers=watchers)
+        except ServerShuttingDown as exc:
+            raise refusal(exc) from exc
 
     def served() -> None:
         counters.served += 1
@@ -195,24 +152,12 @@ def create_app(
         sampling = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k}
         return flows(request)(body.prompt, body.n, body.max_tokens, sampling)
 
-    def known_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise HTTPException(status_code=404, detail="the requested model is not served here (see /v1/models)")
-
-    def parsed(convert: Callable[[], Any]) -> Any:
-        """A request's prompt conversion (tokenizer, chat template: jinja errors too); 400 naming the reason."""
-        try:
-            return convert()
-        except Exception as exc:
-            counters.rejected += 1
-            raise HTTPException(status_code=400, detail=f"cannot build the prompt: {str(exc)[:300]}") from exc
-
     @app.post("/v1/completions")
     async def completions(body: OpenAICompletionRequest, request: Request) -> Response:
         """OpenAI's completions (JSON, or server-sent events with `stream`: `openai_serving.py`), or trl_cb's binary
         answer (`encoding="binary"`)."""
-        known_model(body.model)
-        prompts = await run_in_threadpool(parsed, lambda: body.prompt_ids(tokenizer))
+        require_model(body.model, model_name)
+        prompts = await run_in_threadpool(converted, lambda: body.prompt_ids(tokenizer), counters)
         if body.encoding == "json":
             return await openai.completion(flows(request), body, prompts)
         return await rollout_answer(body.rollout_request(prompts), request)
@@ -220,8 +165,8 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI's chat completions: messages through the chat template (`tools` too), or `tokens` as the prompt."""
-        known_model(body.model)
-        prompt = await run_in_threadpool(parsed, lambda: body.prompt_ids(tokenizer))
+        require_model(body.model, model_name)
+        prompt = await run_in_threadpool(converted, lambda: body.prompt_ids(tokenizer), counters)
         return await openai.chat(flows(request), body, prompt)
 
     app.add_api_route("/v1/chat/completions/tokens", chat_completions, methods=["POST"])  # prime-rl's token-in path
@@ -229,25 +174,8 @@ def create_app(
     @app.post("/inference/v1/generate")
     async def inference_generate(body: GenerateRequest, request: Request) -> Response:
         """vLLM's token-in, token-out route (`vllm_generate.py`): verifiers' and prime-rl's training clients."""
-        known_model(body.model)
+        require_model(body.model, model_name)
         return await generate(openai, flows(request), body)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        """vLLM's `/tokenize`: a text, or messages as the chat template renders them for generation."""
-        known_model(body.model)
-        ids = await run_in_threadpool(parsed, lambda: body.ids(tokenizer))
-        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        """vLLM's `/detokenize`: token ids to their text (400 for an id outside the vocabulary)."""
-        known_model(body.model)
-        try:
-            return {"prompt": await run_in_threadpool(body.text, tokenizer)}
-        except ValueError as exc:
-            counters.rejected += 1
-            raise HTTPException(status_code=400, detail=str(exc)) from exc
 
     async def rollout_answer(body: CompletionRequest, request: Request) -> Response:
         """trl_cb's own answer to `/v1/completions` (`encoding="binary"`): every group, then one frame."""
@@ -302,61 +230,31 @@ def create_app(
         media_type = FRAMES_MEDIA_TYPE if body.encoding == "binary" else "application/x-ndjson"
         return StreamingResponse(lines(), media_type=media_type)
 
-    @app.post("/pause")
-    def pause() -> dict[str, bool]:
-        engine.set_paused(True)
-        return {"paused": True}
-
-    @app.post("/resume")
-    def resume() -> dict[str, bool]:
-        engine.set_paused(False)
-        return {"paused": False}
-
-    @app.post("/weights/init")
-    def weights_init(body: WeightsInit) -> dict[str, str]:
-        # A trainer that died without closing its group (SIGKILL, OOM) is dropped here; a live one keeps it: 409.
-        if weights.is_open and not weights.owns(body.token) and not weights.release_if_owner_gone():
-            raise HTTPException(status_code=409, detail="a weight-sync group is already open for another trainer")
-        weights.init(body.host, body.port, body.token, body.timeout_s)
-        return {"status": "joining"}
-
-    @app.post("/weights/update")
-    def weights_update(body: WeightsUpdate) -> dict[str, str]:
-        if not weights.owns(body.token):
-            raise HTTPException(status_code=403, detail="token does not match the trainer that opened the group")
-        try:
-            weights.update(
-                body.version,
-                body.params,
-                body.bucket_bytes,
-                on_done=lambda v: logger.info("serving weight version %d", v),
-            )
-        except StaleVersion as exc:
-            raise HTTPException(status_code=409, detail=str(exc)) from exc
-        except ValueError as exc:
-            raise HTTPException(status_code=400, detail=str(exc)) from exc
-        return {"status": "receiving"}
-
-    @app.post("/weights/wait")
-    async def weights_wait(body: WeightsWait) -> JSONResponse:
-        """The update's outcome once known (see `WeightsWait`); the trainer's push ends on this, not on `/metrics`."""
-        if not weights.owns(body.token):
-            raise HTTPException(status_code=403, detail="token does not match the trainer that opened the group")
-        outcome = await run_in_threadpool(weights.wait, body.version, body.timeout_s)
-        if outcome.status == "applied" or outcome.status == "pending":
-            answer = WeightsWaitResponse(status=outcome.status, weight_version=engine.version)
-            return JSONResponse(status_code=200 if outcome.status == "applied" else 202, content=answer.model_dump())
-        status = {"unknown": 404, "refused": 400}.get(outcome.status, 500)
-        raise HTTPException(status_code=status, detail=outcome.detail)
-
-    @app.post("/weights/close")
-    def weights_close(body: WeightsClose) -> dict[str, str]:
-        if not weights.owns(body.token):
-            raise HTTPException(status_code=403, detail="token does not match the trainer that opened the group")
-        weights.close()
-        return {"status": "closed"}
+    app.include_router(weight_router(engine, weights))
 
     return app
+
+
+def serve(app: FastAPI, host: str, port: int, timeout_graceful_shutdown: float = 1.0) -> None:
+    """Run `app` (from `create_app`) on uvicorn until SIGINT or SIGTERM.
+
+    On the signal the engine shuts down first (`ServingEngine.shut_down`: every queued or running group, also on a
+    paused server, is answered 503 with `Retry-After` while the HTTP server still answers), then uvicorn stops, waiting
+    at most `timeout_graceful_shutdown` seconds for the answers to go out. Without that first step uvicorn would
+    cancel the waiting requests at its timeout and answer them 500.
+    """
+    import uvicorn
+
+    class _EngineFirst(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:  # uvicorn's signal handler, on the event loop's thread
+            app.state.engine.shut_down()  # does not wait: only posts to the engine loop
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=timeout_graceful_shutdown
+    )
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the signal it handled, as `uvicorn.run` does
+        _EngineFirst(config).run()
 
 
 def with_response_parser(tokenizer: Any) -> Any:

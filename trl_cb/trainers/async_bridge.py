@@ -22,15 +22,16 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..checks import inputs
+from ..configs import default_prefetch_depth, prefetch_depth_was_set
 from ..engine import sharding
 from ..engine.model_view import SHARDED_REFUSAL
 from ..rollouts.async_controller import AsyncRolloutController
 from ..rollouts.async_core import AsyncBounds, AsyncRolloutSource, PromptStream
-from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.model_access import plain_module
 from ..rollouts.multi_turn import with_turns
 from ..rollouts.rollout_groups import TokenValues, as_lists
 from . import tool_turns, trl_internals
+from .generators import build_generator
 from .rollout_state import RolloutStateMixin
 from .tool_turns import ToolTurns
 
@@ -105,12 +106,14 @@ class AsyncRolloutsMixin(RolloutStateMixin):
                 "cb_async_generation with tools or environments runs on one process (each sample's tool loop and "
                 "environment live beside the rollout producer); use one process, or sync mode for several."
             )
-        if self._cb_prefetch_depth() != args.cb_async_prefetch_depth:
+        depth = self._cb_prefetch_depth()
+        if depth != args.cb_async_prefetch_depth:  # as TRL's trainers override a field: args show what runs
             logger.info(
-                "Async rollouts with tools: cb_async_prefetch_depth %d (unset; %d without tools).",
-                self._cb_prefetch_depth(),
+                "Async rollouts with tools: cb_async_prefetch_depth set to %d (unset; %d without tools).",
+                depth,
                 args.cb_async_prefetch_depth,
             )
+            args.cb_async_prefetch_depth = depth
         self.add_callback(_PauseEngineForOptimizerStep(self))
         self.add_callback(_SaveAsyncState(self))
 
@@ -224,13 +227,8 @@ class AsyncRolloutsMixin(RolloutStateMixin):
             # `RemoteRolloutsMixin.cb_remote_async_rollouts` (remote.py), a method of the same trainer
             controller = self.cb_remote_async_rollouts(stream, validate_one, groups_per_step, bounds)
         else:
-            generator = ContinuousBatchingGenerator(
-                self.model_wrapped,
-                self.generation_config,
-                continuous_batching_config=args.transformers_continuous_batching_config,
-                timeout=args.cb_generation_timeout,
-                **self._cb_generator_kwargs(),
-            )
+            # Its own generator (the synchronous one may hold an engine for evaluation), built the same way.
+            generator = build_generator(self.model_wrapped, self.generation_config, args, self.accelerator)
             if state.longest_prompt is None:
                 state.longest_prompt = self._cb_scan_prompts(lambda ids: generator.validate_prompts(ids, module))
             controller = AsyncRolloutController(
@@ -259,14 +257,14 @@ class AsyncRolloutsMixin(RolloutStateMixin):
         return int(self.args.max_completion_length) if self._cb_turns() is not None else 0
 
     def _cb_prefetch_depth(self) -> int:
-        """`args.cb_async_prefetch_depth`, or, unset with tools or environments, `DEFAULT_TOOLS_PREFETCH_DEPTH`
-        (multi-turn: staleness <= 1, measured; its comment in trl_cb/configs.py). The config is the user's and may
-        serve another trainer: it is read, never written."""
-        from ..configs import DEFAULT_TOOLS_PREFETCH_DEPTH, prefetch_depth_was_set  # configs imports the trainers
-
-        if getattr(self, "tools", None) and not prefetch_depth_was_set(self.args):
-            return DEFAULT_TOOLS_PREFETCH_DEPTH
-        return self.args.cb_async_prefetch_depth
+        """The depth async rollouts run at: the user's `cb_async_prefetch_depth`, or, unset, the default for this
+        trainer (with tools or environments `DEFAULT_TOOLS_PREFETCH_DEPTH`: multi-turn staleness <= 1, measured; its
+        comment in trl_cb/configs.py). Derived from the unset state, not from the value `_cb_async_setup` wrote into
+        the args: a config shared with a trainer without tools still gets that trainer's default."""
+        args = self.args
+        if prefetch_depth_was_set(args):
+            return args.cb_async_prefetch_depth
+        return default_prefetch_depth(bool(args.cb_async_overlap), multi_turn=bool(getattr(self, "tools", None)))
 
     def _cb_max_staleness(self) -> int:
         """`args.cb_async_max_staleness`, or (unset) the bound that drops nothing for this schedule: rollouts are
@@ -316,17 +314,21 @@ class AsyncRolloutsMixin(RolloutStateMixin):
     @contextlib.contextmanager
     def _cb_async_replay(self) -> Iterator[None]:
         """Around TRL's scoring of the taken groups: their environments replayed (`tool_turns.replay_environments`),
-        then given back to the pool."""
+        then given back to the pool; the step's groups are dropped on exit, whatever happened (`_cb_async_take` set
+        them: this module writes the async state, `rollout_state.py`)."""
         state = self.rollout_state.async_rollouts
         groups = state.step_groups
-        if not groups or groups[0].conversations is None:
-            yield
-            return
         try:
-            with tool_turns.replay_environments(self, groups, self.num_generations):
+            if not groups or groups[0].conversations is None:
                 yield
+                return
+            try:
+                with tool_turns.replay_environments(self, groups, self.num_generations):
+                    yield
+            finally:
+                state.turns.release([c for group in groups for c in group.conversations])
         finally:
-            state.turns.release([c for group in groups for c in group.conversations])
+            state.step_groups = None
 
     def _cb_async_active(self) -> bool:
         return bool(getattr(self.args, "cb_async_generation", False) and self.model.training)

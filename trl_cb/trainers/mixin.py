@@ -8,9 +8,9 @@ With `cb_async_generation`, finished groups of an `AsyncRolloutController` repla
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-import torch
 import trl
 from transformers import ProcessorMixin
 
@@ -20,11 +20,12 @@ from ..engine import guards
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.model_access import plain_module
 from ..rollouts.rollout_groups import TokenValues, as_lists
+from ..upstream_warnings import quiet_trl_gradient_checkpointing
 from . import trl_internals
 from .async_bridge import ASYNC_STATE_FILE, AsyncRolloutsMixin
+from .generators import build_generator
 from .is_correction import IS_METRIC_NAMES, ImportanceSamplingMixin
 from .remote import RemoteRolloutsMixin
-from .trl_internals import quiet_trl_gradient_checkpointing
 
 __all__ = ["ASYNC_STATE_FILE", "IS_METRIC_NAMES", "ContinuousBatchingTrainerMixin", "GRPOTrainer", "RLOOTrainer"]
 
@@ -96,36 +97,15 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
             state.generator.close()
             state.generator = None
         if state.generator is None:
-            args = self.args
-            state.generator = ContinuousBatchingGenerator(
-                wrapped,
-                self.generation_config,
-                continuous_batching_config=args.transformers_continuous_batching_config,
-                accelerator=self.accelerator,
-                gather_deepspeed3_params=args.ds3_gather_for_generation,
-                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
-                timeout=args.cb_generation_timeout,
-                **self._cb_generator_kwargs(),
-            )
+            state.generator = build_generator(wrapped, self.generation_config, self.args, self.accelerator)
         return state.generator
-
-    def _cb_generator_kwargs(self) -> dict[str, Any]:
-        """Generator options from the config: the generation dtype as TRL's CB path picks it (`bf16`/`fp16`, fp32 LM
-        head; applied to copies of the weights, never to the training module, `engine/precision.py`), kept between
-        rounds per `cb_keep_generation_weights`, and the OpenMP guard (`engine/openmp.py`)."""
-        args = self.args
-        return {
-            "cast_dtype": torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
-            "cast_lm_head_to_fp32": bool(getattr(args, "cast_lm_head_to_fp32", False)),
-            "openmp_guard": args.cb_openmp_guard,
-            "keep_generation_weights": args.cb_keep_generation_weights,
-        }
 
     def _cb_generate(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[TokenValues]]:
         """Completions (lists) and their sampler-side policy logprobs (`GenerationResult.policy_logprobs`: what TRL's
         trainer computes, so the IS weight compares like with like; lists, or tensors from a server's binary answer)
         for TRL's prompt list (each prompt repeated per sample). The logprobs are also kept in
-        `rollout_state.sampling_logprobs` (its only writer) for `_cb_score` to hand to the IS correction."""
+        `rollout_state.sampling_logprobs` (its only writer, a new object each round) for `_cb_score` to hand to the IS
+        correction."""
         if self.rollout_state.async_rollouts.step_groups is not None:
             completion_ids, logprobs = self._cb_async_completions(prompt_ids)
         elif self.args.cb_server_urls:  # rollouts from `trl-cb serve` replicas (trainers/remote.py)
@@ -154,17 +134,13 @@ class ContinuousBatchingTrainerMixin(AsyncRolloutsMixin, ImportanceSamplingMixin
         logprobs enter the batch as one padded tensor (`sampling_per_token_logps`, as TRL names it) built here from
         the rows (tensors from a server's binary answer, or lists), not from per-token lists TRL would pad itself."""
         state = self.rollout_state
-        state.sampling_logprobs = None
         if self._cb_async_active():
             inputs = self._cb_async_take(inputs)
-        try:
-            with self._cb_async_replay():  # multi-turn: the groups' environments, as the rollout left them
-                output = self._cb_trl_score(
-                    lambda: super(ContinuousBatchingTrainerMixin, self)._generate_and_score_completions(inputs)
-                )
-        finally:
-            state.async_rollouts.step_groups = None
-        sampled, state.sampling_logprobs = state.sampling_logprobs, None  # this batch's, consumed here
+        before = state.sampling_logprobs
+        with self._cb_async_replay():  # multi-turn: the groups' environments, as the rollout left them
+            output = self._cb_trl_score(functools.partial(super()._generate_and_score_completions, inputs))
+        # This batch's: `_cb_generate` (the one writer) put a new object there during TRL's scoring, else no CB round
+        sampled = state.sampling_logprobs if state.sampling_logprobs is not before else None
         if self._cb_per_token_loss and sampled is not None and "sampling_per_token_logps" not in output:
             # GRPO: the sampler's logprobs TRL would have padded from lists (its loss reads them, e.g. for OPSM)
             output["sampling_per_token_logps"] = self._cb_sampling_logps(output, sampled)

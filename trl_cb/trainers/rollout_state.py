@@ -4,9 +4,10 @@ Why one object: the trainer is TRL's, so every attribute we set on it shares a n
 own. Keeping ours in `RolloutState` (`trainer.rollout_state`, created by `RolloutStateMixin` on first use, whatever
 `__init__` ran) makes the state readable at a glance and leaves one trl_cb name on the trainer.
 
-Invariants: each field has one writer, named in its comment; `sampling_logprobs` is written only by the generation
-call (`ContinuousBatchingTrainerMixin._cb_generate`) and read only by the scoring of the same batch (`_cb_score`),
-which hands it on to the IS correction as an argument.
+Invariants: each field has one writer, `WRITERS` names it (tests/unit/trainers/test_rollout_state.py checks every
+assignment in `trainers/`); `sampling_logprobs` is written only by the generation call
+(`ContinuousBatchingTrainerMixin._cb_generate`, a new object each round) and read by the scoring of the same batch
+(`_cb_score`: the value if it changed during TRL's scoring), which hands it on to the IS correction as an argument.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ if TYPE_CHECKING:  # the serving modules need the `serve` extra (requests)
     from .tool_turns import ToolTurns
 
 __all__ = [
+    "WRITERS",
     "AsyncRolloutState",
     "DeferredCorrection",
     "ImportanceSamplingState",
@@ -34,6 +36,17 @@ __all__ = [
     "RolloutState",
     "RolloutStateMixin",
 ]
+
+
+#: Who writes each part of `RolloutState` (a module of `trainers/`, or `module.function`); a part's own fields, and
+#: those of the dataclasses it holds, have the same writer.
+WRITERS: dict[str, str] = {
+    "generator": "mixin",
+    "sampling_logprobs": "mixin._cb_generate",
+    "async_rollouts": "async_bridge",
+    "remote": "remote",
+    "importance_sampling": "is_correction",
+}
 
 
 @dataclass
@@ -91,7 +104,8 @@ class RolloutState:
 
     #: The trainer's persistent in-process generator (built at the first round, closed at the end of `train`).
     generator: ContinuousBatchingGenerator | None = None
-    #: The last round's sampler-side policy logprobs, one row per completion (lists, or fp32 tensors from a server).
+    #: The last round's sampler-side policy logprobs, one row per completion (lists, or fp32 tensors from a server);
+    #: kept until the next round replaces it.
     sampling_logprobs: list[TokenValues] | None = None
     async_rollouts: AsyncRolloutState = field(default_factory=AsyncRolloutState)
     remote: RemoteRolloutState = field(default_factory=RemoteRolloutState)

@@ -8,17 +8,13 @@ async tool calling (`tool_turns.py`): `_get_tool_suffix_ids`, `_standalone_tools
 `_environment_pool`, `environment_factories`, `max_tool_calling_iterations`, `chat_template(_kwargs)`, `async_loop`,
 `trl.chat_template_utils.parse_response`. The trainers also override TRL's `_generate_single_turn`,
 `_generate_and_score_completions`, `_tool_call_loop` and `_compute_loss` (`mixin.py`, `is_correction.py`); their
-signatures and call order are pinned there too. Also here: silencing transformers' `gradient_checkpointing`
-FutureWarnings that TRL's own calls raise (`quiet_trl_gradient_checkpointing`, `trl_config_post_init`): only those
-messages, only inside the block; a user's own use still warns (tests/unit/trainers/test_upstream_warnings.py).
+signatures and call order are pinned there too. transformers' warnings that TRL's calls raise are silenced by
+`trl_cb/upstream_warnings.py` (the configs need it too, and sit below the trainers).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import inspect
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -29,8 +25,6 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import nanmax, nanmin, pad
 
 __all__ = [
-    "quiet_trl_gradient_checkpointing",
-    "trl_config_post_init",
     "async_loop",
     "environment_pool",
     "log_metric",
@@ -231,42 +225,3 @@ def environment_pool(trainer: Any, environments: list[tuple[Any, Any]]) -> Itera
         yield
     finally:
         trainer._environment_pool = saved
-
-
-# ------------------------------------------------------------------------ transformers' warnings TRL's calls raise
-# Why: transformers 5.x warns (FutureWarning) on every use of the old gradient-checkpointing names; TRL 1.16 still uses
-# them (its configs' `gradient_checkpointing=True` default, `unwrap_model_for_generation` /
-# `disable_gradient_checkpointing` several times per step, PEFT's `get_peft_model` in TRL's trainer `__init__`). None
-# of it is the user's doing, and a user cannot act on it. Only those four messages, only `FutureWarning`, only from
-# `transformers.training_args` / `transformers.modeling_utils`, only inside the `with` block; `catch_warnings` runs on
-# the caller's thread, so the filter list is restored as it was.
-
-#: transformers' deprecated aliases TRL calls on the model (`transformers.modeling_utils`).
-_MODEL_ALIASES = ("is_gradient_checkpointing", "gradient_checkpointing_disable", "gradient_checkpointing_enable")
-
-
-def _ignore(name: str, module: str) -> None:
-    warnings.filterwarnings(
-        "ignore", message=rf"`{name}` is deprecated and will be removed", category=FutureWarning, module=module
-    )
-
-
-@contextlib.contextmanager
-def quiet_trl_gradient_checkpointing() -> Iterator[None]:
-    """Ignore transformers' FutureWarnings for the `gradient_checkpointing*` model methods TRL calls (also usable as
-    a decorator)."""
-    with warnings.catch_warnings():
-        for name in _MODEL_ALIASES:
-            _ignore(name, r"transformers\.modeling_utils")
-        yield
-
-
-@contextlib.contextmanager
-def trl_config_post_init(config: Any) -> Iterator[None]:
-    """Around a TRL config's `__post_init__`: ignore transformers' FutureWarning for the `gradient_checkpointing`
-    argument when `config` holds the field's declared default (TRL's, not the user's choice)."""
-    declared = {f.name: f.default for f in dataclasses.fields(config)}.get("gradient_checkpointing")
-    with warnings.catch_warnings():
-        if getattr(config, "gradient_checkpointing", None) == declared:
-            _ignore("gradient_checkpointing", r"transformers\.training_args")
-        yield

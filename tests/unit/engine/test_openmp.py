@@ -136,10 +136,12 @@ def test_on_by_default_only_where_it_helps(model, tokenizer):
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_trainer_config_field_reaches_the_generator(kind, tokenizer, tmp_path):
     from tests.unit.trainers.test_trainers import make_trainer
+    from trl_cb.trainers.generators import generator_options
 
     off = make_trainer(kind, tokenizer, tmp_path, cb_openmp_guard=False)
-    assert off._cb_generator_kwargs()["openmp_guard"] is False
-    assert make_trainer(kind, tokenizer, tmp_path)._cb_generator_kwargs()["openmp_guard"] is None
+    assert generator_options(off.args, off.accelerator)["openmp_guard"] is False
+    default = make_trainer(kind, tokenizer, tmp_path)
+    assert generator_options(default.args, default.accelerator)["openmp_guard"] is None
 
 
 def test_release_from_a_finalizer_while_the_lock_is_held_does_not_deadlock():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -246,6 +247,28 @@ def test_ctrl_c_stops_the_server_within_2_s(checkpoint):
         elapsed = time.monotonic() - start
     print(f"\nSIGINT-to-exit: {elapsed:.2f} s")
     assert elapsed < 2
+
+
+def test_ctrl_c_on_a_paused_server_answers_its_queued_clients_503(checkpoint):
+    """A paused server's queued request, at SIGINT, gets a retryable 503 (`Retry-After`), not uvicorn's 500 for a
+    request it cancels. Gated on the server's state (the group queued), not on a sleep."""
+    with running_server(checkpoint) as (proc, url):
+        assert requests.post(url + "/pause", timeout=5).json() == {"paused": True}
+        answers: list[requests.Response] = []
+        body = {"prompt": [[5, 6, 7]], "max_tokens": 4}
+        client = threading.Thread(target=lambda: answers.append(requests.post(url + "/v1/completions", json=body)))
+        client.start()
+        while (
+            requests.get(url + "/metrics", headers={"Accept": "application/json"}, timeout=5).json()["queue_groups"]
+            < 1
+        ):
+            assert client.is_alive(), answers
+        proc.send_signal(signal.SIGINT)
+        client.join(timeout=30)
+        proc.wait(timeout=30)
+    (answer,) = answers
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["Retry-After"] == "1" and "shutting down" in answer.json()["detail"]
 
 
 def test_killed_server_raises_quickly(server, prompts):

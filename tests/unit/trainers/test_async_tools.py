@@ -71,17 +71,20 @@ def test_a_hanging_tool_times_out_as_a_failure(tmp_path):
 @pytest.mark.parametrize(("tools", "depth", "expected"), [(True, None, 0), (True, 1, 1), (False, None, 1)])
 def test_tools_default_to_prefetch_depth_0_an_explicit_depth_wins(tmp_path, tools, depth, expected):
     """Multi-turn async rollouts default to staleness <= 1 (`DEFAULT_TOOLS_PREFETCH_DEPTH`, measured); a depth the
-    user set is kept, and without tools the general default (1) stays. The user's config is not written: a second
-    trainer built from it without tools gets the general default."""
+    user set is kept, and without tools the general default (1) stays. The args show the depth that runs (what is
+    logged is what ran), also after training; a second trainer built from the same config without tools still gets
+    the general default, and its args show that."""
     overrides = {} if depth is None else {"cb_async_prefetch_depth": depth}
     run = trainer(tmp_path, chat_tokenizer(), [multiply] if tools else None, **overrides)
     assert run._cb_prefetch_depth() == expected
     steps_per_take = run.args.steps_per_generation * run.num_iterations / run.args.gradient_accumulation_steps
     assert run._cb_max_staleness() == default_max_staleness(expected, steps_per_take)
-    assert run.args.cb_async_prefetch_depth == (1 if depth is None else depth), "the config is the user's"
+    run.train()
+    assert run.rollout_state.async_rollouts.source is None  # stopped: nothing after this point writes the args
+    assert run.args.cb_async_prefetch_depth == expected and run.args.to_dict()["cb_async_prefetch_depth"] == expected
     again = GRPOTrainer(model=run.model, reward_funcs=finished_reward, args=run.args, train_dataset=run.train_dataset,
                         processing_class=run.processing_class)  # fmt: skip
-    assert again._cb_prefetch_depth() == (1 if depth is None else depth)
+    assert again._cb_prefetch_depth() == again.args.cb_async_prefetch_depth == (1 if depth is None else depth)
 
 
 @pytest.mark.parametrize(("field", "value"), [("cb_async_tool_workers", 0), ("cb_async_tool_timeout", 0.0)])

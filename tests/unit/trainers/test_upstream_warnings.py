@@ -1,5 +1,5 @@
 """transformers' `gradient_checkpointing` FutureWarnings that TRL raises are silenced where trl_cb calls TRL, and only
-there (trl_cb/trainers/trl_internals.py)."""
+there (trl_cb/upstream_warnings.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def length_reward(completions: list[str], **kwargs: object) -> list[float]:
 
 def test_upstream_still_warns(tokenizer, tmp_path):
     """Without trl_cb's filter, TRL's config and TRL's generation helper raise the warnings (if this fails, TRL has
-    moved to the new names and that part of trl_internals.py can go)."""
+    moved to the new names and trl_cb/upstream_warnings.py can go)."""
     model = tiny_model(tokenizer)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -82,7 +82,7 @@ def test_a_user_choice_still_warns(tmp_path):
 
 def test_model_method_warnings_outside_trl_cb_calls_still_show(tokenizer):
     """The filter is scoped: after a trl_cb call returns, the same upstream call warns again."""
-    from trl_cb.trainers.trl_internals import quiet_trl_gradient_checkpointing
+    from trl_cb.upstream_warnings import quiet_trl_gradient_checkpointing
 
     model = tiny_model(tokenizer)
     with warnings.catch_warnings(record=True) as caught:
