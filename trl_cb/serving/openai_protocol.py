@@ -22,9 +22,8 @@ import math
 from typing import Annotated, Any, Literal
 
 from fastapi import HTTPException
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..checks.generation_settings import MIN_SAMPLING_TEMPERATURE
 from .protocol import (
     MAX_N,
     MAX_PROMPT_TOKENS,
@@ -34,6 +33,8 @@ from .protocol import (
     CompletionRequest,
     PromptIds,
     SamplingRequest,
+    engine_sampling,
+    greedy_or_sampling,
 )
 from .protocol import _Strict as Strict
 
@@ -73,7 +74,7 @@ class _OpenAISampling(SamplingRequest):
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
-    temperature: float | None = Field(default=None, ge=MIN_SAMPLING_TEMPERATURE)
+    temperature: float | None = None  # 0: greedy (`protocol.GREEDY`), else >= MIN_SAMPLING_TEMPERATURE
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's: 0 or -1 keep every token
     stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = None
@@ -106,11 +107,15 @@ class _OpenAISampling(SamplingRequest):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_sampling(cls, temperature: float | None) -> float | None:
+        return greedy_or_sampling(temperature)
+
     def sampling(self) -> dict[str, Any]:
-        """The engine's sampling settings (OpenAI's defaults: temperature 1, top_p 1; no top-k)."""
-        top_k = self.top_k if self.top_k is not None and self.top_k > 0 else 0
+        """The engine's sampling settings (OpenAI's defaults: temperature 1, top_p 1; no top-k; 0: greedy)."""
         temperature = 1.0 if self.temperature is None else self.temperature
-        return {"temperature": temperature, "top_p": 1.0 if self.top_p is None else self.top_p, "top_k": top_k}
+        return engine_sampling(temperature, 1.0 if self.top_p is None else self.top_p, self.top_k or 0)
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

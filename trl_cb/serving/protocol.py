@@ -1,7 +1,8 @@
 """Request and response bodies of the rollout server's HTTP API (docs/server.md), and the limits it enforces.
 
 A request outside the limits is refused with HTTP 422 naming the field and the limit (never echoing the value),
-before anything reaches the engine: non-finite numbers, a temperature under `MIN_SAMPLING_TEMPERATURE`, unknown
+before anything reaches the engine: non-finite numbers, a temperature under `MIN_SAMPLING_TEMPERATURE` (OpenAI's
+routes: other than 0, greedy), unknown
 fields, and sampling settings the server does not apply (`settings_servers_cannot_apply`, the rule the trainer
 applies too). The prompts' content (empty, ids outside the vocabulary, past the model's positions) is checked by the
 server with `checks.inputs.validate_prompts`, the rule every trl_cb generation applies, which answers 400. Client and
@@ -62,6 +63,30 @@ def numbers_from_strings(data: dict[str, Any]) -> dict[str, Any]:
             text = value.strip()
             out[name] = int(text) if text.lstrip("+-").isdigit() else float(text)
     return out
+
+
+#: What `temperature: 0` (greedy: evaluations and agent loops send it) is served as: the top-1 token at temperature 1,
+#: exactly the argmax; its `logprobs` are 0 (the sampled distribution is one token), its `policy_logprobs` the
+#: trainer's `log_softmax(logits)`.
+GREEDY = {"temperature": 1.0, "top_p": 1.0, "top_k": 1}
+
+
+def engine_sampling(temperature: float, top_p: float, top_k: int) -> dict[str, Any]:
+    """The engine's sampling settings of a request: `GREEDY` for temperature 0, else the request's own (a top_k of 0
+    or less keeps every token). A temperature between 0 and `MIN_SAMPLING_TEMPERATURE` never gets here (422)."""
+    if temperature == 0:
+        return dict(GREEDY)
+    return {"temperature": temperature, "top_p": top_p, "top_k": max(top_k, 0)}
+
+
+def greedy_or_sampling(temperature: float | None) -> float | None:
+    """Field check of an OpenAI-style temperature: 0 (greedy) or at least `MIN_SAMPLING_TEMPERATURE`."""
+    if temperature is not None and temperature != 0 and not temperature >= MIN_SAMPLING_TEMPERATURE:
+        raise ValueError(
+            f"temperature must be 0 (greedy) or >= {MIN_SAMPLING_TEMPERATURE}: below it the fp32 logits divided by "
+            "it overflow"
+        )
+    return temperature
 
 
 class SamplingRequest(_Strict):

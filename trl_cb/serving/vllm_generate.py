@@ -20,13 +20,12 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import Response
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from ..checks.generation_settings import MIN_SAMPLING_TEMPERATURE
 from .openai_answers import DecodedSample, dump, usage
 from .openai_protocol import MAX_STOP_TOKEN_IDS, MAX_STOPS, Stop
 from .openai_serving import Flows, OpenAIServing, all_groups, finished_sample
-from .protocol import MAX_N, MAX_TOKENS, PromptIds, SamplingRequest
+from .protocol import MAX_N, MAX_TOKENS, PromptIds, SamplingRequest, engine_sampling, greedy_or_sampling
 from .protocol import _Strict as Strict
 
 __all__ = ["GenerateRequest", "VLLMSamplingParams", "generate"]
@@ -40,7 +39,7 @@ class VLLMSamplingParams(SamplingRequest):
     (sent by clients that fill every field) accepted; anything else set is refused (422, naming it)."""
 
     n: int = Field(default=1, ge=1, le=MAX_N)
-    temperature: float = Field(default=1.0, ge=MIN_SAMPLING_TEMPERATURE)
+    temperature: float = 1.0  # 0: greedy (`protocol.GREEDY`), else >= MIN_SAMPLING_TEMPERATURE
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # 0 or -1: every token
     max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=1, le=MAX_TOKENS)
@@ -76,8 +75,13 @@ class VLLMSamplingParams(SamplingRequest):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_sampling(cls, temperature: float | None) -> float | None:
+        return greedy_or_sampling(temperature)
+
     def sampling(self) -> dict[str, Any]:
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0)}
+        return engine_sampling(self.temperature, self.top_p, self.top_k)
 
     def new_tokens(self) -> int:
         return DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens

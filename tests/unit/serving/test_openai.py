@@ -306,3 +306,32 @@ def test_chat_logprob_bytes_are_each_tokens_own(multibyte):
         expected.append(list(encoded[at : at + len(vocabulary_string)]))
         at += len(vocabulary_string)
     assert [t.bytes for t in content[:-1]] == expected == [t.bytes for t in chunks[:-1]]
+
+
+def test_temperature_0_is_greedy_with_the_trainers_logprobs(served, tokenizer):
+    """`temperature: 0` (evaluations and agent loops send it) samples the argmax at every step, the same for every
+    sample; `logprobs` are 0 (the sampled distribution is one token) and `policy_logprobs` the trainer's
+    `log_softmax(logits)`, exact against teacher forcing. Control: sampling at T=1 leaves the argmax somewhere."""
+    client, url, reference = served
+    prompt = tokenizer.encode(PROMPT)
+    extra = {"return_token_ids": True}
+    answer = client.completions.create(
+        model=MODEL, prompt=PROMPT, n=2, max_tokens=16, temperature=0, logprobs=0, extra_body=extra
+    )
+    ids = [c.model_extra["token_ids"] for c in answer.choices]
+    assert ids[0] == ids[1] and len(ids[0]) > 3, ids
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + ids[0]])).logits[0, len(prompt) - 1 : -1].float()
+    assert logits.argmax(-1).tolist() == ids[0], "a greedy sample left the argmax"
+    choice = answer.choices[0]
+    assert choice.logprobs.token_logprobs == [0.0] * len(ids[0])
+    exact = teacher_forced_logprobs(reference, prompt, ids[0], 1.0, 0, 1.0)
+    assert (exact - torch.tensor(choice.model_extra["policy_logprobs"])).abs().max().item() <= TOL
+    token_in = {"token_ids": prompt, "sampling_params": {"temperature": 0, "max_tokens": 16, "logprobs": 1}}
+    routed = requests.post(url + "/inference/v1/generate", json=token_in, headers=AUTH, timeout=120)
+    assert routed.status_code == 200 and routed.json()["choices"][0]["token_ids"] == ids[0]
+    sampled = client.completions.create(model=MODEL, prompt=PROMPT, n=4, max_tokens=16, temperature=1.0,
+                                        extra_body=extra)  # fmt: skip
+    assert any(c.model_extra["token_ids"] != ids[0] for c in sampled.choices), "control: T=1 sampled the argmax"
+    refused = requests.post(url + "/v1/completions", json={"prompt": PROMPT, "temperature": 0.001}, headers=AUTH)
+    assert refused.status_code == 422 and "greedy" in refused.text and "0.001" not in refused.text
