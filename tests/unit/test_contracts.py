@@ -461,6 +461,26 @@ def test_engine_cache_layout_we_check_models_against():
         _upstream.engine_layer_groups(qwen)
 
 
+def test_prefix_match_leaves_one_token_and_a_fork_prefills_all_but_the_last():
+    """`_upstream_prefix.with_two_tokens_left` wraps `PagedAttentionCache.search_prefix_match(request_id, prompt_ids)`
+    because the allocators match whole pages of all but the prompt's last token (one left) and the scheduler gives a
+    request with children all but its last token (one fewer): a fork on a match would prefill nothing."""
+    from transformers.generation.continuous_batching import cache, scheduler
+    from transformers.generation.continuous_batching.cache_allocators import cache_allocator
+
+    assert list(inspect.signature(cache.PagedAttentionCache.search_prefix_match).parameters) == [
+        "self",
+        "request_id",
+        "prompt_ids",
+    ]
+    assert "(len(prompt_ids) - 1) // self.tokens_per_page" in inspect.getsource(
+        cache_allocator.CacheAllocator.match_prefix_blocks
+    )
+    source = inspect.getsource(scheduler.Scheduler)
+    assert "search_prefix_match(state.request_id, state.remaining_prefill_tokens)" in source
+    assert "token_budget = len(request_tokens) - 1" in source
+
+
 def test_attention_interface_accepts_a_registered_probe(tokenizer):
     """The compatibility probe registers its own attention function and runs one forward through it."""
     from transformers import AttentionInterface

@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="prefill every prompt whole (default: reuse earlier requests' KV blocks for a shared prefix, never "
+        "across a weight update)",
+    )
+    parser.add_argument(
         "--max-num-seqs", type=int, default=256, help="most sequences generating at once (more requests queue)"
     )
     parser.add_argument(
@@ -93,6 +100,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         api_key=args.api_key,
         continuous_batching_config=args.continuous_batching_config,
         max_num_seqs=args.max_num_seqs,
+        prefix_caching=args.prefix_caching,
         **({"max_body_bytes": args.max_body_bytes} if args.max_body_bytes else {}),
     )
 

@@ -6,13 +6,13 @@ pure builders and assigns it once; feature modules never assign to an engine obj
 (tests/unit/engine/test_upstream_patches.py). Composed, outermost first (`>`): `compute_batch`: step threads (CPU) >
 mask placeholder > a hybrid's step plan (`_upstream_recurrent`; its state slots freed and forked with the cache's
 blocks) > decode graphs or eager (`decode_graphs`) > upstream; `_sample`: policy-logprob recorder > race sampler or
-upstream; `maybe_pad_inputs`: decode padding (`decode_graphs`); `prepare_batch_update`: (processed, policy) logprob
-pairs > upstream; `schedule_batch`: steady decode batch > upstream; `prepare_batch_tensors`: steady decode advance >
-read rows by tensor ops (`_upstream_cache`) > upstream; `update_batch`: steady rows inline > forks copied field by
-field (`_upstream_fork`) > upstream; `handle_batch_error` / `fail_all_requests`: lazy request states written >
-upstream; `cache.update` (5.24): one-gather reads and block-table marks > upstream; `_run_generation_loop`: a context
-(`run_loop_in`); on the classes: block hashes chained from the weight epoch (`install_epoch_hashes`). The mask
-placeholder: a 4D `attention_mask` short-circuits the mask builders. Upstream surface: tests/unit/test_contracts.py.
+upstream; `maybe_pad_inputs`: decode padding; `prepare_batch_update`: (processed, policy) logprob pairs > upstream;
+`schedule_batch`: steady decode batch > upstream; `prepare_batch_tensors`: steady decode advance > read rows by tensor
+ops (`_upstream_cache`) > upstream; `update_batch`: steady rows inline > forks copied field by field (`_upstream_fork`)
+> upstream; `handle_batch_error` / `fail_all_requests`: lazy request states written > upstream;
+`cache.search_prefix_match`: two prompt tokens left (`_upstream_prefix`) > upstream; `cache.update` (5.24): one-gather
+reads and block-table marks > upstream; `_run_generation_loop`: a context (`run_loop_in`); on the classes: block hashes
+chained from the weight epoch (`install_epoch_hashes`). Upstream surface: tests/unit/test_contracts.py.
 """
 
 from __future__ import annotations
@@ -109,6 +109,10 @@ def install(manager: ContinuousBatchingManager, model: PreTrainedModel, features
     if features.recurrent is not None:
         lifetimes = _upstream_recurrent.with_slot_lifetimes(cache, features.recurrent.slots)
         cache.free_blocks, cache.free_all_requests, cache.prepare_fork_request = lifetimes
+
+    # PagedAttentionCache.search_prefix_match: a forked request's prefill never matched empty
+    if cache.use_prefix_sharing:
+        cache.search_prefix_match = _upstream_prefix.with_two_tokens_left(cache.search_prefix_match)
 
     # PagedAttentionCache.update (5.24): the model's layers write the cache
     cache_update = _upstream_cache.with_direct_reads(cache, model, features.attention_name, cache.update)

@@ -23,7 +23,7 @@ from typing import Any
 
 from transformers.generation.continuous_batching.cache_allocators import cache_allocator
 
-__all__ = ["bump_weight_epoch", "epoch_hash", "weight_epoch", "with_start_epoch"]
+__all__ = ["bump_weight_epoch", "epoch_hash", "weight_epoch", "with_start_epoch", "with_two_tokens_left"]
 
 _upstream_hash = cache_allocator.compute_block_hash
 _lock = threading.Lock()
@@ -67,3 +67,17 @@ def with_start_epoch(mark: Callable[[Any, Any, Any], None]) -> Callable[[Any, An
             _marking.epoch = None
 
     return mark_complete_blocks
+
+
+def with_two_tokens_left(search: Callable[[str, list[int]], int]) -> Callable[[str, list[int]], int]:
+    """`PagedAttentionCache.search_prefix_match(request_id, prompt_ids)` (`search`) matching whole pages of all but the
+    prompt's last token, so that at least two prompt tokens are left to prefill.
+
+    Why: transformers' match leaves one, but a request with samples to fork prefills all but its last token before it
+    forks, which then leaves it an empty forward (it fails: "cannot reshape tensor of 0 elements"). The cost: at most
+    one page less reused, for a prompt one token past a page boundary."""
+
+    def search_prefix_match(request_id: str, prompt_ids: list[int]) -> int:
+        return search(request_id, prompt_ids[:-1])
+
+    return search_prefix_match

@@ -10,8 +10,9 @@ as the engine has room. Invariants:
   top_p to transformers' per-request warpers (`request_settings.py`), exact per request; the engine gains a warper the
   first time a group needs one (grow-only). Other differences (and every one without `per_request`) need a rebuild:
   groups the engine can take pass those waiting for one, each passed at most `max_num_seqs` times (none starves).
-- Every group submitted ends exactly once: finished, failed (engine error, bad settings, `ServerShuttingDown`) or
-  cancelled.
+- Every group submitted ends once: finished, failed (engine error, bad settings, `ServerShuttingDown`) or cancelled.
+- Prefix reuse (`share_prefixes`): a prompt starting with KV pages an earlier request left prefills only the rest;
+  every weight update starts a new epoch of block hashes, so nothing cached before an update is reused after it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..checks.generation_settings import sampling_signature
-from ..engine import _upstream
+from ..engine import _upstream, _upstream_prefix
 from ..engine.sizing import Workload
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.inflight_update import paused_for_weight_update
@@ -131,11 +132,13 @@ class ServingEngine:
         model: torch.nn.Module,
         max_num_seqs: int,
         per_request: bool = False,
+        share_prefixes: bool = True,
     ) -> None:
         self.generator = generator
         self.model = model
         self.max_num_seqs = max_num_seqs
         self.per_request = per_request
+        self.share_prefixes = share_prefixes
         self._vocab = int(model.config.get_text_config().vocab_size)  # what "no top-k" means per request
         self._warpers: frozenset[str] = frozenset()  # per-request warpers the engine has (grow-only)
         self.version = 0
@@ -323,7 +326,7 @@ class ServingEngine:
         previous, workload = self._workload, _sized_workload(ticket, self.model, self.max_num_seqs)
         if previous is not None and (signature == self._signature or self.per_request):  # grow, never thrash
             workload = workload.union(previous)
-        self._manager = self.generator.engine_for(self.model, workload)
+        self._manager = self.generator.engine_for(self.model, workload, share_prefixes=self.share_prefixes)
         self._signature, self._workload = signature, workload
         self.stats.engine_builds += 1
         if self.paused:
@@ -335,6 +338,8 @@ class ServingEngine:
             self.stats.weight_updates_in_flight += inflight
             copy()
             self.version = version
+            if self.share_prefixes:  # blocks cached under the old weights are never matched again
+                _upstream_prefix.bump_weight_epoch()
 
     def _set_paused(self, paused: bool) -> None:
         self.paused = paused

@@ -66,6 +66,7 @@ def create_app(
     max_num_seqs: int = 256,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     tokenizer: Any = None,
+    prefix_caching: bool = True,
 ) -> FastAPI:
     """An app serving `model` (a transformers causal LM) with trl_cb's engine.
 
@@ -75,6 +76,8 @@ def create_app(
     `max_body_bytes`: the largest request body read (413 past it).
     `tokenizer`: the served model's (text prompts, chat, answers' text: the OpenAI-compatible routes); without one,
     only token-id prompts are served and answers carry no text.
+    `prefix_caching`: a request reuses the KV blocks of earlier requests' shared prefix (a conversation's earlier
+    turns), never across a weight update (`ServingEngine`).
     """
     defaults = {"eos_token_id": model.generation_config.eos_token_id, "pad_token_id": model.config.pad_token_id}
     defaults.update(generation_defaults or {})
@@ -85,7 +88,7 @@ def create_app(
         model, GenerationConfig(do_sample=True, max_new_tokens=16, **defaults), continuous_batching_config
     )
     per_request = bool(continuous_batching_config["per_request_processors"])
-    engine = ServingEngine(generator, model, max_num_seqs, per_request=per_request)
+    engine = ServingEngine(generator, model, max_num_seqs, per_request=per_request, share_prefixes=prefix_caching)
     weights = WeightReceiver(model, engine.apply_weights)
     counters = RequestCounters()
 
