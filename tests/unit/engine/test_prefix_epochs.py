@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
 from tests.conftest import sampling_config
 from tests.unit.rollouts.test_async import logprobs_of
@@ -49,10 +48,9 @@ def test_turns_reuse_blocks_only_under_the_weights_that_computed_them(tokenizer,
     matched: list[int] = []
     generator = ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=NEW_TOKENS))
     manager = generator.engine_for(model, Workload(2, 256, NEW_TOKENS, 256), share_prefixes=True)
-    search = PagedAttentionCache.search_prefix_match
-    monkeypatch.setattr(
-        PagedAttentionCache, "search_prefix_match", lambda *a: matched.append(search(*a)) or matched[-1]
-    )
+    cache = manager.batch_processor.cache  # the engine's own matcher (`_upstream_patches` sets it on the instance)
+    search = cache.search_prefix_match
+    monkeypatch.setattr(cache, "search_prefix_match", lambda *a: matched.append(search(*a)) or matched[-1])
     groups = InFlightGroups()
     try:
         first, _ = turn(groups, manager, prompt, 0)
