@@ -80,8 +80,10 @@ def create_manager(
     (`_upstream_sampling`), and trl_cb's attention is chosen (`_choose_attention`), all before the batch processor
     and its cache exist; with `decode_graphs` (and a graph backend for the device) decode steps read the cache through
     block tables and run as graphs kept across rounds (`decode_graphs.py`). After warmup `_upstream_patches.install`
-    sets trl_cb's behaviour on the engine. On any failure the model keeps its attention implementation and train/eval
-    mode: the manager's constructor switches the former and calls `eval()` before it can raise.
+    sets trl_cb's behaviour on the engine. The model leaves with the attention implementation it came with (`resume`
+    switches it for each round), and on any failure, a KeyboardInterrupt included, with its train/eval mode too: the
+    manager's constructor switches the former and calls `eval()` before it can raise, and the restore runs with SIGINT
+    deferred (a second Ctrl-C inside it would otherwise leave the engine's implementation on the training model).
     """
     check_transformers_version()
     if getattr(model, "_cached_continuous_batching_manager", None) is not None:
@@ -118,10 +120,12 @@ def create_manager(
             stepper = _upstream_recurrent.new_stepper(manager, model)  # a hybrid's recurrent layers, else None
             graphs = backend if block_tables else None
             _patches.install(manager, model, _patches.Features(attention.ATTENTION_NAME, recorder, graphs, stepper))
+            restore_training_attention(manager)  # inside the try: an interrupt here is restored below too
     except BaseException:
-        if attention_implementation(model) != attn_before:
-            model.set_attn_implementation(attn_before)
-        model.train(training_before)
+        with deferred_interrupts():
+            if attention_implementation(model) != attn_before:
+                model.set_attn_implementation(attn_before)
+            model.train(training_before)
         raise
     return manager
 

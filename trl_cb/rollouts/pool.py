@@ -231,7 +231,6 @@ class EnginePool:
             size.page_size,
             size.max_batch_tokens,
         )
-        _upstream.restore_training_attention(manager)
         return Engine(manager=manager, module=module, signature=signature, workload=workload, size=size)
 
 

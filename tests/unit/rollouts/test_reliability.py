@@ -396,6 +396,48 @@ def test_failed_engine_build_leaves_the_model_exactly_as_it_was(tokenizer, path)
     gen.close()
 
 
+@pytest.mark.parametrize("second_ctrl_c", [False, True], ids=["one-ctrl-c", "second-ctrl-c-in-the-restore"])
+def test_ctrl_c_at_the_end_of_an_engine_build_leaves_the_model_its_attention(
+    light, tokenizer, monkeypatch, second_ctrl_c
+):
+    """A SIGINT landing as the build ends gives the model its attention back (deterministic form of the random-signal
+    test above, which caught it: the build switched to `trl_cb_varlen` and the pool restored it only after the manager
+    came back, so an interrupt in between left the training model on the engine's implementation). A second Ctrl-C
+    inside that restore is held until the model is restored, then reaches the caller."""
+    from trl_cb.engine import _upstream
+
+    real_restore, real_set = _upstream.restore_training_attention, light.set_attn_implementation
+    interrupted = []
+
+    def interrupt_before_restoring(manager):
+        if not interrupted:
+            interrupted.append(manager)
+            raise KeyboardInterrupt  # the first Ctrl-C: the engine's implementation is still on the model
+        real_restore(manager)
+
+    def set_with_a_second_ctrl_c(name):
+        if interrupted and second_ctrl_c:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(0.05)  # the handler runs now, before the implementation is set
+        real_set(name)
+
+    monkeypatch.setattr(_upstream, "restore_training_attention", interrupt_before_restoring)
+    monkeypatch.setattr(light, "set_attn_implementation", set_with_a_second_ctrl_c)
+    gen = ContinuousBatchingGenerator(light, sampling_config(tokenizer, max_new_tokens=4))
+    try:
+        with python_sigint(), pytest.raises(KeyboardInterrupt):
+            gen.generate([[5, 6, 7]])
+        assert interrupted, "the build never reached the restore"
+        assert light.config._attn_implementation == "sdpa"
+        assert not engine_threads()
+        monkeypatch.undo()
+        short = sampling_config(tokenizer, max_new_tokens=6, eos_token_id=tokenizer.eos_token_id)
+        prompts = long_round_prompts(tokenizer)[:2]
+        assert max_logprob_error(light, prompts, gen.generate(prompts, 2, generation_config=short), 2) <= 1e-4
+    finally:
+        gen.close()
+
+
 # --------------------------------------------------------------------------------------------- interpreter exit
 
 
