@@ -176,8 +176,12 @@ def _train(spec: dict[str, Any], args: Any, trainer_cls: Any, model: Any, tokeni
     )  # fmt: skip
     waits: list[float] = []
     if backend.startswith("trl_cb"):  # time the trainer's wait for rollouts
-        waits = common.record_call_times(trainer, "_cb_async_take" if backend.endswith("_async") else "_cb_generate")
-    pushes = common.record_call_times(trainer, "_cb_push_weights") if backend in SERVER_BACKENDS else []
+        rollouts = trainer.rollouts
+        async_ = backend.endswith("_async")
+        waits = common.record_call_times(
+            rollouts.async_rollouts if async_ else rollouts, "take" if async_ else "generate"
+        )
+    pushes = common.record_call_times(trainer.rollouts.remote, "push_weights") if backend in SERVER_BACKENDS else []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()

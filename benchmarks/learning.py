@@ -172,7 +172,7 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _overlap_engine_paused(trainer: Any) -> contextlib.AbstractContextManager[None]:
     """The overlap engine held between two steps (`OverlapEngineBackend.paused`); none before the first rollouts."""
-    controller = trainer.rollout_state.async_rollouts.source
+    controller = trainer.rollouts.async_rollouts.source
     return controller.backend.paused() if controller is not None else contextlib.nullcontext()
 
 
@@ -241,9 +241,10 @@ def _train(
     trainer.remove_callback(PrinterCallback)  # the per-step log dicts would bury the progress bar
     # The trainer's wait for rollouts each step: the generation call (sync backends) or the wait for finished groups
     # (async). The rest of a step is scoring, the IS / old-logprob forward, backward and the optimizer step.
-    waits = common.record_call_times(
-        trainer, "_cb_async_take" if backend in ASYNC_BACKENDS else "_generate_single_turn"
-    )
+    if backend in ASYNC_BACKENDS:
+        waits = common.record_call_times(trainer.rollouts.async_rollouts, "take")
+    else:
+        waits = common.record_call_times(trainer, "_generate_single_turn")
     trainer.train()
     logs = [e for e in trainer.state.log_history if "reward" in e and "step" in e]
     steps = len(curve.step_end)
@@ -297,9 +298,9 @@ def _trainer_settings(trainer: Any) -> dict[str, Any]:
         "cb_async_prefetch_depth", "cb_async_max_staleness", "cb_async_keep_stale", "cb_importance_sampling_mode",
         "cb_importance_sampling_clip_min", "cb_importance_sampling_clip_max",
     )}  # fmt: skip
-    if getattr(a, "cb_async_generation", False) and hasattr(trainer, "_cb_max_staleness"):
-        out["cb_async_prefetch_depth"] = trainer._cb_prefetch_depth()
-        out["max_staleness_resolved"] = trainer._cb_max_staleness()
+    if getattr(a, "cb_async_generation", False) and hasattr(trainer, "rollouts"):
+        out["cb_async_prefetch_depth"] = trainer.rollouts.async_rollouts.prefetch_depth()
+        out["max_staleness_resolved"] = trainer.rollouts.async_rollouts.max_staleness()
     return out
 
 

@@ -60,20 +60,18 @@ def main() -> None:
     )  # fmt: skip
     takes: list[dict[str, Any]] = []
     backends: list[str] = []
-    original_take = trainer._cb_async_take
+    original_take = trainer.rollouts.async_rollouts.take
 
     def recording_take(inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows = original_take(inputs)
-        controller = trainer.rollout_state.async_rollouts.source
+        controller = trainer.rollouts.async_rollouts.source
         backends.append(type(controller.backend).__name__)
-        versions = [
-            [int(v) for v in seq] for g in trainer.rollout_state.async_rollouts.step_groups for seq in g.versions
-        ]
-        lengths = [len(c) for g in trainer.rollout_state.async_rollouts.step_groups for c in g.completion_ids]
+        versions = [[int(v) for v in seq] for g in trainer.rollouts.async_rollouts.step_groups for seq in g.versions]
+        lengths = [len(c) for g in trainer.rollouts.async_rollouts.step_groups for c in g.completion_ids]
         takes.append({"policy_version": controller.policy_version, "versions": versions, "lengths": lengths})
         return rows
 
-    trainer._cb_async_take = recording_take
+    trainer.rollouts.async_rollouts.take = recording_take
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
 
@@ -87,13 +85,13 @@ def main() -> None:
         "wrapper": type(trainer.model_wrapped).__name__,
         "backends": sorted(set(backends)),
         "takes": takes,
-        "max_staleness": trainer._cb_max_staleness(),
+        "max_staleness": trainer.rollouts.async_rollouts.max_staleness(),
         "logs": [e for e in trainer.state.log_history if "loss" in e],
         "weights_digest": weights_digest(trainer.model),
         "max_rank_weight_diff": max((g - flat).abs().max().item() for g in gathered),
         "num_changed": sum(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters()),
         "engine_threads_left": sum("_run_generation_loop" in repr(t) for t in threading.enumerate()),
-        "controller_stopped": trainer.rollout_state.async_rollouts.source is None,
+        "controller_stopped": trainer.rollouts.async_rollouts.source is None,
     }
     Path(args.report, f"rank{rank}.json").write_text(json.dumps(report, indent=2))
     trainer.accelerator.wait_for_everyone()  # leave the process group together (see train_check.py)

@@ -108,7 +108,7 @@ def main() -> None:
 
     sharding.gathered = counted
     rounds: list[dict[str, Any]] = []
-    original = trainer._cb_remote_generate
+    original = trainer.rollouts.remote.generate
 
     def checked_generate(prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
         completion_ids, logprobs = original(prompt_ids)
@@ -125,8 +125,8 @@ def main() -> None:
                 "num_completions": len(completion_ids),
                 "prompts_digest": hashlib.sha1(json.dumps(prompt_ids).encode()).hexdigest(),
                 "max_gap": max(gaps),
-                "weight_version": trainer.rollout_state.remote.weight_version,
-                "holds_client": trainer.rollout_state.remote.client is not None,  # the main process only
+                "weight_version": trainer.rollouts.remote.weight_version,
+                "holds_client": trainer.rollouts.remote.client is not None,  # the main process only
                 "param_dtypes": sorted({str(t.dtype) for t in state.values()}),
                 # ZeRO-3: parameters held as partitions (empty local tensors) outside gathers, so the push gathered.
                 "num_partitioned": sum(p.numel() == 0 for p in trainer.model_wrapped.parameters()),
@@ -135,24 +135,24 @@ def main() -> None:
         )
         return completion_ids, logprobs
 
-    trainer._cb_remote_generate = checked_generate
+    trainer.rollouts.remote.generate = checked_generate
     taken: list[dict[str, Any]] = []
-    original_completions = trainer._cb_async_completions
+    original_completions = trainer.rollouts.async_rollouts.completions
 
     def recorded_completions(prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
         """Async mode: which groups this rank trains on, and the weight versions of their tokens."""
-        groups = trainer.rollout_state.async_rollouts.step_groups
+        groups = trainer.rollouts.async_rollouts.step_groups
         taken.append(
             {
                 "num_groups": len(groups),
                 "prompts_digest": hashlib.sha1(json.dumps([g.prompt_ids for g in groups]).encode()).hexdigest(),
                 "versions": sorted({v for g in groups for per_sample in as_lists(g.versions) for v in per_sample}),
-                "holds_client": trainer.rollout_state.remote.client is not None,
+                "holds_client": trainer.rollouts.remote.client is not None,
             }
         )
         return original_completions(prompt_ids)
 
-    trainer._cb_async_completions = recorded_completions
+    trainer.rollouts.async_rollouts.completions = recorded_completions
     trainer.train()
     rank = trainer.accelerator.process_index
     report = {

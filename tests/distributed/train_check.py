@@ -195,7 +195,7 @@ def main() -> None:
 
     rounds: list[dict[str, Any]] = []
     builds: list[int] = []
-    original = trainer._cb_generate
+    original = trainer.rollouts.generate
     generation_module = plain_module(trainer.model)  # the module the engine runs (PEFT: the base, adapters in it)
     engine_reads = EngineReads(generation_module)
     generation_dtype = torch.bfloat16 if args.bf16 else torch.float32
@@ -230,10 +230,10 @@ def main() -> None:
                 **zero3_round,
             }
         )
-        builds.append(trainer.rollout_state.generator.num_engine_builds)
+        builds.append(trainer.rollouts.generator.num_engine_builds)
         return completion_ids, logprobs
 
-    trainer._cb_generate = recording_generate
+    trainer.rollouts.generate = recording_generate
     trained_before = {n: p.detach().float().clone() for n, p in _full_trainable(trainer).items()}
     trainer.train()
     trained_after = _full_trainable(trainer)
@@ -246,7 +246,7 @@ def main() -> None:
         "rounds": rounds,
         "engine_builds": builds[-1] if builds else 0,
         "logs": [e for e in trainer.state.log_history if "loss" in e],
-        "generator_closed": trainer.rollout_state.generator is None,
+        "generator_closed": trainer.rollouts.generator is None,
         # Module parameters by dtype, and the fp32 master weights where the strategy keeps them apart (ZeRO-3 with
         # bf16 holds the module in bf16 and the optimizer's fp32 partitions).
         "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),

@@ -89,7 +89,7 @@ def run_cb(
         **trainer_kwargs,
     )
     run = Run(trainer=trainer, logs=[])
-    real = trainer._cb_generate
+    real = trainer.rollouts.generate
 
     def recording_generate(prompt_ids: list[list[int]]) -> Any:
         with torch.random.fork_rng(devices=[]):
@@ -98,7 +98,7 @@ def run_cb(
         run.completions.append([list(c) for c in completion_ids])
         return completion_ids, logprobs
 
-    trainer._cb_generate = recording_generate
+    trainer.rollouts.generate = recording_generate
     if setup is not None:
         setup(trainer)
     trainer.train()

@@ -102,21 +102,22 @@ def capture_is_inputs(seen: list[dict]):
     """A `setup` that keeps, for every scored batch, what the CB trainer's IS correction reads."""
 
     def setup(trainer) -> None:
-        real = trainer._cb_importance_sampling
+        correction = trainer.rollouts.importance_sampling
+        real = correction.apply
 
-        def capture(output, per_token_loss, sampling, old=None):
-            # `old` is given when the correction runs inside the loss forward (is_correction.py `_compute_loss`)
+        def capture(output, sampling, old=None):
+            # `old` is given when the correction runs inside the loss forward (is_correction.py `compute_loss`)
             seen.append(
                 {
                     "tool_mask": output["tool_mask"].clone(),
                     "completion_mask": output["completion_mask"].clone(),
                     "sampling": sampling.clone(),
-                    "old": (trainer._cb_old_logps(output) if old is None else old).clone(),
+                    "old": (correction.old_logps(output) if old is None else old).clone(),
                 }
             )
-            return real(output, per_token_loss, sampling=sampling, old=old)
+            return real(output, sampling=sampling, old=old)
 
-        trainer._cb_importance_sampling = capture
+        correction.apply = capture
 
     return setup
 

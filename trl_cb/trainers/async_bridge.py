@@ -16,7 +16,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
@@ -31,13 +31,16 @@ from ..rollouts.model_access import plain_module
 from ..rollouts.multi_turn import with_turns
 from ..rollouts.rollout_groups import TokenValues, as_lists
 from . import tool_turns, trl_internals
-from .generators import build_generator
-from .rollout_state import RolloutStateMixin
 from .tool_turns import ToolTurns
+
+if TYPE_CHECKING:
+    from ..rollouts.generator import ContinuousBatchingGenerator
+    from ..rollouts.rollout_groups import RolloutGroup
+    from .remote import RemoteRollouts
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ASYNC_STATE_FILE", "AsyncRolloutsMixin", "default_max_staleness"]
+__all__ = ["ASYNC_STATE_FILE", "AsyncBridge", "default_max_staleness"]
 
 #: Per-process async state saved in each checkpoint directory (the prompt stream's resume position).
 ASYNC_STATE_FILE = "trl_cb_async_state-rank{rank}.json"
@@ -59,54 +62,72 @@ def default_max_staleness(prefetch_depth: int, optimizer_steps_per_take: float) 
 class _PauseEngineForOptimizerStep(TrainerCallback):
     """The optimizer mutates weights in place: the engine must not run a forward meanwhile."""
 
-    def __init__(self, trainer: AsyncRolloutsMixin) -> None:
-        self.trainer = trainer
+    def __init__(self, rollouts: AsyncBridge) -> None:
+        self.rollouts = rollouts
 
     def on_pre_optimizer_step(self, *a: Any, **k: Any) -> None:
-        source = self.trainer.rollout_state.async_rollouts.source
-        if source is not None:
-            source.begin_weight_update()
+        if self.rollouts.source is not None:
+            self.rollouts.source.begin_weight_update()
 
     def on_optimizer_step(self, *a: Any, **k: Any) -> None:
-        source = self.trainer.rollout_state.async_rollouts.source
-        if source is not None:
-            source.end_weight_update()
+        if self.rollouts.source is not None:
+            self.rollouts.source.end_weight_update()
 
 
 class _SaveAsyncState(TrainerCallback):
     """Write the prompt stream's position into each checkpoint (`Trainer` calls `on_save` right after
     `_save_checkpoint` has written `checkpoint-<global_step>`)."""
 
-    def __init__(self, trainer: AsyncRolloutsMixin) -> None:
-        self.trainer = trainer
+    def __init__(self, rollouts: AsyncBridge) -> None:
+        self.rollouts = rollouts
 
     def on_save(self, args: Any, state: Any, control: Any, **k: Any) -> None:
         folder = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-        self.trainer._cb_save_async_state(os.path.join(args.output_dir, folder))
+        self.rollouts.save_state(os.path.join(args.output_dir, folder))
 
 
-class AsyncRolloutsMixin(RolloutStateMixin):
-    """The async part of `ContinuousBatchingTrainerMixin`. Its state: `rollout_state.async_rollouts` (the source,
-    the stream position, the groups of the current step and the dataset's longest prompt)."""
+class AsyncBridge:
+    """The trainer's async rollouts (a part of `TrainerRollouts`; `cb_async_generation`), the one writer of its
+    state: `source` (the running rollouts, built at the first training step that needs them, `None` once stopped),
+    `step_groups` (the finished groups taken for the step being scored, `None` outside a scoring), `stream_start`
+    (where the next source starts: advanced when a source stops, set from a checkpoint on resume), `longest_prompt`
+    (the training dataset's longest prompt in tokens, scanned once: the engine is sized for it) and `turns` (with
+    tools or environments: the trainer's side of multi-turn rollouts, built with the source)."""
 
-    def _cb_async_setup(self) -> None:
-        """Called at the end of `__init__`: refuse unsupported setups early and hook weight updates."""
-        args = self.args
+    def __init__(
+        self,
+        trainer: Any,
+        remote: RemoteRollouts,
+        build_generator: Callable[[], ContinuousBatchingGenerator],
+    ) -> None:
+        self.trainer = trainer
+        self.remote = remote
+        self.build_generator = build_generator
+        self.source: AsyncRolloutSource | None = None
+        self.step_groups: list[RolloutGroup] | None = None
+        self.stream_start = 0
+        self.longest_prompt: int | None = None
+        self.turns: ToolTurns | None = None
+
+    def setup(self) -> None:
+        """Called at the end of the trainer's `__init__`: refuse unsupported setups early and hook weight updates."""
+        trainer = self.trainer
+        args = trainer.args
         if not getattr(args, "cb_async_generation", False):
             return
-        if getattr(args, "cb_async_overlap", False) and sharding.is_sharded(self.model, self.accelerator):
+        if getattr(args, "cb_async_overlap", False) and sharding.is_sharded(trainer.model, trainer.accelerator):
             raise ValueError(SHARDED_REFUSAL)
-        if not args.cb_server_urls and sharding.is_sharded(self.model, self.accelerator):
+        if not args.cb_server_urls and sharding.is_sharded(trainer.model, trainer.accelerator):
             raise ValueError(
                 "cb_async_generation runs the engine on local, unsharded parameters: use a single process or DDP "
                 "(ZeRO-3 and FSDP shard parameters between steps), or rollout servers (`cb_server_urls`)."
             )
-        if getattr(self, "tools", None) and self.accelerator.num_processes > 1:
+        if getattr(trainer, "tools", None) and trainer.accelerator.num_processes > 1:
             raise ValueError(
                 "cb_async_generation with tools or environments runs on one process (each sample's tool loop and "
                 "environment live beside the rollout producer); use one process, or sync mode for several."
             )
-        depth = self._cb_prefetch_depth()
+        depth = self.prefetch_depth()
         if depth != args.cb_async_prefetch_depth:  # as TRL's trainers override a field: args show what runs
             logger.info(
                 "Async rollouts with tools: cb_async_prefetch_depth set to %d (unset; %d without tools).",
@@ -114,77 +135,75 @@ class AsyncRolloutsMixin(RolloutStateMixin):
                 args.cb_async_prefetch_depth,
             )
             args.cb_async_prefetch_depth = depth
-        self.add_callback(_PauseEngineForOptimizerStep(self))
-        self.add_callback(_SaveAsyncState(self))
+        trainer.add_callback(_PauseEngineForOptimizerStep(self))
+        trainer.add_callback(_SaveAsyncState(self))
 
-    def _cb_async_position(self) -> int:
+    def position(self) -> int:
         """Stream position of the first prompt no finished step has consumed (see `PromptStream`)."""
-        state = self.rollout_state.async_rollouts
-        return state.stream_start + (state.source.consumed_groups if state.source is not None else 0)
+        return self.stream_start + (self.source.consumed_groups if self.source is not None else 0)
 
-    def _cb_save_async_state(self, checkpoint_dir: str) -> None:
+    def save_state(self, checkpoint_dir: str) -> None:
         if not os.path.isdir(checkpoint_dir):
             logger.warning("No checkpoint directory %s: async rollout state not saved.", checkpoint_dir)
             return
-        state = {"stream_position": self._cb_async_position(), "seed": self._cb_stream_seed()}
-        path = os.path.join(checkpoint_dir, ASYNC_STATE_FILE.format(rank=self.accelerator.process_index))
+        state = {"stream_position": self.position(), "seed": self._stream_seed()}
+        path = os.path.join(checkpoint_dir, ASYNC_STATE_FILE.format(rank=self.trainer.accelerator.process_index))
         with open(path, "w") as f:
             json.dump(state, f)
 
-    def _cb_load_async_state(self, checkpoint_dir: str) -> None:
-        path = os.path.join(checkpoint_dir, ASYNC_STATE_FILE.format(rank=self.accelerator.process_index))
+    def _load_state(self, checkpoint_dir: str) -> None:
+        path = os.path.join(checkpoint_dir, ASYNC_STATE_FILE.format(rank=self.trainer.accelerator.process_index))
         if not os.path.isfile(path):
             logger.warning(
                 "Resuming async rollouts from %s without saved stream state: the prompt stream restarts.",
                 checkpoint_dir,
             )
-            self.rollout_state.async_rollouts.stream_start = 0
+            self.stream_start = 0
             return
         with open(path) as f:
             state = json.load(f)
-        if state.get("seed") != self._cb_stream_seed():
+        if state.get("seed") != self._stream_seed():
             logger.warning("The checkpoint's prompt stream used another seed: its position is applied as is.")
-        start = self.rollout_state.async_rollouts.stream_start = int(state["stream_position"])
+        start = self.stream_start = int(state["stream_position"])
         logger.info("Async rollouts resume the prompt stream at item %d.", start)
 
-    def _cb_stream_seed(self) -> int:
-        return self.args.seed * 1000 + self.accelerator.process_index
+    def _stream_seed(self) -> int:
+        return self.trainer.args.seed * 1000 + self.trainer.accelerator.process_index
 
-    def _cb_prompt_stream(self, start: int) -> PromptStream:
+    def _prompt_stream(self, start: int) -> PromptStream:
         """Endless shuffled stream of (dataset row, prompt ids), distinct per process, reproducible from the seed,
         starting at item `start` (a resumed run continues where the checkpoint left off)."""
-        dataset = self.train_dataset
+        dataset = self.trainer.train_dataset
 
         def fetch(index: int) -> tuple[Any, list[int]]:
             row = dataset[index]
-            return row, self._cb_tokenize_rows([row])[0]
+            return row, self._tokenize_rows([row])[0]
 
-        return PromptStream(len(dataset), self._cb_stream_seed(), fetch, start=start)
+        return PromptStream(len(dataset), self._stream_seed(), fetch, start=start)
 
-    def _cb_tokenize_rows(self, rows: list[dict[str, Any]]) -> list[list[int]]:
+    def _tokenize_rows(self, rows: list[dict[str, Any]]) -> list[list[int]]:
         """The rows' prompt ids as TRL renders them; with tools, each with its own environment's tools (TRL's own
         tokenizer reads the batch's environments, which a stream item has none of)."""
-        turns = self._cb_turns()
+        turns = self._turns()
         if turns is None:
-            return trl_internals.tokenize_prompts(self, [row["prompt"] for row in rows])
+            return trl_internals.tokenize_prompts(self.trainer, [row["prompt"] for row in rows])
         return [turns.render(turns.prompt_of(row), turns.environment_name(row)) for row in rows]
 
-    def _cb_turns(self) -> ToolTurns | None:
+    def _turns(self) -> ToolTurns | None:
         """The multi-turn side of async rollouts (tools or environments; built once), else None."""
-        state = self.rollout_state.async_rollouts
-        if state.turns is None and getattr(self, "tools", None):
-            state.turns = ToolTurns(self, self.args.cb_async_tool_timeout)
-        return state.turns
+        if self.turns is None and getattr(self.trainer, "tools", None):
+            self.turns = ToolTurns(self.trainer, self.trainer.args.cb_async_tool_timeout)
+        return self.turns
 
-    def _cb_scan_prompts(self, validate: Callable[[list[list[int]]], None]) -> int:
+    def _scan_prompts(self, validate: Callable[[list[list[int]]], None]) -> int:
         """Tokenize and validate every prompt of `train_dataset` (`validate`: the synchronous checks; the error names
         the row) and return the longest prompt's length: the async engine is sized for it, so no row can fail to be
         scheduled later."""
-        dataset = self.train_dataset
+        dataset = self.trainer.train_dataset
         t0 = time.perf_counter()
         longest = 0
         for begin in range(0, len(dataset), _SCAN_BATCH):
-            ids = self._cb_tokenize_rows([dataset[i] for i in range(begin, min(begin + _SCAN_BATCH, len(dataset)))])
+            ids = self._tokenize_rows([dataset[i] for i in range(begin, min(begin + _SCAN_BATCH, len(dataset)))])
             try:
                 validate(ids)
             except ValueError as err:
@@ -195,24 +214,24 @@ class AsyncRolloutsMixin(RolloutStateMixin):
         )
         return longest
 
-    def _cb_async_controller(self) -> AsyncRolloutSource:
+    def controller(self) -> AsyncRolloutSource:
         """The async rollouts, built (and started) the first time a training step needs them: from the rollout
         servers (`remote.py`) or the trainer's own engine, with the same bounds."""
-        state = self.rollout_state.async_rollouts
-        if state.source is not None:
-            return state.source
-        args = self.args
-        groups_per_step = args.generation_batch_size // self.accelerator.num_processes // self.num_generations
+        if self.source is not None:
+            return self.source
+        trainer = self.trainer
+        args = trainer.args
+        groups_per_step = args.generation_batch_size // trainer.accelerator.num_processes // trainer.num_generations
         bounds = AsyncBounds(
-            prefetch_depth=self._cb_prefetch_depth(),
-            max_staleness=self._cb_max_staleness(),
+            prefetch_depth=self.prefetch_depth(),
+            max_staleness=self.max_staleness(),
             keep_stale=args.cb_async_keep_stale,
             timeout=args.cb_generation_timeout,
         )
-        module = plain_module(self.model_wrapped)
+        module = plain_module(trainer.model_wrapped)
         controller: AsyncRolloutSource
         if args.cb_server_urls:
-            max_new = int(self.generation_config.max_new_tokens)
+            max_new = int(trainer.generation_config.max_new_tokens)
             cb_config = args.transformers_continuous_batching_config or {}
 
             def validate(prompts: list[list[int]]) -> None:  # the servers run the trainer's model: same limits
@@ -221,79 +240,80 @@ class AsyncRolloutsMixin(RolloutStateMixin):
             def validate_one(prompt: list[int]) -> None:
                 validate([prompt])
 
-            if state.longest_prompt is None:
-                state.longest_prompt = self._cb_scan_prompts(validate)
-            stream = self._cb_prompt_stream(state.stream_start)
-            # `RemoteRolloutsMixin.cb_remote_async_rollouts` (remote.py), a method of the same trainer
-            controller = self.cb_remote_async_rollouts(stream, validate_one, groups_per_step, bounds)
+            if self.longest_prompt is None:
+                self.longest_prompt = self._scan_prompts(validate)
+            stream = self._prompt_stream(self.stream_start)
+            controller = self.remote.async_rollouts(stream, validate_one, groups_per_step, bounds)
         else:
             # Its own generator (the synchronous one may hold an engine for evaluation), built the same way.
-            generator = build_generator(self.model_wrapped, self.generation_config, args, self.accelerator)
-            if state.longest_prompt is None:
-                state.longest_prompt = self._cb_scan_prompts(lambda ids: generator.validate_prompts(ids, module))
+            generator = self.build_generator()
+            if self.longest_prompt is None:
+                self.longest_prompt = self._scan_prompts(lambda ids: generator.validate_prompts(ids, module))
             controller = AsyncRolloutController(
                 generator,
                 module,
-                self._cb_prompt_stream(state.stream_start),
-                max_prompt_len=state.longest_prompt + self._cb_turn_context(),
+                self._prompt_stream(self.stream_start),
+                max_prompt_len=self.longest_prompt + self._turn_context(),
                 overlap=args.cb_async_overlap,
                 engine_threads=args.cb_async_overlap_engine_threads,
-                num_generations=self.num_generations,
+                num_generations=trainer.num_generations,
                 groups_per_step=groups_per_step,
                 **bounds,
             )
-        turns = self._cb_turns()
+        turns = self._turns()
         if turns is not None:  # each sample's tool loop runs between its turns (rollouts/multi_turn.py)
             core = getattr(controller, "controller", controller)  # servers: the main process's core
-            max_turn = int(self.generation_config.max_new_tokens)
+            max_turn = int(trainer.generation_config.max_new_tokens)
             with_turns(core, turns.open, args.max_completion_length, args.cb_async_tool_workers, max_turn)
         controller.start()
-        state.source = controller
+        self.source = controller
         return controller
 
-    def _cb_turn_context(self) -> int:
+    def _turn_context(self) -> int:
         """How much longer than the dataset's prompts a turn's prompt gets: with tools, a later turn's prompt holds
         the completion so far (at most `max_completion_length`)."""
-        return int(self.args.max_completion_length) if self._cb_turns() is not None else 0
+        return int(self.trainer.args.max_completion_length) if self._turns() is not None else 0
 
-    def _cb_prefetch_depth(self) -> int:
+    def prefetch_depth(self) -> int:
         """The depth async rollouts run at: the user's `cb_async_prefetch_depth`, or, unset, the default for this
         trainer (with tools or environments `DEFAULT_TOOLS_PREFETCH_DEPTH`: multi-turn staleness <= 1, measured; its
-        comment in trl_cb/configs.py). Derived from the unset state, not from the value `_cb_async_setup` wrote into
-        the args: a config shared with a trainer without tools still gets that trainer's default."""
-        args = self.args
+        comment in trl_cb/configs.py). Derived from the unset state, not from the value `setup` wrote into the args:
+        a config shared with a trainer without tools still gets that trainer's default."""
+        args = self.trainer.args
         if prefetch_depth_was_set(args):
             return args.cb_async_prefetch_depth
-        return default_prefetch_depth(bool(args.cb_async_overlap), multi_turn=bool(getattr(self, "tools", None)))
+        multi_turn = bool(getattr(self.trainer, "tools", None))
+        return default_prefetch_depth(bool(args.cb_async_overlap), multi_turn=multi_turn)
 
-    def _cb_max_staleness(self) -> int:
+    def max_staleness(self) -> int:
         """`args.cb_async_max_staleness`, or (unset) the bound that drops nothing for this schedule: rollouts are
         taken once every `steps_per_generation * num_iterations / gradient_accumulation_steps` optimizer steps."""
-        args = self.args
+        args = self.trainer.args
         if args.cb_async_max_staleness is not None:
             return args.cb_async_max_staleness
-        steps_per_take = args.steps_per_generation * self.num_iterations / args.gradient_accumulation_steps
-        return default_max_staleness(self._cb_prefetch_depth(), steps_per_take)
+        steps_per_take = args.steps_per_generation * self.trainer.num_iterations / args.gradient_accumulation_steps
+        return default_max_staleness(self.prefetch_depth(), steps_per_take)
 
-    def _cb_async_take(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def take(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Replace the sampler's rows by those of finished groups; keep the groups for `_generate_single_turn`."""
-        controller = self._cb_async_controller()
-        num_groups = len(inputs) // self.num_generations
+        trainer = self.trainer
+        controller = self.controller()
+        num_groups = len(inputs) // trainer.num_generations
         if num_groups != controller.groups_per_step:
             raise RuntimeError(
                 f"Async rollouts expected {controller.groups_per_step} groups per step, got {num_groups}."
             )
-        with trl_internals.profiling_context(self, "trl_cb.async_wait"):
+        with trl_internals.profiling_context(trainer, "trl_cb.async_wait"):
             groups, metrics = controller.take(num_groups)
         for name, value in metrics.as_dict().items():
-            trl_internals.log_metric(self, "train", name, value)
-        self.rollout_state.async_rollouts.step_groups = groups
-        return [group.row for group in groups for _ in range(self.num_generations)]
+            trl_internals.log_metric(trainer, "train", name, value)
+        self.step_groups = groups
+        return [group.row for group in groups for _ in range(trainer.num_generations)]
 
-    def _cb_async_completions(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[TokenValues]]:
+    def completions(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[TokenValues]]:
         """The taken groups' completion ids (as lists: TRL decodes and pads them) and policy logprobs (lists, or
         tensors from a rollout server's binary answers: converted only where TRL needs lists, `mixin.py`)."""
-        groups, G = self.rollout_state.async_rollouts.step_groups, self.num_generations
+        groups, G = self.step_groups, self.trainer.num_generations
         if groups and groups[0].conversations is not None:  # multi-turn: TRL's first call sees the first turns
             return tool_turns.first_turns(groups, prompt_ids)
         expected = [g.prompt_ids for g in groups for _ in range(G)]
@@ -303,52 +323,50 @@ class AsyncRolloutsMixin(RolloutStateMixin):
         logprobs = [lp for g in groups for lp in g.policy_logprobs]
         return completion_ids, logprobs
 
-    def _cb_async_tool_loop(self) -> tuple[Any, ...] | None:
+    def tool_loop(self) -> tuple[Any, ...] | None:
         """What TRL's `_tool_call_loop` returns for the taken groups (their loops ran during the rollout), or None
         outside an async multi-turn scoring."""
-        groups = self.rollout_state.async_rollouts.step_groups
+        groups = self.step_groups
         if not groups or groups[0].conversations is None:
             return None
         return tool_turns.tool_loop_results(groups)
 
     @contextlib.contextmanager
-    def _cb_async_replay(self) -> Iterator[None]:
+    def replay(self) -> Iterator[None]:
         """Around TRL's scoring of the taken groups: their environments replayed (`tool_turns.replay_environments`),
-        then given back to the pool; the step's groups are dropped on exit, whatever happened (`_cb_async_take` set
-        them: this module writes the async state, `rollout_state.py`)."""
-        state = self.rollout_state.async_rollouts
-        groups = state.step_groups
+        then given back to the pool; the step's groups are dropped on exit, whatever happened (`take` set them)."""
+        groups = self.step_groups
         try:
             if not groups or groups[0].conversations is None:
                 yield
                 return
             try:
-                with tool_turns.replay_environments(self, groups, self.num_generations):
+                with tool_turns.replay_environments(self.trainer, groups, self.trainer.num_generations):
                     yield
             finally:
-                state.turns.release([c for group in groups for c in group.conversations])
+                self.turns.release([c for group in groups for c in group.conversations])
         finally:
-            state.step_groups = None
+            self.step_groups = None
 
-    def _cb_async_active(self) -> bool:
-        return bool(getattr(self.args, "cb_async_generation", False) and self.model.training)
+    def active(self) -> bool:
+        return bool(getattr(self.trainer.args, "cb_async_generation", False) and self.trainer.model.training)
 
-    def _cb_async_resume(self, resume_from_checkpoint: str | bool | None) -> None:
+    def resume(self, resume_from_checkpoint: str | bool | None) -> None:
         """Before `train`: continue the prompt stream from the checkpoint training resumes from."""
-        if getattr(self.args, "cb_async_generation", False) and resume_from_checkpoint:
+        args = self.trainer.args
+        if getattr(args, "cb_async_generation", False) and resume_from_checkpoint:
             checkpoint = resume_from_checkpoint
             if isinstance(checkpoint, bool):  # as `Trainer.train` resolves it
-                checkpoint = get_last_checkpoint(self.args.output_dir)
+                checkpoint = get_last_checkpoint(args.output_dir)
             if checkpoint is not None:
-                self._cb_load_async_state(checkpoint)
+                self._load_state(checkpoint)
 
-    def _cb_async_stop(self) -> None:
+    def stop(self) -> None:
         """Hard-stop the controller (in-flight groups are abandoned); the next one continues the stream."""
-        state = self.rollout_state.async_rollouts
-        if state.source is not None:
-            state.source.stop()
-            state.stream_start = self._cb_async_position()
-            state.source = None
-        if state.turns is not None:
-            state.turns.close()
-            state.turns = None
+        if self.source is not None:
+            self.source.stop()
+            self.stream_start = self.position()
+            self.source = None
+        if self.turns is not None:
+            self.turns.close()
+            self.turns = None

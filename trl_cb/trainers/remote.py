@@ -27,11 +27,13 @@ from ..rollouts.async_core import AsyncBounds, AsyncRolloutSource
 from ..rollouts.model_access import plain_module
 from ..rollouts.rollout_groups import TokenValues, as_lists
 from . import trl_internals
-from .rollout_state import RolloutStateMixin
 
 if TYPE_CHECKING:  # the serving modules need the `serve` extra (requests): imported when servers are used
+    import torch
+
     from ..rollouts.async_metrics import AsyncMetrics
     from ..rollouts.rollout_groups import RolloutGroup
+    from ..serving.client import RolloutClient
     from ..serving.remote_rollouts import RemoteRolloutController
     from ..serving.weight_sync import WeightSender
 
@@ -41,13 +43,25 @@ T = TypeVar("T")
 Completions = tuple[list[list[int]], list[TokenValues]]  # (ids, per-token policy logprobs: lists or tensors)
 
 
-class RemoteRolloutsMixin(RolloutStateMixin):
-    """`_cb_remote_generate`: one round on the rollout servers, weights pushed first when the step changed. Its
-    state: `rollout_state.remote`."""
+class RemoteRollouts:
+    """The trainer's side of the rollout servers (a part of `TrainerRollouts`): `generate` runs one round on them,
+    weights pushed first when the step changed. The one writer of its state: `connected`, and on the main process
+    `client` and `senders` (with each sender's server weight dtype in `server_dtypes`), `pushed_step` (`global_step`
+    of the last push: sync mode pushes once per optimizer step) and `weight_version` (the last version pushed, 0:
+    none yet)."""
 
-    def _cb_remote_setup(self) -> None:
-        args: Any = self.args
-        unsent = settings_servers_cannot_apply(self.generation_config.to_dict())
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.connected = False
+        self.client: RolloutClient | None = None
+        self.senders: list[WeightSender] = []
+        self.server_dtypes: list[torch.dtype | None] = []
+        self.pushed_step: int | None = None
+        self.weight_version = 0
+
+    def _connect(self) -> None:
+        args: Any = self.trainer.args
+        unsent = settings_servers_cannot_apply(self.trainer.generation_config.to_dict())
         if unsent:  # refused rather than silently dropped
             raise ValueError(
                 f"cb_server_urls cannot apply {unsent} (the server samples with temperature, top_p and top_k "
@@ -60,17 +74,16 @@ class RemoteRolloutsMixin(RolloutStateMixin):
 
             timeout = args.cb_generation_timeout or 300.0
             key = args.cb_server_api_key
-            remote.client = RolloutClient(args.cb_server_urls, api_key=key, timeout=timeout)
-            remote.senders = [WeightSender(url, key, timeout=timeout) for url in remote.client.urls]
-            remote.server_dtypes = [sender.server_dtype() for sender in remote.senders]
+            self.client = RolloutClient(args.cb_server_urls, api_key=key, timeout=timeout)
+            self.senders = [WeightSender(url, key, timeout=timeout) for url in self.client.urls]
+            self.server_dtypes = [sender.server_dtype() for sender in self.senders]
 
-        remote = self.rollout_state.remote
-        self._cb_on_main(connect)
-        remote.connected = True
+        self.on_main(connect)
+        self.connected = True
 
-    def _cb_on_main(self, work: Callable[[], T]) -> T:
+    def on_main(self, work: Callable[[], T]) -> T:
         """`work()` on the main process, its result on every rank; its failure raised on every rank."""
-        accelerator = self.accelerator
+        accelerator = self.trainer.accelerator
         if accelerator.num_processes == 1:
             return work()
         from accelerate.utils import broadcast_object_list
@@ -89,16 +102,12 @@ class RemoteRolloutsMixin(RolloutStateMixin):
             raise RolloutServerError(f"the main process failed talking to the rollout servers: {outcome[0]}")
         return outcome[1]
 
-    def _cb_remote_generate(self, prompt_ids: list[list[int]]) -> Completions:
+    def generate(self, prompt_ids: list[list[int]]) -> Completions:
         """This rank's completions of `prompt_ids`; a collective in multi-process training (every rank calls it)."""
-        remote = self.rollout_state.remote
-        if not remote.connected:
-            self._cb_remote_setup()
-        if remote.pushed_step != self.state.global_step:
-            self._cb_push_weights()
-        sampling = self._cb_remote_sampling()
-        accelerator = self.accelerator
-        with trl_internals.profiling_context(self, "trl_cb.remote_generate"):
+        self.sync()
+        sampling = self.sampling()
+        accelerator = self.trainer.accelerator
+        with trl_internals.profiling_context(self.trainer, "trl_cb.remote_generate"):
             if accelerator.num_processes == 1:
                 shares = [prompt_ids]
             else:
@@ -107,7 +116,7 @@ class RemoteRolloutsMixin(RolloutStateMixin):
                 shares = gather_object([prompt_ids])  # one list per rank, in rank order
 
             def generate_all() -> list[Completions]:
-                result = remote.client.generate([p for share in shares for p in share], 1, **sampling)
+                result = self.client.generate([p for share in shares for p in share], 1, **sampling)
                 out, start = [], 0
                 for share in shares:  # back to each rank, in its own prompts' order
                     end = start + len(share)
@@ -115,24 +124,21 @@ class RemoteRolloutsMixin(RolloutStateMixin):
                     start = end
                 return out
 
-            completion_ids, logprobs = self._cb_on_main(generate_all)[accelerator.process_index]
+            completion_ids, logprobs = self.on_main(generate_all)[accelerator.process_index]
         return as_lists(completion_ids), logprobs  # TRL decodes and pads the ids as lists
 
-    def cb_sync_rollout_servers(self) -> int:
-        """For a TRL `rollout_func` that samples from the servers itself (an OpenAI-client environment against
-        `trl-cb serve`, docs/server.md "Training on trajectories from an OpenAI client"): connect, push this step's
-        weights unless pushed already, and return the version the servers now serve (every token the environment
-        gets should carry it: a later one was pushed by someone else, an earlier one is stale). A collective."""
-        remote = self.rollout_state.remote
-        if not remote.connected:
-            self._cb_remote_setup()
-        if remote.pushed_step != self.state.global_step:
-            self._cb_push_weights()
-        return remote.weight_version
+    def sync(self) -> int:
+        """Connect, push this step's weights unless pushed already, and return the version the servers now serve.
+        A collective."""
+        if not self.connected:
+            self._connect()
+        if self.pushed_step != self.trainer.state.global_step:
+            self.push_weights()
+        return self.weight_version
 
-    def _cb_remote_sampling(self) -> dict[str, Any]:
+    def sampling(self) -> dict[str, Any]:
         """The `/v1/completions` sampling fields of the trainer's generation config."""
-        config = self.generation_config
+        config = self.trainer.generation_config
         return {
             "max_tokens": config.max_new_tokens,
             "temperature": config.temperature if config.temperature is not None else 1.0,
@@ -140,31 +146,31 @@ class RemoteRolloutsMixin(RolloutStateMixin):
             "top_k": config.top_k or 0,
         }
 
-    def _cb_push_weights(self) -> int:
+    def push_weights(self) -> int:
         """Push the current weights to every replica as the next version (served once this returns) and return it:
         every rank gathers (a collective when sharded), the main process sends."""
-        remote = self.rollout_state.remote
-        version = remote.weight_version + 1
-        module = plain_module(self.model_wrapped)
+        trainer = self.trainer
+        version = self.weight_version + 1
+        module = plain_module(trainer.model_wrapped)
         specs, weights = weight_specs(module), iter_weights(module)
 
         def send() -> None:
             from ..serving.weight_sync import push_weights
 
-            remote.client.known_versions.add(version)  # async: tokens of it may arrive before the push ends
-            failed = push_weights(remote.senders, specs, weights, version, remote.server_dtypes)
-            self._cb_drop_replicas(failed)
+            self.client.known_versions.add(version)  # async: tokens of it may arrive before the push ends
+            failed = push_weights(self.senders, specs, weights, version, self.server_dtypes)
+            self._drop_replicas(failed)
 
-        with trl_internals.profiling_context(self, "trl_cb.push_weights"):
-            if not self.accelerator.is_main_process:
+        with trl_internals.profiling_context(trainer, "trl_cb.push_weights"):
+            if not trainer.accelerator.is_main_process:
                 for _ in weights:  # take part in the gathers
                     pass
-            self._cb_on_main(send)
-        remote.weight_version = version
-        remote.pushed_step = self.state.global_step
+            self.on_main(send)
+        self.weight_version = version
+        self.pushed_step = trainer.state.global_step
         return version
 
-    def cb_remote_async_rollouts(
+    def async_rollouts(
         self,
         prompt_stream: Iterator[tuple[Any, list[int]]],
         validate: Callable[[list[int]], None],
@@ -173,47 +179,44 @@ class RemoteRolloutsMixin(RolloutStateMixin):
     ) -> ScatteredRemoteRollouts:
         """Async rollouts from the servers (`serving/remote_rollouts.py`) for the async bridge: the main process's
         controller requests every rank's groups; each rank trains on its own share. A collective."""
-        if not self.rollout_state.remote.connected:
-            self._cb_remote_setup()
-        accelerator = self.accelerator
+        if not self.connected:
+            self._connect()
+        accelerator = self.trainer.accelerator
         controller = None
         if accelerator.is_main_process:
             from ..serving.remote_rollouts import RemoteRolloutController
 
             groups = groups_per_rank * accelerator.num_processes
-            sampling = self._cb_remote_sampling()
             controller = RemoteRolloutController(
-                self.rollout_state.remote.client,
+                self.client,
                 prompt_stream,
-                self.num_generations,
+                self.trainer.num_generations,
                 groups,
-                sampling,
+                self.sampling(),
                 validate,
                 **bounds,
             )
         return ScatteredRemoteRollouts(
             controller,
             groups_per_rank,
-            push_weights=self._cb_push_weights,
-            on_main=self._cb_on_main,
+            push_weights=self.push_weights,
+            on_main=self.on_main,
             num_processes=accelerator.num_processes,
             process_index=accelerator.process_index,
         )
 
-    def _cb_drop_replicas(self, failed: dict[WeightSender, str]) -> None:
+    def _drop_replicas(self, failed: dict[WeightSender, str]) -> None:
         """Stop using replicas a push did not reach: they serve older weights, so sampling there would be silently
         off-policy (sync) or beyond the recorded versions' meaning. The others take their share."""
-        remote = self.rollout_state.remote
         for sender, why in failed.items():
             logger.warning("rollout server %s missed a weight push and is dropped: %s", sender.url, why)
-            index = remote.senders.index(sender)
-            del remote.senders[index], remote.server_dtypes[index]
-            remote.client.urls = [url for url in remote.client.urls if url != sender.url]
+            index = self.senders.index(sender)
+            del self.senders[index], self.server_dtypes[index]
+            self.client.urls = [url for url in self.client.urls if url != sender.url]
 
-    def _cb_remote_close(self) -> None:
-        remote = self.rollout_state.remote
-        senders, remote.senders, remote.server_dtypes, remote.client = remote.senders, [], [], None
-        remote.connected = False
+    def close(self) -> None:
+        senders, self.senders, self.server_dtypes, self.client = self.senders, [], [], None
+        self.connected = False
         for sender in senders:
             try:
                 sender.close()

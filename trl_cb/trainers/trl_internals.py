@@ -123,7 +123,7 @@ def with_policy_logps_hook(
 def old_logps_forward_skipped(trainer: Any) -> Iterator[None]:
     """Inside the block (TRL's RLOO scoring one batch), TRL's no-grad `_get_per_token_logps_and_entropies` call for the
     old-policy logprobs returns NaN placeholders, (B, logits_to_keep), instead of running a forward; the loss then
-    takes them from its own forward (`ImportanceSamplingMixin._cb_old_logps_from_loss`: when, and why exact).
+    takes them from its own forward (`ImportanceSamplingCorrection.old_logps_from_loss`: when, and why exact).
 
     NaN, not zeros: a placeholder that reached a loss unreplaced makes it NaN, never a silently wrong gradient.
     `RuntimeError` for a second call, or one with gradients on (TRL's scoring changed: it is not the call meant)."""

@@ -119,8 +119,8 @@ class CopyBytesAtStepEnd(TrainerCallback):
         self.held: list[int] = []
 
     def on_step_end(self, *args, **kwargs) -> None:
-        controller = self.trainer.rollout_state.async_rollouts.source
-        gens = [self.trainer.rollout_state.generator, getattr(controller, "generator", None)]
+        controller = self.trainer.rollouts.async_rollouts.source
+        gens = [self.trainer.rollouts.generator, getattr(controller, "generator", None)]
         self.held.append(sum(g.generation_copy_bytes for g in gens if g is not None))
 
 

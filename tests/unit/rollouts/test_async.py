@@ -218,7 +218,7 @@ def test_trainer_async_is_exact_without_updates_and_logs_every_metric(kind, sett
         assert entry["sampling/sampling_logp_difference/max"] <= 1e-4
     assert max(e["async/staleness_max"] for e in logs) <= 2
     assert logs[-1]["async/policy_version"] == 2
-    assert trainer.rollout_state.async_rollouts.source is None and trainer.rollout_state.generator is None
+    assert trainer.rollouts.async_rollouts.source is None and trainer.rollouts.generator is None
 
 
 def test_trainer_async_learns_with_updates(tokenizer, tmp_path):
@@ -366,16 +366,16 @@ def test_trainer_sizes_the_engine_from_the_longest_prompt_and_validates_every_ro
     trainer = make_trainer("grpo", tokenizer, tmp_path, cb_async_generation=True)
     trainer.train_dataset = Dataset.from_list(rows)
     try:
-        ctl = trainer._cb_async_controller()
+        ctl = trainer.rollouts.async_rollouts.controller()
         assert ctl.generator._pool.engine.workload.max_prompt_len >= long_len
     finally:
-        trainer._cb_close()
+        trainer.rollouts.close()
     rows[120]["prompt"] = ""
     trainer.train_dataset = Dataset.from_list(rows)
-    trainer.rollout_state.async_rollouts.longest_prompt = None
+    trainer.rollouts.async_rollouts.longest_prompt = None
     with pytest.raises(ValueError, match=r"train_dataset rows 0\.\.255: Prompt 120 is empty"):
-        trainer._cb_async_controller()
-    trainer._cb_close()
+        trainer.rollouts.async_rollouts.controller()
+    trainer.rollouts.close()
 
 
 def test_trainer_resume_continues_the_prompt_stream(tokenizer, tmp_path):

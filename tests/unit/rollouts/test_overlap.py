@@ -595,9 +595,7 @@ def test_trainer_overlap_is_exact_without_updates(kind, tokenizer, tmp_path):
         assert entry["sampling/sampling_logp_difference/max"] <= 1e-4
     assert logs[-1]["async/policy_version"] == 2
     assert (
-        trainer.rollout_state.async_rollouts.source is None
-        and trainer.rollout_state.generator is None
-        and not engine_threads()
+        trainer.rollouts.async_rollouts.source is None and trainer.rollouts.generator is None and not engine_threads()
     )
 
 

@@ -124,18 +124,18 @@ def test_trainer_with_lora_and_overlap_trains_the_adapters_only(tokenizer, tmp_p
     )  # fmt: skip
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     controllers: list[str] = []
-    take = trainer._cb_async_take
+    take = trainer.rollouts.async_rollouts.take
 
     def recording_take(inputs: list) -> list:
         rows = take(inputs)
-        controllers.append(type(trainer.rollout_state.async_rollouts.source.backend).__name__)
+        controllers.append(type(trainer.rollouts.async_rollouts.source.backend).__name__)
         return rows
 
-    trainer._cb_async_take = recording_take
+    trainer.rollouts.async_rollouts.take = recording_take
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     assert len(logs) == 3 and logs[-1]["async/policy_version"] == 2
     assert set(controllers) == {"OverlapEngineBackend"}
     moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p)}
     assert moved and all("lora_" in n for n in moved), sorted(moved)[:5]
-    assert trainer.rollout_state.async_rollouts.source is None and not engine_threads()
+    assert trainer.rollouts.async_rollouts.source is None and not engine_threads()

@@ -25,8 +25,8 @@ from trl_cb.serving import client as client_module
 from trl_cb.serving.client import RolloutClient
 from trl_cb.serving.frames import FRAMES_MEDIA_TYPE, FrameError, decode_frame, frame_pieces, read_frames
 from trl_cb.serving.protocol import PackedColumns, value_runs
-from trl_cb.trainers.is_correction import ImportanceSamplingMixin
-from trl_cb.trainers.remote import RemoteRolloutsMixin
+from trl_cb.trainers.is_correction import padded_sampling_logps
+from trl_cb.trainers.remote import RemoteRollouts
 
 ROOT = Path(__file__).resolve().parents[3]
 PROMPTS, N, TOKENS = 6, 2, 40  # the fake engine's answer: PROMPTS groups of N completions of TOKENS tokens
@@ -211,15 +211,16 @@ def test_json_stays_the_default_for_clients_that_do_not_ask(fake):
     assert stream.headers["Content-Type"] == "application/x-ndjson" and stream.text.count("\n") == 2
 
 
-class _Trainer(RemoteRolloutsMixin, ImportanceSamplingMixin):
-    """The trainer's side of server rollouts (one process) with a real client."""
+class _Trainer:
+    """What the trainer's side of server rollouts (one process) reads of a trainer, with a real client."""
 
     def __init__(self, client: RolloutClient) -> None:
         self.accelerator = SimpleNamespace(num_processes=1, process_index=0, is_main_process=True)
         self.args = SimpleNamespace(report_to=[], cb_async_generation=False)
         self.state = SimpleNamespace(global_step=0)
         self.generation_config = GenerationConfig(max_new_tokens=TOKENS, temperature=1.0)
-        remote = self.rollout_state.remote
+        self.rollouts = SimpleNamespace(remote=RemoteRollouts(self))
+        remote = self.rollouts.remote
         remote.connected, remote.pushed_step = True, 0  # connected, weights current: generation only
         remote.client = client
 
@@ -230,9 +231,9 @@ def _batch(url: str, encoding: str) -> dict:
     client = _client(url, encoding)
     trainer = _Trainer(client)
     prompts = [[5] * 8] * PROMPTS
-    ids, logprobs = trainer._cb_remote_generate(prompts)
+    ids, logprobs = trainer.rollouts.remote.generate(prompts)
     padded = torch.zeros(len(ids), TOKENS + 3, dtype=torch.long)  # TRL pads the completion ids past the longest
-    sampling = trainer._cb_sampling_logps({"completion_ids": padded}, logprobs)
+    sampling = padded_sampling_logps({"completion_ids": padded}, logprobs)
     versions = client.generate(prompts, 1, max_tokens=TOKENS).token_weight_versions
     return {
         "ids": ids,

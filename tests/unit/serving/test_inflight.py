@@ -204,8 +204,8 @@ def test_async_training_overlaps_with_the_server(server, tokenizer, tmp_path, ki
     trainer.train()
     print(f"\n3-step async {kind} on the server: {time.monotonic() - start:.1f} s")
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    assert len(logs) == 3 and trainer.rollout_state.generator is None
-    assert trainer.rollout_state.remote.weight_version == 4, "one push at start, one per optimizer step"
+    assert len(logs) == 3 and trainer.rollouts.generator is None
+    assert trainer.rollouts.remote.weight_version == 4, "one push at start, one per optimizer step"
     assert metrics(url)["weight_version"] == 4
     assert [entry["async/policy_version"] for entry in logs] == [1.0, 2.0, 3.0]
     assert all(entry["async/staleness_max"] <= 2 for entry in logs)
@@ -228,7 +228,7 @@ def test_async_training_survives_a_killed_replica(server, checkpoint, tokenizer,
                     victim.kill()
                     victim.wait(timeout=10)
                 if state.global_step == 2:  # the push after step 2 found it dead
-                    seen["replicas"] = list(trainer.rollout_state.remote.client.urls)
+                    seen["replicas"] = list(trainer.rollouts.remote.client.urls)
 
         trainer = make_trainer(
             "grpo", tokenizer, tmp_path, max_steps=3, cb_server_urls=[url, second], cb_server_api_key=KEY,
@@ -240,4 +240,4 @@ def test_async_training_survives_a_killed_replica(server, checkpoint, tokenizer,
     print(f"\ngroups served by the killed replica before the kill: {seen['before']}")
     assert len(logs) == 3 and seen["before"] > 0, "both replicas served"
     assert seen["replicas"] == [url], "the replica that missed a push is no longer sampled"
-    assert trainer.rollout_state.remote.weight_version == 4 and metrics(url)["weight_version"] == 4
+    assert trainer.rollouts.remote.weight_version == 4 and metrics(url)["weight_version"] == 4

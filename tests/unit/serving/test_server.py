@@ -181,8 +181,8 @@ def test_trainer_trains_on_server_rollouts(server, tokenizer, tmp_path, kind):
     trainer.train()
     print(f"\n2-step {kind} on the server: {time.monotonic() - start:.1f} s")
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    assert len(logs) == 2 and trainer.rollout_state.generator is None, "no local engine on the server path"
-    assert trainer.rollout_state.remote.weight_version == 2, "one push per step"
+    assert len(logs) == 2 and trainer.rollouts.generator is None, "no local engine on the server path"
+    assert trainer.rollouts.remote.weight_version == 2, "one push per step"
     metrics = requests.get(url + "/metrics", headers=METRICS_JSON, timeout=5).json()
     assert metrics["weight_version"] == 2
     # The trainer's own logprobs of the server's samples: equal up to batching noise only if the weights synced.

@@ -76,15 +76,19 @@ def test_tools_default_to_prefetch_depth_0_an_explicit_depth_wins(tmp_path, tool
     the general default, and its args show that."""
     overrides = {} if depth is None else {"cb_async_prefetch_depth": depth}
     run = trainer(tmp_path, chat_tokenizer(), [multiply] if tools else None, **overrides)
-    assert run._cb_prefetch_depth() == expected
+    assert run.rollouts.async_rollouts.prefetch_depth() == expected
     steps_per_take = run.args.steps_per_generation * run.num_iterations / run.args.gradient_accumulation_steps
-    assert run._cb_max_staleness() == default_max_staleness(expected, steps_per_take)
+    assert run.rollouts.async_rollouts.max_staleness() == default_max_staleness(expected, steps_per_take)
     run.train()
-    assert run.rollout_state.async_rollouts.source is None  # stopped: nothing after this point writes the args
+    assert run.rollouts.async_rollouts.source is None  # stopped: nothing after this point writes the args
     assert run.args.cb_async_prefetch_depth == expected and run.args.to_dict()["cb_async_prefetch_depth"] == expected
     again = GRPOTrainer(model=run.model, reward_funcs=finished_reward, args=run.args, train_dataset=run.train_dataset,
                         processing_class=run.processing_class)  # fmt: skip
-    assert again._cb_prefetch_depth() == again.args.cb_async_prefetch_depth == (1 if depth is None else depth)
+    assert (
+        again.rollouts.async_rollouts.prefetch_depth()
+        == again.args.cb_async_prefetch_depth
+        == (1 if depth is None else depth)
+    )
 
 
 @pytest.mark.parametrize(("field", "value"), [("cb_async_tool_workers", 0), ("cb_async_tool_timeout", 0.0)])
@@ -136,16 +140,23 @@ def test_every_model_token_is_corrected_with_the_logprob_that_sampled_it(tmp_pat
             snapshot = versions[len(versions)] = copy.deepcopy(versions[0])  # its config: sdpa, not the engine's
             snapshot.load_state_dict(model.state_dict())
 
-    class Recording(GRPOTrainer):
-        def _cb_async_take(self, inputs):
-            rows = super()._cb_async_take(inputs)
-            taken.append(self.rollout_state.async_rollouts.step_groups)
+    def record(trainer: GRPOTrainer) -> GRPOTrainer:
+        """The groups each step takes and the batch its IS correction sees, through the rollout component."""
+        async_rollouts, correction = trainer.rollouts.async_rollouts, trainer.rollouts.importance_sampling
+        take, correct = async_rollouts.take, correction.correct
+
+        def recording_take(inputs):
+            rows = take(inputs)
+            taken.append(async_rollouts.step_groups)
             return rows
 
-        def _cb_correct(self, output, sampled):
+        def recording_correct(output, sampled):
             keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask")
             scored.append({k: output[k].clone() for k in (*keys, "sampling_per_token_logps")})
-            super()._cb_correct(output, sampled)
+            correct(output, sampled)
+
+        async_rollouts.take, correction.correct = recording_take, recording_correct
+        return trainer
 
     rows = [{"prompt": [{"role": "user", "content": f"What is {i} halved?"}]} for i in range(16)]
     args = GRPOConfig(
@@ -154,12 +165,12 @@ def test_every_model_token_is_corrected_with_the_logprob_that_sampled_it(tmp_pat
         report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False, beta=0.0,
         use_transformers_continuous_batching=True, cb_async_generation=True, cb_async_prefetch_depth=1,
     )  # fmt: skip
-    run = Recording(
+    run = GRPOTrainer(
         model=model, reward_funcs=lambda completions, **k: [float(len(str(c)) % 7) for c in completions], args=args,
         train_dataset=Dataset.from_list(rows), processing_class=tokenizer, tools=[calculator],
         callbacks=[Snapshot()],
     )  # fmt: skip
-    run.train()
+    record(run).train()
 
     gaps, no_tools, other_version, updated, later_turns = [], [], [], 0, 0
     for groups, batch in zip(taken, scored, strict=True):

@@ -28,10 +28,10 @@ def test_sync_and_async_generators_are_built_with_the_same_arguments(kind, token
         gradient_checkpointing_kwargs={"use_reentrant": False}, cb_generation_timeout=600.0,
     )  # fmt: skip
     try:
-        sync = trainer._cb_get_generator()  # evaluation's round
-        trainer._cb_async_controller()  # training's in-process async rollouts
+        sync = trainer.rollouts.sync_generator()  # evaluation's round
+        trainer.rollouts.async_rollouts.controller()  # training's in-process async rollouts
     finally:
-        trainer._cb_close()
+        trainer.rollouts.close()
     assert len(built) == 2, "one generator per path, both from trainers/generators.py"
     (sync_args, sync_kwargs), (async_args, async_kwargs) = built
     assert sync_args == async_args and sync_args[0] is trainer.model_wrapped

@@ -19,7 +19,7 @@ from transformers import GenerationConfig
 from tests.gloo_workers import run_two_workers
 from trl_cb.errors import RolloutServerError
 from trl_cb.serving.client import RemoteGenerationResult
-from trl_cb.trainers.remote import RemoteRolloutsMixin
+from trl_cb.trainers.remote import RemoteRollouts
 
 
 class FakeClient:
@@ -46,13 +46,16 @@ class FakeClient:
         )
 
 
-class FakeTrainer(RemoteRolloutsMixin):
+class FakeTrainer:
+    """What `RemoteRollouts` reads of a trainer, with its rollouts connected and the weights current."""
+
     def __init__(self, accelerator: Any) -> None:
         self.accelerator = accelerator
         self.args = SimpleNamespace(report_to=[], cb_async_generation=False)
         self.state = SimpleNamespace(global_step=0)
         self.generation_config = GenerationConfig(max_new_tokens=4)
-        remote = self.rollout_state.remote
+        self.rollouts = SimpleNamespace(remote=RemoteRollouts(self))
+        remote = self.rollouts.remote
         remote.connected, remote.pushed_step = True, 0  # connected, weights current: generation only
         remote.client = FakeClient() if accelerator.is_main_process else None
 
@@ -66,15 +69,15 @@ def _worker(rank: int, port: int, out: str) -> None:
     try:
         trainer = FakeTrainer(state)
         prompts = [[rank * 10 + i, 1, 2 + i] for i in range(3 - rank)]  # rank 0: 3 prompts, rank 1: 2
-        ids, logprobs = trainer._cb_remote_generate(prompts)
+        ids, logprobs = trainer.rollouts.remote.generate(prompts)
         report: dict[str, Any] = {
             "own": ids == [p[::-1] for p in prompts] and logprobs == [[-3.0] * 3] * len(prompts),
-            "requests": trainer.rollout_state.remote.client.requests if trainer.rollout_state.remote.client else None,
+            "requests": trainer.rollouts.remote.client.requests if trainer.rollouts.remote.client else None,
         }
-        if trainer.rollout_state.remote.client is not None:
-            trainer.rollout_state.remote.client.fail = True
+        if trainer.rollouts.remote.client is not None:
+            trainer.rollouts.remote.client.fail = True
         try:
-            trainer._cb_remote_generate(prompts)
+            trainer.rollouts.remote.generate(prompts)
             report["raised"] = None
         except RolloutServerError as exc:
             report["raised"] = str(exc)

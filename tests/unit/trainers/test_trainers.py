@@ -15,6 +15,8 @@ from trl_cb.importance_sampling import IS_EXTRA_METRIC_NAMES
 from trl_cb.offline.data import synthetic_gsm8k
 from trl_cb.offline.tiny import tiny_model
 from trl_cb.rollouts.pool import EnginePool
+from trl_cb.trainers import ContinuousBatchingTrainerMixin
+from trl_cb.trainers.is_correction import padded_sampling_logps
 
 IS_METRICS = [
     "sampling/importance_sampling_ratio/min",
@@ -83,7 +85,7 @@ def test_trains_two_steps_logs_is_metrics_one_engine(kind, tokenizer, tmp_path, 
         for name in IS_METRICS:
             assert name in entry and math.isfinite(entry[name]), name
     assert len(builds) == 1, "one engine across steps"
-    assert trainer.rollout_state.generator is None, "engine closed at the end of train()"
+    assert trainer.rollouts.generator is None, "engine closed at the end of train()"
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())), "weights never updated"
 
 
@@ -106,9 +108,10 @@ def test_grpo_hands_trl_no_logprob_lists_and_the_batch_carries_the_sampling_logp
 
     trainer = make_trainer("grpo", tokenizer, tmp_path, max_steps=1, off_policy_mask_threshold=0.5)
     returned, scored = [], []
-    single_turn, correct = trainer._generate_single_turn, trainer._cb_correct
+    correction = trainer.rollouts.importance_sampling
+    single_turn, correct = trainer._generate_single_turn, correction.correct
     trainer._generate_single_turn = lambda *a, **k: returned.append(single_turn(*a, **k)) or returned[-1]
-    trainer._cb_correct = lambda output, sampled: scored.append((output, sampled)) or correct(output, sampled)
+    correction.correct = lambda output, sampled: scored.append((output, sampled)) or correct(output, sampled)
     trainer.train()
     assert returned and all(ids and logprobs is None for ids, logprobs in returned)
     output, rows = scored[0]
@@ -201,25 +204,30 @@ def test_is_weight_reaches_loss_as_the_formula_says(kind, mode, tokenizer, tmp_p
     try:
         _check_is_scales_loss(trainer, kind, mode)
     finally:
-        trainer._cb_close()
+        trainer.rollouts.close()
+
+
+def trl_scoring(trainer, batch: list[dict]) -> dict:
+    """TRL's own scoring of `batch` (the trainer's CB round included), without trl_cb's IS correction."""
+    return super(ContinuousBatchingTrainerMixin, trainer)._generate_and_score_completions(batch)
 
 
 def _importance_sampling(trainer, output, kind: str, rows) -> None:
     """The eager IS correction of `output` with the sampler's logprobs `rows` (one per completion)."""
-    sampling = trainer._cb_sampling_logps(output, rows)
-    trainer._cb_importance_sampling(output, per_token_loss=kind == "grpo", sampling=sampling)
+    assert trainer.rollouts.importance_sampling.per_token_loss == (kind == "grpo")
+    trainer.rollouts.importance_sampling.apply(output, sampling=padded_sampling_logps(output, rows))
 
 
 def _check_is_scales_loss(trainer, kind: str, mode: str) -> None:
     trainer.model.train()
     batch = [trainer.train_dataset[i] for i in range(2) for _ in range(4)]
-    raw = super(type(trainer), trainer)._generate_and_score_completions(batch)  # TRL's, without our IS
+    raw = trl_scoring(trainer, batch)
     assert raw["completion_mask"].sum(1).eq(8).all()
     raw["advantages"] = torch.zeros_like(raw["advantages"])
     raw["advantages"][0] = 1.0
     d = 0.01
     base, shifted = copy.deepcopy(raw), copy.deepcopy(raw)
-    logprobs = trainer.rollout_state.sampling_logprobs
+    logprobs = trainer.rollouts.sampling_logprobs
     _importance_sampling(trainer, base, kind, logprobs)
     if "sampling_per_token_logps" in shifted:
         shifted["sampling_per_token_logps"] = shifted["sampling_per_token_logps"] + d * shifted["completion_mask"]
@@ -243,11 +251,11 @@ def test_self_normalized_is_undoes_a_uniform_shift(kind, tokenizer, tmp_path):
     try:
         trainer.model.train()
         batch = [trainer.train_dataset[i] for i in range(2) for _ in range(4)]
-        raw = super(type(trainer), trainer)._generate_and_score_completions(batch)
+        raw = trl_scoring(trainer, batch)
         raw["advantages"] = torch.zeros_like(raw["advantages"])
         raw["advantages"][0] = 1.0
         base, shifted = copy.deepcopy(raw), copy.deepcopy(raw)
-        logprobs = trainer.rollout_state.sampling_logprobs
+        logprobs = trainer.rollouts.sampling_logprobs
         _importance_sampling(trainer, base, kind, logprobs)
         if "sampling_per_token_logps" in shifted:
             shifted["sampling_per_token_logps"] = (
@@ -258,7 +266,7 @@ def test_self_normalized_is_undoes_a_uniform_shift(kind, tokenizer, tmp_path):
         assert abs(loss_base) > 1e-6, "advantages must be non-zero for this test to mean anything"
         assert loss_shifted == pytest.approx(loss_base, rel=1e-4)
     finally:
-        trainer._cb_close()
+        trainer.rollouts.close()
 
 
 def _loss_and_grads(trainer, output) -> tuple[float, list[torch.Tensor]]:
@@ -283,15 +291,15 @@ def test_rloo_token_level_weights_scale_each_tokens_gradient(defer, tokenizer, t
     try:
         trainer.model.train()
         batch = [trainer.train_dataset[i] for i in range(2) for _ in range(4)]
-        raw = super(type(trainer), trainer)._generate_and_score_completions(batch)  # TRL's, without our IS
+        raw = trl_scoring(trainer, batch)
         raw["advantages"] = torch.linspace(-1.0, 1.0, raw["advantages"].numel())
-        rows = trainer.rollout_state.sampling_logprobs
+        rows = trainer.rollouts.sampling_logprobs
         noise = [[0.5 * math.sin(7 * b + t) for t in range(len(row))] for b, row in enumerate(rows)]
         rows = [[x + e for x, e in zip(row, n)] for row, n in zip(rows, noise)]
-        sampling = trainer._cb_sampling_logps(raw, rows)
+        sampling = padded_sampling_logps(raw, rows)
         corrected = copy.deepcopy(raw)
-        monkeypatch.setattr(trainer, "_cb_can_defer_is", lambda output: defer)
-        trainer._cb_correct(corrected, rows)
+        monkeypatch.setattr(trainer.rollouts.importance_sampling, "can_defer", lambda output: defer)
+        trainer.rollouts.importance_sampling.correct(corrected, rows)
         assert ("cb_deferred_sampling_per_token_logps" in corrected) == defer
         loss, grads = _loss_and_grads(trainer, corrected)
 
@@ -315,7 +323,7 @@ def test_rloo_token_level_weights_scale_each_tokens_gradient(defer, tokenizer, t
         gap = sum((a - b).norm() for a, b in zip(uncorrected, expected)) / sum(b.norm() for b in expected)
         assert gap > 0.05, f"control: the uncorrected gradient is only {gap:.3f} away"
     finally:
-        trainer._cb_close()
+        trainer.rollouts.close()
 
 
 def test_is_disabled_leaves_loss_untouched(tokenizer, tmp_path):
@@ -347,7 +355,7 @@ def test_engine_closed_when_training_fails(tokenizer, tmp_path):
     trainer = make_trainer("grpo", tokenizer, tmp_path, reward=failing_reward)
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
-    assert trainer.rollout_state.generator is None
+    assert trainer.rollouts.generator is None
 
 
 def perturb_sampler(patch: pytest.MonkeyPatch) -> None:
@@ -386,7 +394,7 @@ def _train_recording_forwards(kind, tokenizer, tmp_path, defer: bool, monkeypatc
     with monkeypatch.context() as patch:
         perturb_sampler(patch)
         if not defer:
-            patch.setattr(trainer, "_cb_can_defer_is", lambda output: False)
+            patch.setattr(trainer.rollouts.importance_sampling, "can_defer", lambda output: False)
         patch.setattr(type(trainer), "_get_per_token_logps_and_entropies", counting)
         trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
@@ -488,9 +496,11 @@ def test_rloo_old_logps_from_the_loss_only_where_exact(overrides, skips, tokeniz
     trainer = make_trainer("rloo", tokenizer, tmp_path, **overrides)
     trainer.beta = beta
     trainer.model.train()
-    assert trainer._cb_old_logps_from_loss() is skips
+    assert trainer.rollouts.importance_sampling.old_logps_from_loss() is skips
     trainer.model.eval()
-    assert trainer._cb_old_logps_from_loss() is False  # evaluation has no loss forward to take them from
+    assert (
+        trainer.rollouts.importance_sampling.old_logps_from_loss() is False
+    )  # evaluation has no loss forward to take them from
 
 
 def test_skipped_old_logps_forward_answers_nan_once():
@@ -535,12 +545,12 @@ def test_deferred_is_metrics_reduced_per_generation_batch(kind, schedule, tokeni
     if schedule.get("steps_per_generation") == 1:
         return
 
-    from trl_cb.trainers import ContinuousBatchingTrainerMixin
+    from trl_cb.trainers.is_correction import ImportanceSamplingCorrection
 
     def log_each_micro_batch(self, batch_id, stats):
-        self._cb_log_is_stats(stats, "train")
+        self.log_stats(stats, "train")
 
-    monkeypatch.setattr(ContinuousBatchingTrainerMixin, "_cb_add_deferred_is_stats", log_each_micro_batch)
+    monkeypatch.setattr(ImportanceSamplingCorrection, "_add_deferred_stats", log_each_micro_batch)
     per_part_logs, _, _ = _train_recording_forwards(kind, tokenizer, tmp_path / "parts", True, monkeypatch, **schedule)
     moved = [
         name
@@ -555,7 +565,7 @@ def test_is_computed_from_an_extra_forward_when_weights_move_before_the_loss(tok
     from scoring time; the correction is not deferred."""
     trainer = make_trainer("grpo", tokenizer, tmp_path, num_iterations=2, max_steps=1)
     output = {"old_per_token_logps": None}
-    assert not trainer._cb_can_defer_is(output)
+    assert not trainer.rollouts.importance_sampling.can_defer(output)
     trainer = make_trainer("grpo", tokenizer, tmp_path, max_steps=1)
-    assert trainer._cb_can_defer_is(output)
-    assert not trainer._cb_can_defer_is({"old_per_token_logps": torch.zeros(1)})
+    assert trainer.rollouts.importance_sampling.can_defer(output)
+    assert not trainer.rollouts.importance_sampling.can_defer({"old_per_token_logps": torch.zeros(1)})
