@@ -12,7 +12,8 @@ ops (`_upstream_cache`) > upstream; `update_batch`: steady rows inline > forks c
 > upstream; `handle_batch_error` / `fail_all_requests`: lazy request states written > upstream;
 `cache.search_prefix_match`: two prompt tokens left (`_upstream_prefix`) > upstream; `cache.update` (5.24): one-gather
 reads and block-table marks > upstream; `_run_generation_loop`: a context (`run_loop_in`); on the classes: block hashes
-chained from the weight epoch (`install_epoch_hashes`). Upstream surface: tests/unit/test_contracts.py.
+chained from the weight epoch (`install_epoch_hashes`), a hybrid's mixer `forward` through its stepper
+(`_upstream_recurrent.routed_forward`). Upstream surface: tests/unit/test_contracts.py.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def install(manager: ContinuousBatchingManager, model: PreTrainedModel, features
         processor.model_runner,
         processor.inputs_and_outputs,
         processor.scheduler,
-        (processor.cache),
+        processor.cache,
     )
     recorder = features.recorder
 
@@ -105,10 +106,14 @@ def install(manager: ContinuousBatchingManager, model: PreTrainedModel, features
     scheduler.schedule_batch, ios.prepare_batch_tensors, processor.update_batch = schedule, prepare, update
 
     # PagedAttentionCache.free_blocks / free_all_requests / prepare_fork_request: a recurrent state slot lives as
-    # long as its sequence's KV blocks
+    # long as its sequence's KV blocks; the mixers' `forward` (on their classes) finds the stepper on the cache
     if features.recurrent is not None:
         lifetimes = _upstream_recurrent.with_slot_lifetimes(cache, features.recurrent.slots)
         cache.free_blocks, cache.free_all_requests, cache.prepare_fork_request = lifetimes
+        cache.use_prefix_sharing = False  # a matched prefix has keys but no recurrent state
+        setattr(cache, _upstream_recurrent.STEPPER_ATTR, features.recurrent)
+        for cls in features.recurrent.mixer_classes:
+            _route_mixer_forward(cls)
 
     # PagedAttentionCache.search_prefix_match: a forked request's prefill never matched empty
     if cache.use_prefix_sharing:
@@ -119,6 +124,20 @@ def install(manager: ContinuousBatchingManager, model: PreTrainedModel, features
     if cache_update is not None:
         _upstream_cache.drop_paged_cache_from_outputs(model)
         cache.update = cache_update
+
+
+_mixer_lock = threading.Lock()
+
+
+def _route_mixer_forward(cls: type) -> None:
+    """`cls.forward` routed through the engine's stepper (`_upstream_recurrent.routed_forward`): once per class, per
+    process; a call without an engine cache (a training forward) runs upstream's forward itself
+    (tests/unit/engine/test_hybrid_engine.py `test_the_training_forward_is_untouched`)."""
+    with _mixer_lock:
+        if _upstream_recurrent.ORIGINAL_FORWARD in cls.__dict__:
+            return
+        setattr(cls, _upstream_recurrent.ORIGINAL_FORWARD, cls.forward)
+        cls.forward = _upstream_recurrent.routed_forward(cls.forward)
 
 
 _epoch_lock = threading.Lock()

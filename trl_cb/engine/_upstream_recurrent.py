@@ -65,10 +65,9 @@ SERVED_LAYER_TYPES = RECURRENT_LAYER_TYPES | STATELESS_LAYER_TYPES | frozenset(P
 #: Why the engine must be synchronous for recurrent layers (`request_processors.require_synchronous_engine`).
 RECURRENT_STATE_NEEDS_SYNC = "A hybrid model's recurrent layers map each batch row to its state slot on the host"
 
-_STEPPER_ATTR = "_trl_cb_recurrent_stepper"  # on the engine's PagedAttentionCache
-_ORIGINAL_FORWARD = "_trl_cb_original_forward"  # on a wrapped mixer class
+STEPPER_ATTR = "_trl_cb_recurrent_stepper"  # on the engine's PagedAttentionCache (set by `_upstream_patches`)
+ORIGINAL_FORWARD = "_trl_cb_original_forward"  # on a wrapped mixer class (set by `_upstream_patches`)
 _groups_lock = threading.Lock()
-_wrap_lock = threading.Lock()
 
 
 # ------------------------------------------------------------------------------------------ which layers are which
@@ -140,7 +139,7 @@ def _reads_recurrent_state(cls: type) -> bool:
     """Whether `cls.forward` reads a state through transformers' cache API (`get_conv_state` / `get_recurrent_state`):
     what marks a layer's token mixer, in every hybrid family of transformers 5.24. Cached per class (its source is
     read once per process, not per module of every engine build): the answer is the class's own, wrapped or not
-    (`inspect.unwrap` reaches the original forward through `_wrap_mixer_class`'s `functools.wraps`)."""
+    (`inspect.unwrap` reaches the original forward through `routed_forward`'s `functools.wraps`)."""
     forward = getattr(cls, "forward", None)
     try:
         source = inspect.getsource(inspect.unwrap(forward))
@@ -172,27 +171,23 @@ def mixer_modules(model: torch.nn.Module, text_config: Any) -> dict[int, torch.n
 
 def stepper(cache: object) -> RecurrentStepper | None:
     """The recurrent stepper of an engine's cache; None for any other cache (or none)."""
-    return getattr(cache, _STEPPER_ATTR, None) if isinstance(cache, PagedAttentionCache) else None
+    return getattr(cache, STEPPER_ATTR, None) if isinstance(cache, PagedAttentionCache) else None
 
 
-def _wrap_mixer_class(cls: type) -> None:
-    """Route `cls.forward` through the engine's stepper when it gets an engine cache (once per class, per process:
-    the classes are shared by every model of the family; any other call runs the original forward unchanged)."""
-    with _wrap_lock:
-        if _ORIGINAL_FORWARD in cls.__dict__:
-            return
-        original = cls.forward
+def routed_forward(original: Callable) -> Callable:
+    """A mixer class's `forward` routed through the engine's stepper when the call gets an engine cache; every other
+    call (a training forward, a cached `generate()`) runs `original` itself, unchanged (`_upstream_patches` sets it on
+    the class once per process: the classes are shared by every model of the family)."""
 
-        @functools.wraps(original)
-        def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            cache = next((kwargs[k] for k in CACHE_KWARGS if k in kwargs), None)
-            engine = stepper(cache)
-            if engine is None:
-                return original(self, *args, **kwargs)
-            return engine.run(self, original, args, kwargs)
+    @functools.wraps(original)
+    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        cache = next((kwargs[k] for k in CACHE_KWARGS if k in kwargs), None)
+        engine = stepper(cache)
+        if engine is None:
+            return original(self, *args, **kwargs)
+        return engine.run(self, original, args, kwargs)
 
-        setattr(cls, _ORIGINAL_FORWARD, original)
-        cls.forward = forward
+    return forward
 
 
 def check_engine_settings(manager: ContinuousBatchingManager, model: PreTrainedModel, decode_graphs: bool) -> None:
@@ -216,20 +211,14 @@ def new_stepper(manager: ContinuousBatchingManager, model: PreTrainedModel) -> R
     """The recurrent stepper of `manager`'s engine (built under `attention_only_cache`, its settings checked by
     `check_engine_settings`: a synchronous engine, whose `ContinuousBatchingIOs` the step plan reads), attached to its
     cache where the mixers find it; None for a model without recurrent layers. After warmup (the batch processor
-    exists); `_upstream_patches.install` then routes the engine's steps and the cache's lifetimes through it
-    (`with_step_plan`, `with_slot_lifetimes`). Wraps the mixer classes' `forward` (once per class: `_wrap_mixer_class`)
-    and turns prefix matching off (a matched prefix has keys but no state)."""
+    exists); `_upstream_patches.install` then attaches it to the cache, routes the mixer classes' `forward`
+    (`routed_forward`, once per class), the engine's steps and the cache's lifetimes through it (`with_step_plan`,
+    `with_slot_lifetimes`), and turns prefix matching off (a matched prefix has keys but no state)."""
     text_config = model.config.get_text_config()
     if not recurrent_layers(text_config):
         return None
-    processor = manager.batch_processor
     mixers = mixer_modules(model, text_config)
-    engine = RecurrentStepper(text_config.num_hidden_layers, model.device)
-    processor.cache.use_prefix_sharing = False
-    for module in mixers.values():
-        _wrap_mixer_class(type(module))
-    setattr(processor.cache, _STEPPER_ATTR, engine)
-    return engine
+    return RecurrentStepper(text_config.num_hidden_layers, model.device, {type(m) for m in mixers.values()})
 
 
 def with_step_plan(engine: RecurrentStepper, ios: ContinuousBatchingIOs, compute: Callable) -> Callable:

@@ -63,9 +63,11 @@ class _StepPlan:
 class RecurrentStepper:
     """One engine's recurrent layers: the slots, the current step's plan, and a mixer call split by that plan."""
 
-    def __init__(self, num_layers: int, device: torch.device) -> None:
+    def __init__(self, num_layers: int, device: torch.device, mixer_classes: set[type] | None = None) -> None:
         self.num_layers = num_layers
         self.device = device  # the model's: where each step's index tensors go (`plan_step`)
+        #: The token-mixer classes whose `forward` the engine routes through this stepper (`routed_forward`).
+        self.mixer_classes = frozenset(mixer_classes or ())
         self.slots = RecurrentStateSlots()
         self._plan: _StepPlan | None = None
         # The cache every mixer call gets: at the running layer's index the call's state layer, a `DummyLayer`

@@ -29,6 +29,7 @@ from ..engine.request_processors import (
     HISTORY_NEEDS_SYNC,
     POLICY_LOGPROBS_NEED_SYNC,
     SYNCHRONOUS_ENGINE,
+    RequestProcessorSettings,
     build_request_processors,
     require_synchronous_engine,
 )
@@ -49,6 +50,15 @@ class Engine:
     size: CacheSize
     #: A round owns the engine (thread running, requests possibly in flight); cleared once it is suspended clean.
     busy: bool = False
+
+
+@dataclass(frozen=True)
+class _EngineChoices:
+    """What `EnginePool` decides once per `ensure` for an engine serving a generation config."""
+
+    settings: RequestProcessorSettings  # what trl_cb applies per request itself
+    graphs: bool  # decode steps as accelerator graphs (`EnginePool.decode_graphs`)
+    block_tables: bool  # decode steps read the cache through block tables (graphs, full attention only)
 
 
 class EnginePool:
@@ -77,6 +87,7 @@ class EnginePool:
         resolve_eos(generation_config, module)
         sharing = self.cb_kwargs.get("allow_block_sharing", True)
         signature = (id(module), module.dtype, sharing, sampling_signature(generation_config))
+        choices = self._choices(module, generation_config)  # each engine setting decided once, here
         engine = self.engine
         if engine is not None and engine.busy:
             # An earlier round was cut short (or async rollouts own it): requests may still be in flight.
@@ -84,7 +95,7 @@ class EnginePool:
             self.stop()
             engine = None
         if engine is not None and engine.signature == signature:
-            if engine.size.holds(self.cache_size(module, workload, self._block_tables(module, generation_config))):
+            if engine.size.holds(self.cache_size(module, workload, choices.block_tables)):
                 return engine
             workload = workload.union(engine.workload)
             logger.info(
@@ -95,7 +106,7 @@ class EnginePool:
         elif engine is not None:
             logger.info("Generation settings or model changed: rebuilding the continuous batching engine.")
         self.stop()
-        self.engine = self._build(module, workload, signature, generation_config)
+        self.engine = self._build(module, workload, signature, generation_config, choices)
         self.num_builds += 1
         return self.engine
 
@@ -115,13 +126,13 @@ class EnginePool:
             max_batch_tokens=self.cb_kwargs.get("max_batch_tokens") or sized.max_batch_tokens,
         )
 
-    def _block_tables(self, module: PreTrainedModel, generation_config: GenerationConfig) -> bool:
-        """Whether an engine built now would run its decode steps through block tables (with decode graphs; not for
-        models with other layers than full attention)."""
-        needs_history = request_processor_settings(generation_config).needs_history
-        if not self.decode_graphs(module, needs_history) or not decode_graphs.backend_available(module.device):
-            return False
-        return set(_upstream.engine_layer_groups(module.config.get_text_config())) == {"full_attention"}
+    def _choices(self, module: PreTrainedModel, generation_config: GenerationConfig) -> _EngineChoices:
+        """The settings an engine built now for `generation_config` would run with, each decided once."""
+        settings = request_processor_settings(generation_config)
+        graphs = self.decode_graphs(module, needs_history=settings.needs_history)
+        full_attention = set(_upstream.engine_layer_groups(module.config.get_text_config())) == {"full_attention"}
+        block_tables = graphs and decode_graphs.backend_available(module.device) and full_attention
+        return _EngineChoices(settings=settings, graphs=graphs, block_tables=block_tables)
 
     def decode_graphs(self, module: PreTrainedModel, needs_history: bool = False) -> bool:
         """Whether the engine runs its decode steps as accelerator graphs (`engine/decode_graphs.py`).
@@ -172,10 +183,11 @@ class EnginePool:
         workload: Workload,
         signature: tuple[Any, ...],
         generation_config: GenerationConfig,
+        choices: _EngineChoices,
     ) -> Engine:
         self.free_retired()  # before allocating a new cache
         kwargs = dict(self.cb_kwargs)
-        settings = request_processor_settings(generation_config)
+        settings = choices.settings
         request_processors = build_request_processors(settings, eos_token_ids(generation_config))
         engine_config = without_trl_cb_fields(generation_config)
         # Truncating or penalising settings: record the trainer-comparable logprob beside the processed one.
@@ -186,9 +198,8 @@ class EnginePool:
             else:  # the recorder runs inside trl_cb's decode graphs (`decode_graphs.py`): only graphs are allowed
                 require_synchronous_engine(_without_graphs(self.cb_kwargs), POLICY_LOGPROBS_NEED_SYNC)
             kwargs.update(SYNCHRONOUS_ENGINE)
-        graphs = self.decode_graphs(module, needs_history=settings.needs_history)
         kwargs["use_cuda_graph"] = False  # transformers' own graphs stay off: trl_cb's run the decode steps
-        size = self.cache_size(module, workload, self._block_tables(module, generation_config))
+        size = self.cache_size(module, workload, choices.block_tables)
         if workload.num_prompts is not None and "num_blocks" not in self.cb_kwargs:
             # The cache holds every request of this workload at its longest: transformers' safety margin (no new
             # prefill while under 10% of the cache is free) would only make the last prompts of a round wait.
@@ -215,7 +226,7 @@ class EnginePool:
                 hints,
                 request_processors,
                 record_policy,
-                decode_graphs=graphs,
+                decode_graphs=choices.graphs,
             )
         except MemoryError as err:
             raise MemoryError(
