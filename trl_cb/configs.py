@@ -156,7 +156,7 @@ class ContinuousBatchingArguments:
             "help": "Async: largest accepted age of a group's oldest token, in optimizer steps. Unset: "
             "(cb_async_prefetch_depth + 1) * k, with k = steps_per_generation * num_iterations / "
             "gradient_accumulation_steps optimizer steps between rollout takes: a group waits at most that long, so "
-            "nothing is dropped."
+            "nothing is dropped; the trainer writes the bound it runs with here (what is logged is what ran)."
         },
     )
     cb_async_prefetch_depth: int | None = field(
@@ -271,6 +271,7 @@ class ContinuousBatchingArguments:
         self.transformers_continuous_batching_config = cb_kwargs(cb_config)
 
         self._cb_prefetch_depth_was_set = self.cb_async_prefetch_depth is not None
+        self._cb_max_staleness_was_set = self.cb_async_max_staleness is not None
         self.cb_async_prefetch_depth = _resolved_prefetch_depth(self.cb_async_prefetch_depth, self.cb_async_overlap)
         if self.cb_importance_sampling_mode is None:
             self.cb_importance_sampling_mode = self._default_importance_sampling_mode()
@@ -340,6 +341,12 @@ def prefetch_depth_was_set(args: Any) -> bool:
     """Whether the user chose `cb_async_prefetch_depth` (not the default `__post_init__` filled in). A config built
     otherwise (no `__post_init__` of ours) counts as set."""
     return bool(getattr(args, "_cb_prefetch_depth_was_set", True))
+
+
+def max_staleness_was_set(args: Any) -> bool:
+    """Whether the user chose `cb_async_max_staleness` (unset, the trainer resolves it and writes what runs into its
+    args). A config built otherwise counts as set where it holds a value."""
+    return bool(getattr(args, "_cb_max_staleness_was_set", True)) and args.cb_async_max_staleness is not None
 
 
 def default_prefetch_depth(overlap: bool, multi_turn: bool = False) -> int:

@@ -22,7 +22,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..checks import inputs
-from ..configs import default_prefetch_depth, prefetch_depth_was_set
+from ..configs import default_prefetch_depth, max_staleness_was_set, prefetch_depth_was_set
 from ..engine import sharding
 from ..engine.model_view import SHARDED_REFUSAL
 from ..rollouts.async_controller import AsyncRolloutController
@@ -135,6 +135,10 @@ class AsyncBridge:
                 args.cb_async_prefetch_depth,
             )
             args.cb_async_prefetch_depth = depth
+        staleness = self.max_staleness()
+        if staleness != args.cb_async_max_staleness:  # unset: the bound that drops nothing for this schedule
+            logger.info("Async rollouts: cb_async_max_staleness set to %d (unset: drops nothing here).", staleness)
+            args.cb_async_max_staleness = staleness
         trainer.add_callback(_PauseEngineForOptimizerStep(self))
         trainer.add_callback(_SaveAsyncState(self))
 
@@ -289,7 +293,7 @@ class AsyncBridge:
         """`args.cb_async_max_staleness`, or (unset) the bound that drops nothing for this schedule: rollouts are
         taken once every `steps_per_generation * num_iterations / gradient_accumulation_steps` optimizer steps."""
         args = self.trainer.args
-        if args.cb_async_max_staleness is not None:
+        if max_staleness_was_set(args):
             return args.cb_async_max_staleness
         steps_per_take = args.steps_per_generation * self.trainer.num_iterations / args.gradient_accumulation_steps
         return default_max_staleness(self.prefetch_depth(), steps_per_take)

@@ -71,9 +71,9 @@ def test_a_hanging_tool_times_out_as_a_failure(tmp_path):
 @pytest.mark.parametrize(("tools", "depth", "expected"), [(True, None, 0), (True, 1, 1), (False, None, 1)])
 def test_tools_default_to_prefetch_depth_0_an_explicit_depth_wins(tmp_path, tools, depth, expected):
     """Multi-turn async rollouts default to staleness <= 1 (`DEFAULT_TOOLS_PREFETCH_DEPTH`, measured); a depth the
-    user set is kept, and without tools the general default (1) stays. The args show the depth that runs (what is
-    logged is what ran), also after training; a second trainer built from the same config without tools still gets
-    the general default, and its args show that."""
+    user set is kept, and without tools the general default (1) stays. The args show the depth and the staleness
+    bound that run (what is logged is what ran; the bound was `None` when unset), also after training; a second
+    trainer built from the same config without tools still gets the general default, and its args show that."""
     overrides = {} if depth is None else {"cb_async_prefetch_depth": depth}
     run = trainer(tmp_path, chat_tokenizer(), [multiply] if tools else None, **overrides)
     assert run.rollouts.async_rollouts.prefetch_depth() == expected
@@ -82,6 +82,7 @@ def test_tools_default_to_prefetch_depth_0_an_explicit_depth_wins(tmp_path, tool
     run.train()
     assert run.rollouts.async_rollouts.source is None  # stopped: nothing after this point writes the args
     assert run.args.cb_async_prefetch_depth == expected and run.args.to_dict()["cb_async_prefetch_depth"] == expected
+    assert run.args.to_dict()["cb_async_max_staleness"] == default_max_staleness(expected, steps_per_take)  # ran
     again = GRPOTrainer(model=run.model, reward_funcs=finished_reward, args=run.args, train_dataset=run.train_dataset,
                         processing_class=run.processing_class)  # fmt: skip
     assert (
@@ -89,6 +90,8 @@ def test_tools_default_to_prefetch_depth_0_an_explicit_depth_wins(tmp_path, tool
         == again.args.cb_async_prefetch_depth
         == (1 if depth is None else depth)
     )
+    again_staleness = default_max_staleness(1 if depth is None else depth, steps_per_take)
+    assert again.rollouts.async_rollouts.max_staleness() == again.args.cb_async_max_staleness == again_staleness
 
 
 @pytest.mark.parametrize(("field", "value"), [("cb_async_tool_workers", 0), ("cb_async_tool_timeout", 0.0)])
