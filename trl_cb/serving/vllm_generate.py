@@ -22,9 +22,10 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import Response
 from pydantic import Field, field_validator, model_validator
 
+from ..rollouts.rollout_groups import RolloutGroup
 from .openai_answers import DecodedSample, dump, usage
 from .openai_protocol import MAX_STOP_TOKEN_IDS, MAX_STOPS, Stop
-from .openai_serving import Flows, OpenAIServing, all_groups, finished_sample
+from .openai_serving import AnswerContext, Flows, OpenAIServing, all_groups, finished_sample
 from .protocol import MAX_N, MAX_TOKENS, PromptIds, SamplingRequest, engine_sampling, greedy_or_sampling
 from .protocol import _Strict as Strict
 
@@ -108,17 +109,23 @@ async def generate(serving: OpenAIServing, flows: Flows, body: GenerateRequest) 
     ctx = serving.context(params, logprobs=params.logprobs is not None)
     flow, _ = serving.flow(flows, params, ctx, [prompt])
     groups = await all_groups(flow, 1)
-    samples = [finished_sample(ctx, groups[0], k, prompt) for k in range(params.n)]
-    choices = [_choice(k, sample, ctx.logprobs) for k, sample in enumerate(samples)]
+    request_id = body.request_id or uuid.uuid4().hex
+    answer = await serving.off_loop(_answer, ctx, request_id, params.n, prompt, groups[0])
+    return Response(answer, media_type="application/json")
+
+
+def _answer(ctx: AnswerContext, request_id: str, n: int, prompt: list[int], group: RolloutGroup) -> bytes:
+    """The answer's JSON (decoded and encoded on the answer thread: `OpenAIServing.off_loop`)."""
+    samples = [finished_sample(ctx, group, k, prompt) for k in range(n)]
     answer = {
-        "request_id": body.request_id or uuid.uuid4().hex,
-        "choices": choices,
+        "request_id": request_id,
+        "choices": [_choice(k, sample, ctx.logprobs) for k, sample in enumerate(samples)],
         "prompt_token_ids": prompt,
         "prompt_logprobs": None,
         "kv_transfer_params": None,
         "usage": usage(len(prompt), sum(len(sample.token_ids) for sample in samples)),
     }
-    return Response(dump(answer), media_type="application/json")
+    return dump(answer)
 
 
 def _choice(index: int, sample: DecodedSample, logprobs: bool) -> dict[str, Any]:
