@@ -8,10 +8,11 @@
 Parts (`--parts`); the first four use a **fake engine** (an answer's tokens exist at once, as Python lists like the
 engine's, `--prompts` x `--n` completions of `--tokens` tokens): only payload work is measured.
 - `encode`: the server's encoder and the client's decoder on one step's answer, in process, per encoding (`json`:
-  `server.encode_choices`, read back by the response model; `binary`: `frames.frame_pieces`, read by `read_frames` /
-  `decode_frame` into tensors), `--rounds` rounds interleaved, with `before` (pydantic `CompletionResponse` JSON both
-  ways) as the reference. The lists TRL's input needs are timed too: completion ids (both trainers) and GRPO's (B, T)
-  sampling logprobs (from lists TRL's per-token loop; from a binary answer the rows padded).
+  `generation_routes.encode_choices`, read back by the response model; `binary`: `frames.frame_pieces`, read by
+  `read_frames` / `decode_frame` into tensors), `--rounds` rounds interleaved, with `before` (pydantic
+  `CompletionResponse` JSON both ways) as the reference. The lists TRL's input needs are timed too: completion ids
+  (both trainers) and GRPO's (B, T) sampling logprobs (from lists TRL's per-token loop; from a binary answer the rows
+  padded).
 - `http`: a real uvicorn server process (`--serve-fake`) answering the whole step `--requests` times per encoding,
   while another process polls `/health` every 20 ms: request wall time, `RolloutClient.generate` wall time (decoded),
   and `/health` latency percentiles (the event loop's lag while the answer is produced).
@@ -211,8 +212,8 @@ def _encode_round(args: argparse.Namespace, groups: list[Any]) -> list[dict[str,
 
     from trl_cb.rollouts.rollout_groups import as_lists
     from trl_cb.serving.frames import decode_frame, frame_pieces, read_frames
+    from trl_cb.serving.generation_routes import encode_choices, pack_choices
     from trl_cb.serving.protocol import Choice, CompletionRequest, CompletionResponse, PackedColumns
-    from trl_cb.serving.server import encode_choices, pack_choices
     from trl_cb.trainers.trl_internals import pad
 
     rows = []
