@@ -137,9 +137,9 @@ def dump(body: dict[str, Any]) -> bytes:
     """JSON of a response or chunk, RL fields left out where unset (recursively through `choices`): the bytes of
     `json.dumps(body, separators=(",", ":"))`, written one object of a list of objects (a choice) at a time.
 
-    Why in pieces: one `json.dumps` call holds the GIL from start to end, so on a large answer (128 samples of 256
-    tokens with logprobs: ~0.2 s) it would stall every other thread, the server's event loop included, however the
-    call was moved off the loop; between two choices the interpreter can hand the GIL over (`openai_serving.py`)."""
+    Why in pieces: one `json.dumps` call holds the GIL from start to end, so on a large answer (hundreds of
+    milliseconds for 128 samples of 256 tokens with logprobs) it would stall every other thread, the server's event
+    loop included, wherever it runs; between two choices the interpreter can hand it over (`openai_serving.py`)."""
     parts = []
     for key, value in _without_unset(body).items():
         if isinstance(value, list) and value and isinstance(value[0], dict):

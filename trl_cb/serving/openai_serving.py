@@ -286,9 +286,9 @@ class OpenAIServing:
         self._answers = ThreadPoolExecutor(max_workers=ANSWER_THREADS, thread_name_prefix="trl-cb-answers")
 
     async def off_loop(self, build: Callable[..., _T], *args: Any) -> _T:
-        """`build(*args)` on the answer thread (`ANSWER_THREADS`), awaited: decoding and JSON of a whole answer take
-        up to seconds of CPU (16 x 8 x 256 tokens: ~1 s), which on the event loop would hold every other request and
-        `/health` for as long. The work holds the GIL in short pieces only (`openai_answers.dump`)."""
+        """`build(*args)` on the answer thread (`ANSWER_THREADS`), awaited: decoding and JSON of a whole answer can
+        take seconds of CPU, which on the event loop would hold every other request and `/health` for as long
+        (docs/benchmarks.md). The work holds the GIL in short pieces only (`openai_answers.dump`)."""
         return await asyncio.get_running_loop().run_in_executor(self._answers, functools.partial(build, *args))
 
     def context(self, body: Any, logprobs: bool, tools: list[dict[str, Any]] | None = None) -> AnswerContext:
