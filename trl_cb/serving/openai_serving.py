@@ -6,7 +6,7 @@ Invariants: every returned or streamed token is a sampled token with the logprob
 for it (nothing re-tokenized); a sample keeps every token through the one that completed a stop string, while its
 text ends before the stop string (OpenAI; `include_stop_str_in_output` keeps it); a streamed sample's chunks
 concatenate to the whole answer's text, ids and values; a stream never sends text that could still turn out to be
-the start of a stop string. The routes themselves (auth, limits, disconnects) are `server.py`'s.
+the start of a stop string. The routes themselves are `generation_routes.py`'s (auth and limits: `middleware.py`).
 
 A whole (non-streamed) answer is decoded and encoded off the event loop (`OpenAIServing.off_loop`: one worker
 thread), so the loop answers `/health` and other requests meanwhile (docs/benchmarks.md, "Rollout server").
