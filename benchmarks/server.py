@@ -3,20 +3,25 @@
     python benchmarks/server.py                       # every default part: a few minutes on 2 CPU cores
     python benchmarks/server.py --quick               # ~1 min: a smoke run
     python benchmarks/server.py --parts scale         # 1,024 groups of 4 x 8,192 tokens in flight (minutes, ~5 GB)
+    python benchmarks/server.py --parts openai        # 4 OpenAI JSON clients, 16 x 8 x 256 tokens: /health meanwhile
 
-Parts (`--parts`); the first three use a **fake engine** (an answer's tokens exist at once, as Python lists like the
+Parts (`--parts`); the first four use a **fake engine** (an answer's tokens exist at once, as Python lists like the
 engine's, `--prompts` x `--n` completions of `--tokens` tokens): only payload work is measured.
 - `encode`: the server's encoder and the client's decoder on one step's answer, in process, per encoding (`json`:
-  `server.encode_choices`, read back by the response model; `binary`: `frames.frame_pieces`, read by `read_frames` /
-  `decode_frame` into tensors), `--rounds` rounds interleaved, with `before` (pydantic `CompletionResponse` JSON both
-  ways) as the reference. The lists TRL's input needs are timed too: completion ids (both trainers) and GRPO's (B, T)
-  sampling logprobs (from lists TRL's per-token loop; from a binary answer the rows padded).
+  `generation_routes.encode_choices`, read back by the response model; `binary`: `frames.frame_pieces`, read by
+  `read_frames` / `decode_frame` into tensors), `--rounds` rounds interleaved, with `before` (pydantic
+  `CompletionResponse` JSON both ways) as the reference. The lists TRL's input needs are timed too: completion ids
+  (both trainers) and GRPO's (B, T) sampling logprobs (from lists TRL's per-token loop; from a binary answer the rows
+  padded).
 - `http`: a real uvicorn server process (`--serve-fake`) answering the whole step `--requests` times per encoding,
   while another process polls `/health` every 20 ms: request wall time, `RolloutClient.generate` wall time (decoded),
   and `/health` latency percentiles (the event loop's lag while the answer is produced).
 - `controller`: the trainer's side of async rollouts (`RemoteRolloutController`) against that server: trainer CPU
   seconds per step, threads, `/health` latency meanwhile; `scale` (not by default): the same with `--scale-groups`
   groups in flight.
+- `openai` (not by default): `--openai-clients` clients each send `--openai-requests` OpenAI JSON completions of
+  `--openai-shape` prompts x samples x tokens (logprobs, the RL fields, text decoded with the tiny tokenizer) at once,
+  while `/health` is polled: the event loop's lag while OpenAI answers are decoded and encoded.
 The last two run a real server on the offline tiny model (`--model`):
 - `load`: `--clients-sweep` closed-loop clients send one-prompt requests (`--n` samples, `--max-tokens`) for
   `--seconds`: requests/s and latency per client count.
@@ -51,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import plots  # noqa: E402
 
-PARTS = ("encode", "http", "controller", "scale", "load", "mixed")
+PARTS = ("encode", "http", "controller", "scale", "openai", "load", "mixed")
 DEFAULT_PARTS = ("encode", "http", "controller", "load", "mixed")
 #: The in-process part's encodings, in the order each round runs them ("before": the reference).
 ENCODINGS = ("before", "json", "binary")
@@ -78,8 +83,9 @@ def fake_group(prompt: list[int], n: int, tokens: int, seed: int) -> Any:
     return group
 
 
-def serve_fake(port: int) -> None:
-    """`--serve-fake PORT`: a real server app on uvicorn whose engine finishes every group at once (`fake_group`)."""
+def serve_fake(port: int, text: bool = False) -> None:
+    """`--serve-fake PORT`: a real server app on uvicorn whose engine finishes every group at once (`fake_group`);
+    with `text` (`--fake-text`) it has the tiny tokenizer, so OpenAI answers carry decoded text."""
     import torch
     import uvicorn
 
@@ -88,9 +94,10 @@ def serve_fake(port: int) -> None:
     from trl_cb.serving.server import create_app
 
     torch.set_num_threads(1)
-    model = tiny_model(tiny_tokenizer())
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tokenizer)
     model.config.max_position_embeddings = 16384  # 8,192-token completions pass the prompt checks
-    app = create_app(model, api_key=None)
+    app = create_app(model, api_key=None, tokenizer=tokenizer if text else None)
     made: dict[tuple[int, int, int], Any] = {}  # built once: the fake engine itself costs nothing per request
 
     def submit(prompts, n, config, on_done=None, watchers=None):  # no watcher: nothing streams here
@@ -107,9 +114,10 @@ def serve_fake(port: int) -> None:
 
 
 @contextlib.contextmanager
-def fake_server() -> Iterator[str]:
-    """A `--serve-fake` server process on a free loopback port; yields its URL once `/health` answers from it (waited
-    for while it progresses, `launch.wait_until_serving`; its exit or a stall fails at once with its log's tail)."""
+def fake_server(text: bool = False) -> Iterator[str]:
+    """A `--serve-fake` server process (`text`: with the tokenizer) on a free loopback port; yields its URL once
+    `/health` answers from it (waited for while it progresses, `launch.wait_until_serving`; its exit or a stall fails
+    at once with its log's tail)."""
     import tempfile
 
     from trl_cb.errors import RolloutServerError
@@ -120,7 +128,7 @@ def fake_server() -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile(prefix="trl-cb-fake-serve-", suffix=".log") as log:
         proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve-fake", str(port)],
+            [sys.executable, __file__, "--serve-fake", str(port), *(["--fake-text"] if text else [])],
             env={**os.environ, "PYTHONPATH": str(common.ROOT), "OMP_NUM_THREADS": "1"},
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -204,8 +212,8 @@ def _encode_round(args: argparse.Namespace, groups: list[Any]) -> list[dict[str,
 
     from trl_cb.rollouts.rollout_groups import as_lists
     from trl_cb.serving.frames import decode_frame, frame_pieces, read_frames
+    from trl_cb.serving.generation_routes import encode_choices, pack_choices
     from trl_cb.serving.protocol import Choice, CompletionRequest, CompletionResponse, PackedColumns
-    from trl_cb.serving.server import encode_choices, pack_choices
     from trl_cb.trainers.trl_internals import pad
 
     rows = []
@@ -345,6 +353,43 @@ def scale(args: argparse.Namespace) -> Iterator[tuple[tuple[str, str], dict[str,
     return controller(args, groups_in_flight=args.scale_groups)
 
 
+def openai_json(args: argparse.Namespace) -> Iterator[tuple[tuple[str, str], dict[str, Any]]]:
+    """`--openai-clients` threads, each sending `--openai-requests` OpenAI JSON completions back to back (all at once:
+    the answers are built concurrently), on the fake engine with the tokenizer; `/health` latency meanwhile."""
+    prompts, n, tokens = args.openai_shape
+    body = {"prompt": [[5] * 8] * prompts, "n": n, "max_tokens": tokens, "logprobs": 0, "return_token_ids": True}
+    with fake_server(text=True) as url:
+        requests.post(url + "/v1/completions", json=body, timeout=600).raise_for_status()  # the fake groups built
+        walls: list[float] = []
+        sizes: list[int] = []
+        lock = threading.Lock()
+
+        def client() -> None:
+            session = requests.Session()
+            for _ in range(args.openai_requests):
+                start = time.perf_counter()
+                response = session.post(url + "/v1/completions", json=body, timeout=600)
+                response.raise_for_status()
+                with lock:
+                    walls.append(time.perf_counter() - start)
+                    sizes.append(len(response.content))
+
+        threads = [threading.Thread(target=client) for _ in range(args.openai_clients)]
+        with health_poller(url) as latencies:
+            started = time.perf_counter()
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            elapsed = time.perf_counter() - started
+    assert len(walls) == args.openai_clients * args.openai_requests, "a client failed (its traceback is above)"
+    yield ("openai", f"{args.openai_clients} clients {prompts}x{n}x{tokens}"), {
+        "clients": args.openai_clients, "requests": len(walls), "mib": statistics.median(sizes) / 2**20,
+        "request_wall_s": statistics.median(walls), "requests_per_s": len(walls) / elapsed, **health_stats(latencies),
+        "headline": health_stats(latencies)["health_p99_ms"], "headline_unit": "ms /health p99",
+    }  # fmt: skip
+
+
 def engine_builds(url: str) -> int:
     """The server's engine (re)builds so far (`/metrics` as JSON)."""
     return requests.get(url + "/metrics", headers={"Accept": "application/json"}, timeout=10).json()["engine_builds"]
@@ -433,6 +478,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--prefetch-depth", type=int, default=1, help="controller: steps requested ahead")
     g.add_argument("--steps", type=int, default=3, help="controller: steps timed (after the first)")
     g.add_argument("--scale-groups", type=int, default=1024, help="scale: groups in flight")
+    g.add_argument("--openai-clients", type=int, default=4, help="openai: concurrent clients")
+    g.add_argument("--openai-requests", type=int, default=3, help="openai: requests per client")
+    g.add_argument(
+        "--openai-shape", type=int, nargs=3, default=[16, 8, 256], metavar=("PROMPTS", "N", "TOKENS"), help="openai"
+    )
     g = p.add_argument_group("real server (load, mixed)")
     g.add_argument("--model", default="trl-cb/tiny", help="what `trl-cb serve --model` takes")
     g.add_argument("--clients-sweep", type=int, nargs="+", default=[1, 4, 16], help="load: client counts")
@@ -443,6 +493,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--prompt-len", type=int, default=24)
     g.add_argument("--server-threads", type=int, default=1)
     p.add_argument("--serve-fake", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--fake-text", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--poll-health", default=None, help=argparse.SUPPRESS)
     common.add_options(p, "server")
     args = p.parse_args(argv)
@@ -452,6 +503,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.prompts, args.n, args.tokens, args.requests, args.steps, args.rounds = 16, 4, 1024, 1, 1, 1
         args.clients_sweep, args.clients, args.seconds, args.max_tokens = [1, 4], 4, 2.0, 8
+        args.openai_requests = 1
     return args
 
 
@@ -472,7 +524,7 @@ def print_table(points: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.serve_fake is not None:
-        serve_fake(args.serve_fake)
+        serve_fake(args.serve_fake, text=args.fake_text)
         return {}
     if args.poll_health is not None:
         poll_health(args.poll_health)
@@ -480,7 +532,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if common.other_mode(args, None, plots.render_server):
         return {}
     parts = {"encode": encode, "http": over_http, "controller": controller, "scale": scale, "load": load}
-    parts["mixed"] = mixed
+    parts.update(mixed=mixed, openai=openai_json)
     results = common.ResultFile("server", args, render=plots.render_server)
     print(f"rows are written to {results.path} as they are measured", flush=True)
     for name in args.parts:

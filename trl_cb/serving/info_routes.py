@@ -59,7 +59,8 @@ def info_router(
         return str(model.dtype).removeprefix("torch.")
 
     @router.get("/health")
-    def health() -> dict[str, Any]:
+    async def health() -> dict[str, Any]:
+        # On the event loop itself: a sync route would wait for a thread-pool thread, and then for the GIL twice more.
         # The pid lets a launcher tell its own child from another server that holds the port (`launch.py`).
         return {"status": "ok", "pid": os.getpid()}
 

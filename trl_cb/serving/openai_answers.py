@@ -134,8 +134,24 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def dump(body: dict[str, Any]) -> bytes:
-    """JSON of a response or chunk, RL fields left out where unset (recursively through `choices`)."""
-    return json.dumps(_without_unset(body), separators=(",", ":")).encode()
+    """JSON of a response or chunk, RL fields left out where unset (recursively through `choices`): the bytes of
+    `json.dumps(body, separators=(",", ":"))`, written one object of a list of objects (a choice) at a time.
+
+    Why in pieces: one `json.dumps` call holds the GIL from start to end, so on a large answer (hundreds of
+    milliseconds for 128 samples of 256 tokens with logprobs) it would stall every other thread, the server's event
+    loop included, wherever it runs; between two choices the interpreter can hand it over (`openai_serving.py`)."""
+    parts = []
+    for key, value in _without_unset(body).items():
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            encoded = b"[" + b",".join(map(_json, value)) + b"]"
+        else:
+            encoded = _json(value)
+        parts.append(_json(key) + b":" + encoded)
+    return b"{" + b",".join(parts) + b"}"
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
 
 
 def _without_unset(value: Any) -> Any:

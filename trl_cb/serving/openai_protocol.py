@@ -22,7 +22,7 @@ import math
 from typing import Annotated, Any, Literal
 
 from fastapi import HTTPException
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .protocol import (
     MAX_N,
@@ -31,10 +31,9 @@ from .protocol import (
     MAX_TOKENS,
     Choice,
     CompletionRequest,
+    DecodedSamplingRequest,
     PromptIds,
-    SamplingRequest,
     engine_sampling,
-    greedy_or_sampling,
 )
 from .protocol import _Strict as Strict
 
@@ -52,8 +51,6 @@ __all__ = [
     "openai_error",
 ]
 
-#: Most stop strings per request, and their longest length (characters); most stop token ids (vLLM's).
-MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 256
 #: Longest text prompt (characters), checked before it is tokenized.
 MAX_PROMPT_CHARS = 8 * MAX_PROMPT_TOKENS
 MAX_MESSAGES, MAX_TOOLS = 1024, 128
@@ -61,7 +58,6 @@ MAX_MESSAGES, MAX_TOOLS = 1024, 128
 #: bounded default, since the engine is sized for what requests may generate.
 DEFAULT_COMPLETION_MAX_TOKENS, DEFAULT_CHAT_MAX_TOKENS = 16, 512
 
-Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Text = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 
 
@@ -69,16 +65,15 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class _OpenAISampling(SamplingRequest):
-    """What both OpenAI requests share: sampling, stop strings, streaming and the RL switches."""
+class _OpenAISampling(DecodedSamplingRequest):
+    """What both OpenAI requests share: sampling, stop strings (`DecodedSamplingRequest`), streaming and the RL
+    switches."""
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = None  # 0: greedy (`protocol.GREEDY`), else >= MIN_SAMPLING_TEMPERATURE
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's: 0 or -1 keep every token
-    stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = None
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     seed: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -87,8 +82,6 @@ class _OpenAISampling(SamplingRequest):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
 
     @model_validator(mode="after")
     def _honoured(self) -> _OpenAISampling:
@@ -103,14 +96,6 @@ class _OpenAISampling(SamplingRequest):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
-
-    def stops(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-    @field_validator("temperature")
-    @classmethod
-    def _greedy_or_sampling(cls, temperature: float | None) -> float | None:
-        return greedy_or_sampling(temperature)
 
     def sampling(self) -> dict[str, Any]:
         """The engine's sampling settings (OpenAI's defaults: temperature 1, top_p 1; no top-k; 0: greedy)."""

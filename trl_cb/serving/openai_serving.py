@@ -6,16 +6,22 @@ Invariants: every returned or streamed token is a sampled token with the logprob
 for it (nothing re-tokenized); a sample keeps every token through the one that completed a stop string, while its
 text ends before the stop string (OpenAI; `include_stop_str_in_output` keeps it); a streamed sample's chunks
 concatenate to the whole answer's text, ids and values; a stream never sends text that could still turn out to be
-the start of a stop string. The routes themselves (auth, limits, disconnects) are `server.py`'s.
+the start of a stop string. The routes themselves are `generation_routes.py`'s (auth and limits: `middleware.py`).
+
+A whole (non-streamed) answer is decoded and encoded off the event loop (`OpenAIServing.off_loop`: one worker
+thread), so the loop answers `/health` and other requests meanwhile (docs/benchmarks.md, "Rollout server").
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import HTTPException
 from fastapi.responses import Response, StreamingResponse
@@ -36,13 +42,28 @@ from .openai_answers import (
 from .openai_protocol import ChatCompletionRequest, OpenAICompletionRequest
 from .request_flow import RequestFlow
 
-__all__ = ["EVENT_STREAM", "AnswerContext", "OpenAIServing", "SampleDecoder", "all_groups", "finished_sample"]
+__all__ = [
+    "ANSWER_THREADS",
+    "EVENT_STREAM",
+    "AnswerContext",
+    "OpenAIServing",
+    "SampleDecoder",
+    "all_groups",
+    "finished_sample",
+]
+
+#: Worker threads that build whole answers. One: the work holds the GIL (pure Python, `json`), so more threads would
+#: not answer faster, and every extra runnable thread is one more the event loop waits behind for the GIL (CPython
+#: hands it over every `sys.getswitchinterval()`, 5 ms); answers queue for it in arrival order.
+ANSWER_THREADS = 1
 
 #: Server-sent events' media type.
 EVENT_STREAM = "text/event-stream"
 
 #: `flows(prompts, n, max_tokens, sampling, install)`: the server's `RequestFlow` for this request (submitted at once).
 Flows = Callable[..., RequestFlow]
+
+_T = TypeVar("_T")
 
 
 class SampleDecoder:
@@ -262,6 +283,13 @@ class OpenAIServing:
     def __init__(self, tokenizer: Any, model_name: str, eos_ids: set[int]) -> None:
         self.tokenizer, self.model_name, self.eos_ids = tokenizer, model_name, eos_ids
         self.vocabulary = TokenBytes(tokenizer) if tokenizer is not None else None
+        self._answers = ThreadPoolExecutor(max_workers=ANSWER_THREADS, thread_name_prefix="trl-cb-answers")
+
+    async def off_loop(self, build: Callable[..., _T], *args: Any) -> _T:
+        """`build(*args)` on the answer thread (`ANSWER_THREADS`), awaited: decoding and JSON of a whole answer can
+        take seconds of CPU, which on the event loop would hold every other request and `/health` for as long
+        (docs/benchmarks.md). The work holds the GIL in short pieces only (`openai_answers.dump`)."""
+        return await asyncio.get_running_loop().run_in_executor(self._answers, functools.partial(build, *args))
 
     def context(self, body: Any, logprobs: bool, tools: list[dict[str, Any]] | None = None) -> AnswerContext:
         """What answering `body` needs (its stop strings and stop token ids, its RL switch, the tokenizer)."""
@@ -296,13 +324,8 @@ class OpenAIServing:
             events = self._stream(body, ctx, prompts, flow, watchers, head, chat=False)
             return StreamingResponse(events, media_type=EVENT_STREAM)
         groups = await all_groups(flow, len(prompts))
-        samples = [
-            (i, k, finished_sample(ctx, groups[i], k, prompts[i])) for i in sorted(groups) for k in range(body.n)
-        ]
-        choices = [completion_choice(i * body.n + k, s, ctx.logprobs, ctx.rl, prompts[i]) for i, k, s in samples]
-        generated = sum(len(s.token_ids) for _, _, s in samples)
-        body_bytes = dump({**head, "choices": choices, "usage": usage(sum(map(len, prompts)), generated)})
-        return Response(body_bytes, media_type="application/json")
+        answer = await self.off_loop(completion_answer, ctx, head, body.n, prompts, groups)
+        return Response(answer, media_type="application/json")
 
     async def chat(self, flows: Flows, body: ChatCompletionRequest, prompt: list[int]) -> Response:
         ctx = self.context(body, logprobs=bool(body.logprobs), tools=body.offered_tools())
@@ -312,12 +335,8 @@ class OpenAIServing:
             events = self._stream(body, ctx, [prompt], flow, watchers, head, chat=True)
             return StreamingResponse(events, media_type=EVENT_STREAM)
         groups = await all_groups(flow, 1)
-        samples = [finished_sample(ctx, groups[0], k, prompt) for k in range(body.n)]
-        answer = {**head, "choices": [chat_choice(k, s, ctx.logprobs, ctx.rl) for k, s in enumerate(samples)]}
-        answer["usage"] = usage(len(prompt), sum(len(s.token_ids) for s in samples))
-        if ctx.rl:
-            answer["prompt_token_ids"] = prompt
-        return Response(dump(answer), media_type="application/json")
+        answer = await self.off_loop(chat_answer, ctx, head, body.n, prompt, groups[0])
+        return Response(answer, media_type="application/json")
 
     async def _stream(
         self,
@@ -351,6 +370,26 @@ class OpenAIServing:
             if body.include_usage():
                 yield _event({**head, "choices": [], "usage": usage(sum(map(len, prompts)), generated)})
         yield b"data: [DONE]\n\n"
+
+
+def completion_answer(
+    ctx: AnswerContext, head: dict[str, Any], n: int, prompts: list[list[int]], groups: dict[int, RolloutGroup]
+) -> bytes:
+    """The whole completion answer's JSON: every sample of every prompt decoded (`finished_sample`), encoded."""
+    samples = [(i, k, finished_sample(ctx, groups[i], k, prompts[i])) for i in sorted(groups) for k in range(n)]
+    choices = [completion_choice(i * n + k, s, ctx.logprobs, ctx.rl, prompts[i]) for i, k, s in samples]
+    generated = sum(len(s.token_ids) for _, _, s in samples)
+    return dump({**head, "choices": choices, "usage": usage(sum(map(len, prompts)), generated)})
+
+
+def chat_answer(ctx: AnswerContext, head: dict[str, Any], n: int, prompt: list[int], group: RolloutGroup) -> bytes:
+    """The whole chat answer's JSON: the prompt's `n` samples decoded (tool calls parsed), encoded."""
+    samples = [finished_sample(ctx, group, k, prompt) for k in range(n)]
+    answer = {**head, "choices": [chat_choice(k, s, ctx.logprobs, ctx.rl) for k, s in enumerate(samples)]}
+    answer["usage"] = usage(len(prompt), sum(len(s.token_ids) for s in samples))
+    if ctx.rl:
+        answer["prompt_token_ids"] = prompt
+    return dump(answer)
 
 
 def _chunk(

@@ -17,7 +17,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..checks.generation_settings import FIELD_RULES, MIN_SAMPLING_TEMPERATURE, settings_servers_cannot_apply
 
@@ -109,6 +109,33 @@ class SamplingRequest(_Strict):
                 "top_k); unset them or generate in-process"
             )
         return {k: v for k, v in data.items() if k not in settings}
+
+
+#: Most stop strings per request, and their longest length (characters); most stop token ids (vLLM's).
+MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 256
+Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+class DecodedSamplingRequest(SamplingRequest):
+    """A request whose samples are decoded and may end at a stop (OpenAI's completion and chat bodies, vLLM's
+    `sampling_params`; answered by `openai_serving.py`): the stop fields its decoder reads, and the one temperature
+    rule, 0 (greedy) or at least `MIN_SAMPLING_TEMPERATURE` (`greedy_or_sampling`). A subclass sets its own
+    `temperature` default (OpenAI's: unset, vLLM's: 1.0); the rule follows the field."""
+
+    temperature: float | None = None
+    stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_sampling(cls, temperature: float | None) -> float | None:
+        return greedy_or_sampling(temperature)
+
+    def stops(self) -> list[str]:
+        """The stop strings as one list (the request may send one string, a list, or none)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 class CompletionRequest(SamplingRequest):

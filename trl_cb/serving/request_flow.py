@@ -1,5 +1,5 @@
 """`RequestFlow`: one HTTP request's groups on the shared `ServingEngine`, from submission to the last group, as
-the routes consume them (`server.py`: trl_cb's answers; `openai_serving.py`: OpenAI's).
+the routes consume them (`generation_routes.py`: trl_cb's answers; `openai_serving.py`: OpenAI's).
 
 Invariants: constructing the flow checks the prompts and settings and submits the groups (so a bad request fails
 before any answer starts: `HTTPException` 400 naming the reason); iterating yields what the groups' watchers post and

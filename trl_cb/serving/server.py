@@ -1,5 +1,6 @@
-"""The rollout server's HTTP app: one persistent `ServingEngine` behind FastAPI (docs/server.md). `create_app` holds
-the generation routes and includes the others (`info_routes.py`, `weight_routes.py`); `serve` runs it.
+"""The rollout server's HTTP app: one persistent `ServingEngine` behind FastAPI (docs/server.md). `create_app` builds
+the engine and assembles the route modules (`info_routes.py`, `generation_routes.py`, `weight_routes.py`) behind
+`middleware.RequestGate`; `serve` runs it.
 
 Invariants: concurrent requests share the engine's batch (`engine.py`); weights change between two engine steps, and
 every token reports the `weight_version` that sampled it (`token_weight_versions`; a choice's `weight_version` is its
@@ -7,50 +8,31 @@ oldest token's). A client that disconnects cancels its groups. Bad requests get 
 server serving; a 4xx never echoes the request's values. `middleware.RequestGate` fronts the whole app: with an API
 key every path but `/health` (FastAPI's own docs routes too) requires `Authorization: Bearer KEY`, refused with 401 on
 the headers before any body is read, and bodies over `max_body_bytes` get 413 while being read. Weight updates, waits
-and close also require the init token (else 403); versions strictly increase per owner (else 409), and non-finite
-weights are refused (400 from `/weights/wait`) with the served weights unchanged.
+and close also require the init token (`weight_routes.require_owner`, else 403); versions strictly increase per owner
+(else 409), and non-finite weights are refused (400 from `/weights/wait`) with the served weights unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import uuid
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.concurrency import run_in_threadpool
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 from transformers import GenerationConfig
 
-from ..checks.inputs import validate_prompts
 from ..rollouts.generator import ContinuousBatchingGenerator
-from ..rollouts.rollout_groups import RolloutGroup, oldest_version
-from .engine import ServerShuttingDown, ServingEngine, Ticket
-from .frames import FRAMES_MEDIA_TYPE, frame_pieces
-from .info_routes import converted, info_router, require_model
+from .engine import ServingEngine
+from .generation_routes import Generation, generation_router
+from .info_routes import info_router
 from .metrics import RequestCounters
 from .middleware import RequestGate
-from .openai_protocol import (
-    ChatCompletionRequest,
-    OpenAICompletionRequest,
-    OpenAIError,
-    context_overflow,
-)
+from .openai_protocol import OpenAIError
 from .openai_serving import OpenAIServing
-from .protocol import (
-    DEFAULT_MAX_BODY_BYTES,
-    Choice,
-    CompletionRequest,
-    PackedColumns,
-    StreamLine,
-    value_runs,
-)
-from .request_flow import RequestFlow, refusal
-from .vllm_generate import GenerateRequest, generate
+from .protocol import DEFAULT_MAX_BODY_BYTES
 from .weight_receiver import WeightReceiver
 from .weight_routes import weight_router
 
@@ -83,23 +65,36 @@ def create_app(
     defaults.update(generation_defaults or {})
     model.eval()
     # Requests with different temperature / top_k / top_p share the running engine (engine.py), unless turned off.
-    continuous_batching_config = {"per_request_processors": True, **(continuous_batching_config or {})}
+    engine_config = {"per_request_processors": True, **(continuous_batching_config or {})}
     generator = ContinuousBatchingGenerator(
-        model, GenerationConfig(do_sample=True, max_new_tokens=16, **defaults), continuous_batching_config
+        model, GenerationConfig(do_sample=True, max_new_tokens=16, **defaults), engine_config
     )
-    per_request = bool(continuous_batching_config["per_request_processors"])
+    per_request = bool(engine_config["per_request_processors"])
     engine = ServingEngine(generator, model, max_num_seqs, per_request=per_request, share_prefixes=prefix_caching)
     weights = WeightReceiver(model, engine.apply_weights)
     counters = RequestCounters()
-
     eos = defaults.get("eos_token_id")
     eos_ids = set(eos if isinstance(eos, list) else [eos])
-    app = FastAPI(title="trl_cb rollout server")
-    app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes)  # auth and size, on headers
-    app.state.engine = engine
     #: The context: prompt + completion budget past it is refused with vLLM's wording (`context_overflow`).
     max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     openai = OpenAIServing(with_response_parser(tokenizer), model_name, eos_ids)
+    generation = Generation(
+        model, model_name, generator, engine, defaults, engine_config, counters, tokenizer, max_model_len, openai,
+        eos_ids,
+    )  # fmt: skip
+
+    app = FastAPI(title="trl_cb rollout server")
+    app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes)  # auth and size, on headers
+    app.state.engine = engine
+    _answer_refusals(app, counters)
+    app.include_router(info_router(model, model_name, engine, weights, counters, max_model_len, tokenizer))
+    app.include_router(generation_router(generation))
+    app.include_router(weight_router(engine, weights))
+    return app
+
+
+def _answer_refusals(app: FastAPI, counters: RequestCounters) -> None:
+    """The app's answers to a body that fails validation (422) and to an OpenAI-shaped refusal (`OpenAIError`)."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -115,127 +110,6 @@ def create_app(
     @app.exception_handler(OpenAIError)
     async def openai_refusal(request: Request, exc: OpenAIError) -> JSONResponse:
         return JSONResponse(status_code=exc.status_code, content=exc.body)
-
-    app.include_router(info_router(model, model_name, engine, weights, counters, max_model_len, tokenizer))
-
-    def submit(
-        prompts: list[list[int]],
-        n: int,
-        max_tokens: int,
-        sampling: dict[str, Any],
-        on_done: Callable[[Ticket], None],
-        watchers: list[Any] | None = None,
-    ) -> list[Ticket]:
-        """Check the request (400 naming the reason; past the context, vLLM's wording) and queue its groups."""
-        longest = max((len(prompt) for prompt in prompts), default=0)
-        if max_model_len is not None and longest + max_tokens > max_model_len:
-            counters.rejected += 1
-            raise context_overflow(max_model_len, longest, max_tokens)
-        try:
-            validate_prompts(prompts, model, max_tokens, continuous_batching_config)
-            config = GenerationConfig(do_sample=True, max_new_tokens=max_tokens, **sampling, **defaults)
-            generator.checked_generation_config(config)  # refuses settings the engine cannot apply exactly
-        except ValueError as exc:
-            counters.rejected += 1
-            raise HTTPException(status_code=400, detail=str(exc)) from exc
-        counters.prompt_tokens += sum(len(prompt) for prompt in prompts)
-        try:
-            return engine.submit(prompts, n, config, on_done=on_done, watchers=watchers)
-        except ServerShuttingDown as exc:
-            raise refusal(exc) from exc
-
-    def served() -> None:
-        counters.served += 1
-
-    def flows(request: Request) -> Callable[..., RequestFlow]:
-        """This request's `RequestFlow` factory (`openai_serving.Flows`)."""
-        return lambda *args: RequestFlow(submit, engine, request, *args, on_end=served)
-
-    def flow(body: CompletionRequest, request: Request) -> RequestFlow:
-        sampling = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k}
-        return flows(request)(body.prompt, body.n, body.max_tokens, sampling)
-
-    @app.post("/v1/completions")
-    async def completions(body: OpenAICompletionRequest, request: Request) -> Response:
-        """OpenAI's completions (JSON, or server-sent events with `stream`: `openai_serving.py`), or trl_cb's binary
-        answer (`encoding="binary"`)."""
-        require_model(body.model, model_name)
-        prompts = await run_in_threadpool(converted, lambda: body.prompt_ids(tokenizer), counters)
-        if body.encoding == "json":
-            return await openai.completion(flows(request), body, prompts)
-        return await rollout_answer(body.rollout_request(prompts), request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        """OpenAI's chat completions: messages through the chat template (`tools` too), or `tokens` as the prompt."""
-        require_model(body.model, model_name)
-        prompt = await run_in_threadpool(converted, lambda: body.prompt_ids(tokenizer), counters)
-        return await openai.chat(flows(request), body, prompt)
-
-    app.add_api_route("/v1/chat/completions/tokens", chat_completions, methods=["POST"])  # prime-rl's token-in path
-
-    @app.post("/inference/v1/generate")
-    async def inference_generate(body: GenerateRequest, request: Request) -> Response:
-        """vLLM's token-in, token-out route (`vllm_generate.py`): verifiers' and prime-rl's training clients."""
-        require_model(body.model, model_name)
-        return await generate(openai, flows(request), body)
-
-    async def rollout_answer(body: CompletionRequest, request: Request) -> Response:
-        """trl_cb's own answer to `/v1/completions` (`encoding="binary"`): every group, then one frame."""
-        groups = await flow(body, request).groups()
-        if len(groups) < len(body.prompt):  # the client went away: nobody reads this
-            raise HTTPException(status_code=499, detail="client disconnected")
-
-        prompt_tokens = sum(len(p) for p in body.prompt)
-        generated = sum(len(ids) for group in groups.values() for ids in group.completion_ids)
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": generated,
-            "total_tokens": prompt_tokens + generated,
-        }
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": model_name}
-
-        async def frame() -> AsyncIterator[bytes]:
-            """One frame (`frames.py`): each group's arrays packed in a worker thread, then the frame's pieces, sent as
-            they are, so that no step of a large answer (a join, a socket write of the whole body) holds the event
-            loop for long."""
-            columns = PackedColumns()
-            for i in range(len(body.prompt)):
-                columns.extend(await run_in_threadpool(pack_choices, groups[i], i, body, eos_ids))
-            for piece in await run_in_threadpool(frame_pieces, {**head, "usage": usage}, columns):
-                yield piece
-
-        return StreamingResponse(frame(), media_type=FRAMES_MEDIA_TYPE)
-
-    @app.post("/v1/completions/stream")
-    async def completions_stream(body: CompletionRequest, request: Request) -> StreamingResponse:
-        """One JSON line (binary: one frame) per group (a prompt's `n` choices) as it finishes, in finishing order;
-        errors as a line (frame)."""
-        groups = flow(body, request)
-
-        def encode(i: int, group: RolloutGroup) -> bytes:
-            if body.encoding == "binary":  # one frame
-                return b"".join(frame_pieces({"prompt_index": i}, pack_choices(group, i, body, eos_ids)))
-            choices = b"[" + b",".join(encode_choices(group, i, body, eos_ids)) + b"]"
-            return b'{"prompt_index": %d, "choices": ' % i + choices + b"}\n"
-
-        async def lines() -> AsyncIterator[str]:
-            try:
-                async for _, (i, group) in groups:
-                    yield await run_in_threadpool(encode, i, group)  # a `StreamLine`
-            except HTTPException as exc:
-                if body.encoding == "binary":
-                    yield b"".join(frame_pieces({"error": str(exc.detail), "status": exc.status_code}))
-                    return
-                line = StreamLine(error=str(exc.detail), status=exc.status_code)
-                yield line.model_dump_json(exclude_none=True, exclude={"choices"}).encode() + b"\n"
-
-        media_type = FRAMES_MEDIA_TYPE if body.encoding == "binary" else "application/x-ndjson"
-        return StreamingResponse(lines(), media_type=media_type)
-
-    app.include_router(weight_router(engine, weights))
-
-    return app
 
 
 def serve(app: FastAPI, host: str, port: int, timeout_graceful_shutdown: float = 1.0) -> None:
@@ -274,36 +148,3 @@ def with_response_parser(tokenizer: Any) -> Any:
     except Exception as exc:  # an unknown template: answers carry the text, tool calls are not parsed out
         logger.info("No response template for this chat template (%s): tool calls are left in the text.", exc)
         return tokenizer
-
-
-def _choice_fields(prompt_index: int, k: int, n: int, ids: list[int], eos_ids: set[int]) -> dict[str, Any]:
-    """Sample k's `index`, `prompt_index` and `finish_reason`."""
-    finish_reason = "stop" if ids and ids[-1] in eos_ids else "length"
-    return {"index": prompt_index * n + k, "prompt_index": prompt_index, "finish_reason": finish_reason}
-
-
-def encode_choices(group: RolloutGroup, prompt_index: int, body: CompletionRequest, eos_ids: set[int]) -> list[bytes]:
-    """The group's choices as JSON objects, one `Choice` each (`encoding="json"`)."""
-    parts = []
-    for k, ids in enumerate(group.completion_ids):
-        choice = Choice(
-            token_ids=ids,
-            logprobs=group.logprobs[k],
-            policy_logprobs=group.policy_logprobs[k],
-            token_weight_versions=group.versions[k],
-            weight_version=oldest_version([group.versions[k]], group.submitted_version),
-            **_choice_fields(prompt_index, k, body.n, ids, eos_ids),
-        )
-        parts.append(choice.model_dump_json().encode())
-    return parts
-
-
-def pack_choices(group: RolloutGroup, prompt_index: int, body: CompletionRequest, eos_ids: set[int]) -> PackedColumns:
-    """The group's choices packed for a binary frame: each per-token list read once, into bytes."""
-    columns = PackedColumns()
-    for k, ids in enumerate(group.completion_ids):
-        runs = value_runs(group.versions[k])
-        oldest = oldest_version([runs[0]], group.submitted_version)  # the run values hold every version
-        fields = _choice_fields(prompt_index, k, body.n, ids, eos_ids)
-        columns.add(ids, group.logprobs[k], group.policy_logprobs[k], runs, weight_version=oldest, **fields)
-    return columns

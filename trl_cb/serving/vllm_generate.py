@@ -20,12 +20,12 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import Response
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
+from ..rollouts.rollout_groups import RolloutGroup
 from .openai_answers import DecodedSample, dump, usage
-from .openai_protocol import MAX_STOP_TOKEN_IDS, MAX_STOPS, Stop
-from .openai_serving import Flows, OpenAIServing, all_groups, finished_sample
-from .protocol import MAX_N, MAX_TOKENS, PromptIds, SamplingRequest, engine_sampling, greedy_or_sampling
+from .openai_serving import AnswerContext, Flows, OpenAIServing, all_groups, finished_sample
+from .protocol import MAX_N, MAX_TOKENS, DecodedSamplingRequest, PromptIds, engine_sampling
 from .protocol import _Strict as Strict
 
 __all__ = ["GenerateRequest", "VLLMSamplingParams", "generate"]
@@ -34,20 +34,18 @@ __all__ = ["GenerateRequest", "VLLMSamplingParams", "generate"]
 DEFAULT_MAX_TOKENS = 16
 
 
-class VLLMSamplingParams(SamplingRequest):
+class VLLMSamplingParams(DecodedSamplingRequest):
     """vLLM's `sampling_params` (its defaults): what the engine applies, and the neutral values of what it does not
-    (sent by clients that fill every field) accepted; anything else set is refused (422, naming it)."""
+    (sent by clients that fill every field) accepted; anything else set is refused (422, naming it). The stop fields
+    and the temperature rule: `DecodedSamplingRequest` (its `skip_special_tokens` changes nothing here: no text is
+    returned)."""
 
     n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float = 1.0  # 0: greedy (`protocol.GREEDY`), else >= MIN_SAMPLING_TEMPERATURE
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # 0 or -1: every token
     max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=1, le=MAX_TOKENS)
-    stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = None
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
-    include_stop_str_in_output: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=1)  # the sampled token's only: no alternatives
-    skip_special_tokens: bool = True  # no text is returned: accepted, changes nothing
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     presence_penalty: float = 0.0
@@ -71,14 +69,6 @@ class VLLMSamplingParams(SamplingRequest):
     @property
     def return_token_ids(self) -> bool:
         return True  # the route is for token ids
-
-    def stops(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-    @field_validator("temperature")
-    @classmethod
-    def _greedy_or_sampling(cls, temperature: float | None) -> float | None:
-        return greedy_or_sampling(temperature)
 
     def sampling(self) -> dict[str, Any]:
         return engine_sampling(self.temperature, self.top_p, self.top_k)
@@ -108,17 +98,23 @@ async def generate(serving: OpenAIServing, flows: Flows, body: GenerateRequest) 
     ctx = serving.context(params, logprobs=params.logprobs is not None)
     flow, _ = serving.flow(flows, params, ctx, [prompt])
     groups = await all_groups(flow, 1)
-    samples = [finished_sample(ctx, groups[0], k, prompt) for k in range(params.n)]
-    choices = [_choice(k, sample, ctx.logprobs) for k, sample in enumerate(samples)]
+    request_id = body.request_id or uuid.uuid4().hex
+    answer = await serving.off_loop(_answer, ctx, request_id, params.n, prompt, groups[0])
+    return Response(answer, media_type="application/json")
+
+
+def _answer(ctx: AnswerContext, request_id: str, n: int, prompt: list[int], group: RolloutGroup) -> bytes:
+    """The answer's JSON (decoded and encoded on the answer thread: `OpenAIServing.off_loop`)."""
+    samples = [finished_sample(ctx, group, k, prompt) for k in range(n)]
     answer = {
-        "request_id": body.request_id or uuid.uuid4().hex,
-        "choices": choices,
+        "request_id": request_id,
+        "choices": [_choice(k, sample, ctx.logprobs) for k, sample in enumerate(samples)],
         "prompt_token_ids": prompt,
         "prompt_logprobs": None,
         "kv_transfer_params": None,
         "usage": usage(len(prompt), sum(len(sample.token_ids) for sample in samples)),
     }
-    return Response(dump(answer), media_type="application/json")
+    return dump(answer)
 
 
 def _choice(index: int, sample: DecodedSample, logprobs: bool) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Shared by the server tests: one torch thread in the test process (2-core machines: the other core is the server's),
-sharp (std 0.2) tiny checkpoints, and a module-scoped `trl-cb serve` process on the module's `checkpoint` fixture,
-stopped at the end of the module, also on failure."""
+sharp (std 0.2) tiny checkpoints (`checkpoint`: one per module, with the module's `EOS_LOGIT_BIAS`), and a
+module-scoped `trl-cb serve` process on the module's `checkpoint` fixture, stopped at the end of the module, also on
+failure."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 import torch
 import uvicorn
 from transformers import AutoModelForCausalLM
@@ -56,6 +58,20 @@ def running_server(checkpoint: str, *extra: str):
     env = {"PYTHONPATH": str(ROOT)}
     with local_rollout_server(checkpoint, threads=1, extra_args=extra, env=env) as server:
         yield server.process, server.url
+
+
+@pytest.fixture(scope="module")
+def checkpoint(request, tmp_path_factory, tokenizer) -> str:
+    """The module's sharp checkpoint, with the EOS logit bias the module sets as `EOS_LOGIT_BIAS` (none by default:
+    completions run to `max_tokens`); a module that needs another model defines its own `checkpoint`."""
+    name = request.module.__name__.rsplit(".", 1)[-1]
+    bias = getattr(request.module, "EOS_LOGIT_BIAS", None)
+    return save_sharp_checkpoint(tmp_path_factory, tokenizer, f"ckpt-{name}", eos_logit_bias=bias)
+
+
+def metrics(url: str) -> dict[str, Any]:
+    """The server's `/metrics` as JSON."""
+    return requests.get(url + "/metrics", headers=METRICS_JSON, timeout=10).json()
 
 
 @pytest.fixture(scope="module")

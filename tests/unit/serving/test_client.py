@@ -14,20 +14,12 @@ import pytest
 import requests
 import torch
 
-from tests.unit.serving.conftest import KEY, running_server, save_sharp_checkpoint
+from tests.unit.serving.conftest import KEY
 from trl_cb.errors import RolloutServerError
 from trl_cb.serving.client import RolloutClient
 
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tokenizer) -> str:
-    return save_sharp_checkpoint(tmp_path_factory, tokenizer, "ckpt-client", eos_logit_bias=4.0)
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint):
-    with running_server(checkpoint, "--api-key", KEY) as running:
-        yield running
+#: The checkpoint's EOS logit bias (conftest's `checkpoint`): completions end early, lengths vary.
+EOS_LOGIT_BIAS = 4.0
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import pytest
 import requests
 import torch
 
-from tests.unit.serving.conftest import AUTH, FP32_LOGPROB_TOL, KEY, running_server, save_sharp_checkpoint
+from tests.unit.serving.conftest import AUTH, FP32_LOGPROB_TOL, KEY, running_server
 from tests.unit.serving.test_server import max_gap, perturbed
 from trl_cb.errors import RolloutServerError
 from trl_cb.serving.client import RolloutClient
@@ -27,9 +27,8 @@ from trl_cb.serving.weight_sync import WeightSender
 LIMIT = 256 * 1024
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tokenizer) -> str:
-    return save_sharp_checkpoint(tmp_path_factory, tokenizer, "ckpt-hardening", eos_logit_bias=4.0)
+#: The checkpoint's EOS logit bias (conftest's `checkpoint`): completions end early, lengths vary.
+EOS_LOGIT_BIAS = 4.0
 
 
 @pytest.fixture(scope="module")

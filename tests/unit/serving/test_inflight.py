@@ -21,23 +21,13 @@ from tests.unit.serving.conftest import (
     AUTH,
     FP32_LOGPROB_TOL,
     KEY,
-    METRICS_JSON,
+    metrics,
     running_server,
-    save_sharp_checkpoint,
 )
 from tests.unit.serving.test_server import perturbed
 from tests.unit.trainers.test_trainers import make_trainer
 from trl_cb.serving.client import RolloutClient
 from trl_cb.serving.weight_sync import WeightSender
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tokenizer) -> str:
-    return save_sharp_checkpoint(tmp_path_factory, tokenizer, "ckpt-no-eos", eos_logit_bias=None)
-
-
-def metrics(url: str) -> dict:
-    return requests.get(url + "/metrics", headers=METRICS_JSON, timeout=5).json()
 
 
 def post(url: str, path: str) -> None:

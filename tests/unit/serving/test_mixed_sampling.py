@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
 import requests
 import torch
 
@@ -20,29 +19,11 @@ from tests.unit.rollouts.test_generator import teacher_forced_logprobs
 from tests.unit.serving.conftest import (
     AUTH,
     FP32_LOGPROB_TOL,
-    KEY,
-    METRICS_JSON,
-    running_server,
-    save_sharp_checkpoint,
+    metrics,
 )
 
 #: (temperature, top_k, top_p) per request; two temperatures at least, and truncation next to none.
 SETTINGS = [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 20, 0.9), (1.3, 5, 1.0)]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tokenizer) -> str:
-    return save_sharp_checkpoint(tmp_path_factory, tokenizer, "ckpt-mixed", eos_logit_bias=None)
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint):
-    with running_server(checkpoint, "--api-key", KEY) as running:
-        yield running
-
-
-def metrics(url: str) -> dict:
-    return requests.get(url + "/metrics", headers=METRICS_JSON, timeout=10).json()
 
 
 def test_mixed_settings_share_one_engine_with_exact_logprobs(server, local_model, prompts):

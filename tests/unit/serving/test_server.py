@@ -23,7 +23,6 @@ from tests.unit.serving.conftest import (
     KEY,
     METRICS_JSON,
     running_server,
-    save_sharp_checkpoint,
 )
 from tests.unit.trainers.test_trainers import make_trainer
 from trl_cb.engine.weight_export import iter_weights, weight_specs
@@ -31,10 +30,8 @@ from trl_cb.errors import RolloutServerError
 from trl_cb.serving.client import RolloutClient
 from trl_cb.serving.weight_sync import WeightSender, free_port, push_weights
 
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tokenizer) -> str:
-    return save_sharp_checkpoint(tmp_path_factory, tokenizer, "ckpt", eos_logit_bias=4.0)
+#: The checkpoint's EOS logit bias (conftest's `checkpoint`): completions end early, lengths vary.
+EOS_LOGIT_BIAS = 4.0
 
 
 def perturbed(model: torch.nn.Module) -> torch.nn.Module:

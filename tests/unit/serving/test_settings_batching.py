@@ -13,14 +13,9 @@ import time
 import pytest
 import requests
 
-from tests.unit.serving.conftest import AUTH, KEY, METRICS_JSON, running_server, save_sharp_checkpoint
+from tests.unit.serving.conftest import AUTH, KEY, metrics, running_server
 
 A, B = 1.0, 0.7  # two temperatures: two engine settings on an engine without per-request warpers
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tokenizer) -> str:
-    return save_sharp_checkpoint(tmp_path_factory, tokenizer, "ckpt-batching", eos_logit_bias=None)
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +25,6 @@ def server(checkpoint):
         checkpoint, "--api-key", KEY, "--max-num-seqs", "2", "--continuous_batching_config", config
     ) as s:
         yield s
-
-
-def metrics(url: str) -> dict:
-    return requests.get(url + "/metrics", headers=METRICS_JSON, timeout=10).json()
 
 
 def rebuilds_for(url: str, prompt: list[int], temperatures: list[float]) -> int:

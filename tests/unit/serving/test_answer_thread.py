@@ -1,0 +1,130 @@
+"""Whole OpenAI answers are decoded and encoded off the server's event loop (`OpenAIServing.off_loop`): while one
+answer's decoder or encoder is held on an event, `/health` still answers; released, the answer completes. Control:
+with the answer built on the loop again (the code before), `/health` gets no answer while the gate is held.
+
+No clock is raced against the work: the test waits until the request reached the gate, asks `/health`, and only then
+opens the gate. A fake engine finishes every group at once (the answer's work is all there is).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import requests
+
+from tests.unit.serving.conftest import in_process_server
+from trl_cb.offline.tiny import tiny_model
+from trl_cb.rollouts.rollout_groups import RolloutGroup
+from trl_cb.serving import openai_serving, vllm_generate
+from trl_cb.serving.engine import Ticket
+from trl_cb.serving.openai_serving import OpenAIServing, SampleDecoder
+from trl_cb.serving.server import create_app
+
+N, TOKENS = 2, 12
+PROMPT = [5, 6, 7]
+#: (route, body) of each route whose whole answer is built on the answer thread.
+ROUTES = {
+    "completions": ("/v1/completions", {"prompt": [PROMPT, PROMPT], "n": N, "max_tokens": TOKENS, "logprobs": 0}),
+    "chat": ("/v1/chat/completions", {"tokens": PROMPT, "n": N, "max_tokens": TOKENS, "logprobs": True}),
+    "generate": ("/inference/v1/generate", {"token_ids": PROMPT, "sampling_params": {"n": N, "max_tokens": TOKENS}}),
+}
+
+
+class Gate:
+    """Wraps a function so that its first call announces itself (`entered`) and waits for `opened`."""
+
+    def __init__(self) -> None:
+        self.entered, self.opened = threading.Event(), threading.Event()
+
+    def wrap(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            self.entered.set()
+            self.opened.wait(timeout=300)  # opened by the test (its `finally` too): never a race against a clock
+            return function(*args, **kwargs)
+
+        return gated
+
+
+@pytest.fixture
+def url(tokenizer) -> Iterator[str]:
+    """A server with the tiny tokenizer whose engine answers every group at once with fixed samples."""
+    app = create_app(tiny_model(tokenizer), tokenizer=tokenizer)
+    ids = [(9 + 7 * t) % 400 + 20 for t in range(TOKENS)]
+
+    def submit(prompts, n, config, on_done=None, watchers=None):
+        tickets = [Ticket(list(p), n, config, on_done=on_done) for p in prompts]
+        for ticket in tickets:
+            group = RolloutGroup(row=None, prompt_ids=ticket.prompt_ids, submitted_version=0)
+            group.completion_ids = [list(ids) for _ in range(n)]
+            group.logprobs = group.policy_logprobs = [[-0.5] * TOKENS for _ in range(n)]
+            group.versions = [[0] * TOKENS for _ in range(n)]
+            ticket.finish(group)
+        return tickets
+
+    app.state.engine.submit = submit
+    with in_process_server(app) as served:
+        yield served
+
+
+def gated(monkeypatch: pytest.MonkeyPatch, step: str) -> Gate:
+    """`step`'s function held on a new gate: the detokenizer (every route) or the JSON encoder."""
+    gate = Gate()
+    if step == "decode":
+        monkeypatch.setattr(SampleDecoder, "feed", gate.wrap(SampleDecoder.feed))
+    else:
+        monkeypatch.setattr(openai_serving, "dump", gate.wrap(openai_serving.dump))
+        monkeypatch.setattr(vllm_generate, "dump", gate.wrap(vllm_generate.dump))
+    return gate
+
+
+def held_request(url: str, route: str, gate: Gate, health_timeout: float) -> tuple[requests.Response, bool]:
+    """`route`'s request, and whether `/health` answered while the request was held at `gate`."""
+    path, body = ROUTES[route]
+    answer: dict[str, requests.Response] = {}
+    request = threading.Thread(target=lambda: answer.update(r=requests.post(url + path, json=body, timeout=300)))
+    request.start()
+    try:
+        assert gate.entered.wait(timeout=300), "the request never reached the gated step"
+        try:
+            healthy = requests.get(url + "/health", timeout=health_timeout).status_code == 200
+        except requests.Timeout:
+            healthy = False
+        assert not gate.opened.is_set() and request.is_alive()  # the answer was held the whole time
+    finally:
+        gate.opened.set()
+        request.join(timeout=300)
+    return answer["r"], healthy
+
+
+@pytest.mark.parametrize("step", ["decode", "encode"])
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_health_answers_while_an_answer_is_built(url, monkeypatch, route, step):
+    answer, healthy = held_request(url, route, gated(monkeypatch, step), health_timeout=60)
+    assert healthy
+    assert answer.status_code == 200
+    choices = answer.json()["choices"]
+    assert len(choices) == (2 * N if route == "completions" else N)
+    assert [len(tokens_of(route, choice)) for choice in choices] == [TOKENS] * len(choices)
+
+
+def tokens_of(route: str, choice: dict[str, Any]) -> list[Any]:
+    """A choice's per-token entries in `route`'s answer shape."""
+    if route == "generate":
+        return choice["token_ids"]
+    return choice["logprobs"]["content"] if route == "chat" else choice["logprobs"]["token_logprobs"]
+
+
+def test_control_an_answer_built_on_the_loop_holds_health(url, monkeypatch):
+    """The same gate with `off_loop` running the build inline on the event loop: `/health` cannot answer while the
+    gate is held (the loop itself waits on it), whatever the timeout; the answer completes once it opens."""
+
+    async def inline(self, build, *args):
+        return build(*args)
+
+    monkeypatch.setattr(OpenAIServing, "off_loop", inline)
+    answer, healthy = held_request(url, "completions", gated(monkeypatch, "encode"), health_timeout=1.0)
+    assert not healthy
+    assert answer.status_code == 200 and len(answer.json()["choices"]) == 2 * N
