@@ -1,19 +1,18 @@
 """trl_cb's behaviour inside transformers' CB engine: every engine method trl_cb changes is set here, once.
 
 Why one module: several features change the same method, and their order is part of their correctness (the graph
-innermost: everything else a step does runs outside it). `install` builds each method from upstream's and the features'
-pure builders and assigns it once; feature modules never assign to an engine object
-(tests/unit/engine/test_upstream_patches.py). Composed, outermost first (`>`): `compute_batch`: step threads (CPU) >
-mask placeholder > a hybrid's step plan (`_upstream_recurrent`; its state slots freed and forked with the cache's
-blocks) > decode graphs or eager (`decode_graphs`) > upstream; `_sample`: policy-logprob recorder > race sampler or
-upstream; `maybe_pad_inputs`: decode padding; `prepare_batch_update`: (processed, policy) logprob pairs > upstream;
-`schedule_batch`: steady decode batch > upstream; `prepare_batch_tensors`: steady decode advance > read rows by tensor
-ops (`_upstream_cache`) > upstream; `update_batch`: steady rows inline > forks copied field by field (`_upstream_fork`)
+innermost). `install` builds each method from upstream's and the features' pure builders and assigns it once; feature
+modules never assign to an engine object (test_upstream_patches.py). Composed, outermost first (`>`): `compute_batch`:
+step threads (CPU) > mask placeholder > a hybrid's step plan (`_upstream_recurrent`; its state slots freed and forked
+with the cache's blocks) > decode graphs or eager (`decode_graphs`) > upstream; `_sample`: policy-logprob recorder >
+race sampler or upstream; `maybe_pad_inputs`: decode padding; `prepare_batch_update`: (processed, policy) logprob pairs
+> upstream; `schedule_batch`: steady decode batch > upstream; `prepare_batch_tensors`: steady decode advance > read
+rows by tensor ops (`_upstream_cache`) > upstream; `update_batch`: steady rows inline > forks copied (`_upstream_fork`)
 > upstream; `handle_batch_error` / `fail_all_requests`: lazy request states written > upstream;
-`cache.search_prefix_match`: two prompt tokens left (`_upstream_prefix`) > upstream; `cache.update` (5.24): one-gather
-reads and block-table marks > upstream; `_run_generation_loop`: a context (`run_loop_in`); on the classes: block hashes
-chained from the weight epoch (`install_epoch_hashes`), a hybrid's mixer `forward` through its stepper
-(`_upstream_recurrent.routed_forward`). Upstream surface: tests/unit/test_contracts.py.
+`cache.search_prefix_match`: two prompt tokens left (`_upstream_prefix`) > upstream; `cache.update`: one-gather reads,
+block-table marks > upstream; `_run_generation_loop`: a context (`run_loop_in`); on the classes: block hashes chained
+from the weight epoch (`install_epoch_hashes`), a hybrid's mixer `forward` through its stepper
+(`_upstream_recurrent.routed_forward`). Upstream surface: test_contracts.py.
 """
 
 from __future__ import annotations
