@@ -292,12 +292,15 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self._answers, functools.partial(build, *args))
 
     def context(self, body: Any, logprobs: bool, tools: list[dict[str, Any]] | None = None) -> AnswerContext:
-        """What answering `body` needs (its stop strings and stop token ids, its RL switch, the tokenizer)."""
+        """What answering `body` needs (its stop strings and stop token ids, its RL switch, the tokenizer: none with
+        `detokenize: false`, whose answers carry no text, so nothing is decoded for clients that read ids only)."""
         rl = bool(body.return_token_ids)
         stops, skip = body.stops(), body.skip_special_tokens
+        decode = getattr(body, "detokenize", True)
+        tokenizer, vocabulary = (self.tokenizer, self.vocabulary) if decode else (None, None)
         return AnswerContext(
-            self.tokenizer, stops, body.include_stop_str_in_output, skip, self.eos_ids, logprobs, rl, tools,
-            self.vocabulary, frozenset(body.stop_token_ids or ()),
+            tokenizer, stops, body.include_stop_str_in_output, skip, self.eos_ids, logprobs, rl, tools,
+            vocabulary, frozenset(body.stop_token_ids or ()),
         )  # fmt: skip
 
     def flow(

@@ -136,6 +136,35 @@ def test_models_and_text_completion(served, tokenizer):
     assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(prompt), generated)
 
 
+def test_detokenize_false_answers_ids_and_exact_logprobs_without_text(served, tokenizer, prompts, monkeypatch):
+    """`detokenize: false` (what trl_cb's client sends with JSON): no text and no token strings, nothing decoded on the
+    server (it was decoded anyway, ~0.8 s of CPU per 32k tokens), the ids and logprobs as with text, exact. Control:
+    the same request with text decodes."""
+    from trl_cb.serving import detokenize
+
+    _, url, reference = served
+    body = {"model": MODEL, "prompt": prompts[:2], "n": 2, "max_tokens": 12, "temperature": TEMPERATURE,
+            "logprobs": 0, "return_token_ids": True}  # fmt: skip
+    decoded_ids = []
+    real_decode = detokenize.TokenText._decode
+
+    def counting_decode(self, ids):
+        decoded_ids.append(len(ids))
+        return real_decode(self, ids)
+
+    monkeypatch.setattr(detokenize.TokenText, "_decode", counting_decode)
+    plain = requests.post(url + "/v1/completions", json={**body, "detokenize": False}, headers=AUTH, timeout=120)
+    assert plain.status_code == 200 and not decoded_ids, "ids-only answers decode nothing"
+    for choice in plain.json()["choices"]:
+        assert choice["text"] == "" and set(choice["logprobs"]["tokens"]) <= {""}
+        prompt = prompts[choice["index"] // 2]
+        assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) > 0
+        gap, control = gaps(reference, prompt, choice["token_ids"], choice["logprobs"]["token_logprobs"])
+        assert gap <= TOL and control > 1e-2
+    texts = requests.post(url + "/v1/completions", json=body, headers=AUTH, timeout=120).json()["choices"]
+    assert decoded_ids and any(choice["text"] for choice in texts)  # control: decoded when asked
+
+
 def test_token_id_prompts_and_a_plain_client(served, tokenizer, prompts):
     """Several token-id prompts: choice `index` is prompt * n + sample; without `return_token_ids` the answer is
     OpenAI's object alone (no RL fields but the version)."""
