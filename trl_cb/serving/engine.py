@@ -37,6 +37,7 @@ from ..engine.sizing import Workload
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.inflight_update import paused_for_weight_update
 from ..rollouts.rollout_groups import InFlightGroups, PartialSample, RolloutGroup
+from .prompt_scoring import PromptScores, score_prompts
 from .request_settings import engine_settings, only_temperature, warpers_needed
 
 logger = logging.getLogger(__name__)
@@ -185,6 +186,13 @@ class ServingEngine:
     def apply_weights(self, copy: Callable[[], None], version: int) -> None:
         """Run `copy` (which writes new weights into the model) between two engine steps, then serve `version`."""
         self._call(lambda: self._apply_weights(copy, version))
+
+    def score(self, prompts: list[list[int]]) -> tuple[PromptScores, int]:
+        """Each prompt's token logprobs under the served weights (`prompt_scoring.score_prompts`) and their version:
+        run on the loop, so no weight update lands inside it (the engine's own steps go on meanwhile)."""
+        out: list[tuple[PromptScores, int]] = []
+        self._call(lambda: out.append((score_prompts(self.model, prompts), self.version)))
+        return out[0]
 
     def set_paused(self, paused: bool) -> None:
         """Pause: the engine holds its requests and cache and runs no step until resumed; new groups queue."""

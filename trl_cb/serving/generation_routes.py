@@ -13,7 +13,7 @@ pool, OpenAI answers on `OpenAIServing`'s answer thread.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ from .info_routes import converted, require_model
 from .metrics import RequestCounters
 from .openai_protocol import ChatCompletionRequest, OpenAICompletionRequest, context_overflow
 from .openai_serving import OpenAIServing
+from .prompt_scoring import PromptScores, refuse_unscorable
 from .protocol import Choice, CompletionRequest, PackedColumns, StreamLine, value_runs
 from .request_flow import RequestFlow, refusal
 from .vllm_generate import GenerateRequest, generate
@@ -95,6 +96,15 @@ class Generation:
     def _served(self) -> None:
         self.counters.served += 1
 
+    def scorer(self, prompts: list[list[int]]) -> Callable[[], Awaitable[tuple[PromptScores, int]]]:
+        """`prompt_logprobs`' scoring of `prompts` (awaited once their generation is queued), or 400 naming why the
+        served model cannot be scored beside its engine."""
+        refused = refuse_unscorable(self.model)
+        if refused is not None:
+            self.counters.rejected += 1
+            raise HTTPException(status_code=400, detail=refused)
+        return lambda: run_in_threadpool(self.engine.score, prompts)
+
 
 def generation_router(gen: Generation) -> APIRouter:
     """The routes above on `gen`."""
@@ -107,7 +117,8 @@ def generation_router(gen: Generation) -> APIRouter:
         require_model(body.model, gen.model_name)
         prompts = await run_in_threadpool(converted, lambda: body.prompt_ids(gen.tokenizer), gen.counters)
         if body.encoding == "json":
-            return await gen.openai.completion(gen.flows(request), body, prompts)
+            scored = None if body.prompt_logprobs is None else gen.scorer(prompts)
+            return await gen.openai.completion(gen.flows(request), body, prompts, scored)
         return await rollout_answer(gen, body.rollout_request(prompts), request)
 
     @router.post("/v1/chat/completions")

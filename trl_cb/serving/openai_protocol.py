@@ -124,9 +124,18 @@ class OpenAICompletionRequest(_OpenAISampling):
     add_special_tokens: bool = True
     encoding: Literal["json", "binary"] = "json"
     detokenize: bool = True  # false: no text (`text` empty), for clients that read token ids only
+    #: vLLM's: each prompt token's own logprob and rank under the served policy (`prompt_scoring.py`); 0 only
+    prompt_logprobs: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _completion_honoured(self) -> OpenAICompletionRequest:
+        if self.prompt_logprobs:
+            raise ValueError(
+                "prompt_logprobs > 0 (alternatives at each prompt position) is not served: 0 returns each prompt "
+                "token's own logprob and rank"
+            )
+        if self.prompt_logprobs is not None and (self.stream or self.encoding != "json"):
+            raise ValueError("prompt_logprobs is answered in one JSON object: unset stream and encoding")
         if self.echo or self.suffix:
             raise ValueError("echo and suffix are not supported; unset them")
         if self.encoding != "json" and (self.stream or self.stops() or self.stop_token_ids or self.text_prompts()):

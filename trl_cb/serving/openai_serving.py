@@ -18,7 +18,7 @@ import asyncio
 import functools
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -40,6 +40,7 @@ from .openai_answers import (
     usage,
 )
 from .openai_protocol import ChatCompletionRequest, OpenAICompletionRequest
+from .prompt_scoring import PromptScores, prompt_logprob_entries
 from .request_flow import RequestFlow
 
 __all__ = [
@@ -318,16 +319,28 @@ class OpenAIServing:
 
         return flows(prompts, body.n, body.new_tokens(), body.sampling(), install), watchers
 
-    async def completion(self, flows: Flows, body: OpenAICompletionRequest, prompts: list[list[int]]) -> Response:
-        """One JSON object, or server-sent events with `stream`."""
+    async def completion(
+        self,
+        flows: Flows,
+        body: OpenAICompletionRequest,
+        prompts: list[list[int]],
+        scored: Callable[[], Awaitable[tuple[PromptScores, int]]] | None = None,
+    ) -> Response:
+        """One JSON object, or server-sent events with `stream`; with `scored` (`prompt_logprobs`), each choice also
+        carries its prompt's token logprobs, scored while the samples generate."""
         ctx = self.context(body, logprobs=body.logprobs is not None)
         head = response_head("text_completion", self.model_name)
         flow, watchers = self.flow(flows, body, ctx, prompts, bool(body.stream))
         if body.stream:
             events = self._stream(body, ctx, prompts, flow, watchers, head, chat=False)
             return StreamingResponse(events, media_type=EVENT_STREAM)
+        try:
+            scores = None if scored is None else await scored()
+        except BaseException:
+            flow.cancel()  # nobody will read the samples
+            raise
         groups = await all_groups(flow, len(prompts))
-        answer = await self.off_loop(completion_answer, ctx, head, body.n, prompts, groups)
+        answer = await self.off_loop(completion_answer, ctx, head, body.n, prompts, groups, scores)
         return Response(answer, media_type="application/json")
 
     async def chat(self, flows: Flows, body: ChatCompletionRequest, prompt: list[int]) -> Response:
@@ -376,11 +389,24 @@ class OpenAIServing:
 
 
 def completion_answer(
-    ctx: AnswerContext, head: dict[str, Any], n: int, prompts: list[list[int]], groups: dict[int, RolloutGroup]
+    ctx: AnswerContext,
+    head: dict[str, Any],
+    n: int,
+    prompts: list[list[int]],
+    groups: dict[int, RolloutGroup],
+    scores: tuple[PromptScores, int] | None = None,
 ) -> bytes:
-    """The whole completion answer's JSON: every sample of every prompt decoded (`finished_sample`), encoded."""
+    """The whole completion answer's JSON: every sample of every prompt decoded (`finished_sample`), encoded; with
+    `scores`, each choice carries its prompt's `prompt_logprobs` (with `return_token_ids`, their weight version)."""
     samples = [(i, k, finished_sample(ctx, groups[i], k, prompts[i])) for i in sorted(groups) for k in range(n)]
     choices = [completion_choice(i * n + k, s, ctx.logprobs, ctx.rl, prompts[i]) for i, k, s in samples]
+    if scores is not None:
+        values, version = scores
+        entries = {i: prompt_logprob_entries(prompts[i], values[i], ctx.tokenizer) for i in sorted(groups)}
+        for (i, _, _), choice in zip(samples, choices, strict=True):
+            choice["prompt_logprobs"] = entries[i]
+            if ctx.rl:
+                choice["prompt_logprobs_weight_version"] = version
     generated = sum(len(s.token_ids) for _, _, s in samples)
     return dump({**head, "choices": choices, "usage": usage(sum(map(len, prompts)), generated)})
 

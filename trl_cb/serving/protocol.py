@@ -47,7 +47,8 @@ class _Strict(BaseModel):
 NUMERIC_FIELDS = frozenset(
     {"temperature", "top_p", "top_k", "min_p", "typical_p", "top_h", "epsilon_cutoff", "eta_cutoff", "n", "seed",
      "max_tokens", "max_completion_tokens", "max_new_tokens", "min_tokens", "min_new_tokens", "min_length",
-     "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "best_of"}
+     "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "best_of",
+     "prompt_logprobs"}
 )  # fmt: skip
 _NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
 

@@ -93,6 +93,10 @@ class RequestFlow:
             if self._on_end is not None:
                 self._on_end()
 
+    def cancel(self) -> None:
+        """Stop this request's groups (its answer failed before they were read)."""
+        self._engine.cancel(self.tickets)
+
     async def groups(self) -> dict[int, Any]:
         """Every group by prompt index (watchers' items skipped); fewer than the prompts if the client left."""
         found = {}

@@ -165,6 +165,39 @@ def test_detokenize_false_answers_ids_and_exact_logprobs_without_text(served, to
     assert decoded_ids and any(choice["text"] for choice in texts)  # control: decoded when asked
 
 
+def test_prompt_logprobs_are_the_policys_own_teacher_forced_logprobs(served, tokenizer, prompts):
+    """`prompt_logprobs: 0` (vLLM's): every choice carries its prompt's token logprobs and ranks, equal to one
+    teacher-forced pass of the served weights at temperature 1 whatever the request samples with; position 0 is None.
+    Control: the same values at the request's temperature are far off. Alternatives (> 0) and streaming are refused,
+    naming the field."""
+    _, url, reference = served
+    body = {"model": MODEL, "prompt": [prompts[0], prompts[1]], "n": 2, "max_tokens": 4, "temperature": TEMPERATURE,
+            "prompt_logprobs": 0, "return_token_ids": True}  # fmt: skip
+    answer = requests.post(url + "/v1/completions", json=body, headers=AUTH, timeout=120)
+    assert answer.status_code == 200, answer.text
+    for choice in answer.json()["choices"]:
+        prompt = prompts[choice["index"] // 2]
+        entries = choice["prompt_logprobs"]
+        assert entries[0] is None and len(entries) == len(prompt) and choice["prompt_logprobs_weight_version"] == 0
+        assert [int(next(iter(e))) for e in entries[1:]] == prompt[1:]
+        served_values = torch.tensor([e[str(t)]["logprob"] for e, t in zip(entries[1:], prompt[1:])])
+        with torch.no_grad():
+            rows = torch.log_softmax(reference(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+            hot = torch.log_softmax(reference(torch.tensor([prompt])).logits[0, :-1].float() / TEMPERATURE, dim=-1)
+        target = torch.tensor(prompt[1:])[:, None]
+        exact, control = rows.gather(1, target)[:, 0], hot.gather(1, target)[:, 0]
+        assert (served_values - exact).abs().max().item() <= TOL
+        assert (served_values - control).abs().max().item() > 1e-2
+        ranks = ((rows > exact[:, None]).sum(dim=1) + 1).tolist()
+        assert [e[str(t)]["rank"] for e, t in zip(entries[1:], prompt[1:])] == ranks and min(ranks) >= 1
+        assert [e[str(t)]["decoded_token"] for e, t in zip(entries[1:], prompt[1:])] == [
+            tokenizer.decode([t]) for t in prompt[1:]
+        ]
+    for extra, field in (({"prompt_logprobs": 1}, "prompt_logprobs"), ({"stream": True}, "prompt_logprobs")):
+        refused = requests.post(url + "/v1/completions", json={**body, **extra}, headers=AUTH, timeout=120)
+        assert refused.status_code == 422 and field in refused.text, refused.text
+
+
 def test_token_id_prompts_and_a_plain_client(served, tokenizer, prompts):
     """Several token-id prompts: choice `index` is prompt * n + sample; without `return_token_ids` the answer is
     OpenAI's object alone (no RL fields but the version)."""
