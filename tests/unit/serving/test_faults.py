@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.unit.serving.conftest import AUTH, KEY, METRICS_JSON, running_server
-from tests.unit.serving.test_server import checkpoint, perturbed  # noqa: F401 (fixture)
+from tests.unit.serving.test_server import EOS_LOGIT_BIAS, perturbed  # noqa: F401 (the `checkpoint` fixture reads it)
 from trl_cb.errors import RolloutServerError
 from trl_cb.serving.client import RolloutClient
 from trl_cb.serving.weight_sync import WeightSender
