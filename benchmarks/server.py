@@ -85,11 +85,14 @@ def fake_group(prompt: list[int], n: int, tokens: int, seed: int) -> Any:
 
 def serve_fake(port: int, text: bool = False) -> None:
     """`--serve-fake PORT`: a real server app on uvicorn whose engine finishes every group at once (`fake_group`);
-    with `text` (`--fake-text`) it has the tiny tokenizer, so OpenAI answers carry decoded text."""
+    with `text` (`--fake-text`) it has the tiny tokenizer, so OpenAI answers carry decoded text. A watched group (a
+    stream) is fed to its watchers one token per sample per step on a thread of its own, as the engine's loop does,
+    then finished."""
     import torch
     import uvicorn
 
     from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
+    from trl_cb.rollouts.rollout_groups import PartialSample
     from trl_cb.serving.engine import Ticket
     from trl_cb.serving.server import create_app
 
@@ -100,13 +103,25 @@ def serve_fake(port: int, text: bool = False) -> None:
     app = create_app(model, api_key=None, tokenizer=tokenizer if text else None)
     made: dict[tuple[int, int, int], Any] = {}  # built once: the fake engine itself costs nothing per request
 
-    def submit(prompts, n, config, on_done=None, watchers=None):  # no watcher: nothing streams here
-        tickets = [Ticket(list(p), n, config, on_done=on_done) for p in prompts]
+    def stepped(ticket: Ticket, group: Any) -> None:
+        """The engine's side of a stream: every sample's tokens so far, step after step, then the finished group."""
+        for step in range(1, len(group.completion_ids[0]) + 1):
+            for k, ids in enumerate(group.completion_ids):
+                lps = group.logprobs[k][:step]
+                ticket.watcher(PartialSample(k, ids[:step], lps, lps, group.versions[k][:step]))
+        ticket.finish(group)
+
+    def submit(prompts, n, config, on_done=None, watchers=None):
+        watchers = watchers or [None] * len(prompts)
+        tickets = [Ticket(list(p), n, config, on_done=on_done, watcher=w) for p, w in zip(prompts, watchers)]
         for seed, ticket in enumerate(tickets):
             key = (n, int(config.max_new_tokens), seed % 64)  # at most 64 distinct groups held: bounded memory
             if key not in made:
                 made[key] = fake_group(ticket.prompt_ids, *key)
-            ticket.finish(made[key])
+            if ticket.watcher is None:
+                ticket.finish(made[key])
+            else:
+                threading.Thread(target=stepped, args=(ticket, made[key]), daemon=True).start()
         return tickets
 
     app.state.engine.submit = submit
@@ -357,9 +372,13 @@ def openai_json(args: argparse.Namespace) -> Iterator[tuple[tuple[str, str], dic
     """`--openai-clients` threads, each sending `--openai-requests` OpenAI JSON completions back to back (all at once:
     the answers are built concurrently), on the fake engine with the tokenizer; `/health` latency meanwhile."""
     prompts, n, tokens = args.openai_shape
-    body = {"prompt": [[5] * 8] * prompts, "n": n, "max_tokens": tokens, "logprobs": 0, "return_token_ids": True}
+    route, body = "/v1/completions", {"prompt": [[5] * 8] * prompts, "n": n, "max_tokens": tokens, "logprobs": 0}
+    if args.openai_stream:  # streamed chat (one prompt per request): every sample's text comes in its last chunk here
+        route, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": n, "stream": True,
+                                               "max_tokens": tokens, "logprobs": True}  # fmt: skip
+    body["return_token_ids"] = True
     with fake_server(text=True) as url:
-        requests.post(url + "/v1/completions", json=body, timeout=600).raise_for_status()  # the fake groups built
+        requests.post(url + route, json=body, timeout=600).raise_for_status()  # the fake groups built
         walls: list[float] = []
         sizes: list[int] = []
         lock = threading.Lock()
@@ -368,11 +387,13 @@ def openai_json(args: argparse.Namespace) -> Iterator[tuple[tuple[str, str], dic
             session = requests.Session()
             for _ in range(args.openai_requests):
                 start = time.perf_counter()
-                response = session.post(url + "/v1/completions", json=body, timeout=600)
+                response = session.post(url + route, json=body, timeout=600, stream=bool(args.openai_stream))
                 response.raise_for_status()
+                content = b"".join(response.iter_content(chunk_size=None))
+                assert not args.openai_stream or content.endswith(b"data: [DONE]\n\n"), content[-200:]
                 with lock:
                     walls.append(time.perf_counter() - start)
-                    sizes.append(len(response.content))
+                    sizes.append(len(content))
 
         threads = [threading.Thread(target=client) for _ in range(args.openai_clients)]
         with health_poller(url) as latencies:
@@ -383,7 +404,8 @@ def openai_json(args: argparse.Namespace) -> Iterator[tuple[tuple[str, str], dic
                 thread.join()
             elapsed = time.perf_counter() - started
     assert len(walls) == args.openai_clients * args.openai_requests, "a client failed (its traceback is above)"
-    yield ("openai", f"{args.openai_clients} clients {prompts}x{n}x{tokens}"), {
+    shape = f"chat stream 1x{n}x{tokens}" if args.openai_stream else f"{prompts}x{n}x{tokens}"
+    yield ("openai", f"{args.openai_clients} clients {shape}"), {
         "clients": args.openai_clients, "requests": len(walls), "mib": statistics.median(sizes) / 2**20,
         "request_wall_s": statistics.median(walls), "requests_per_s": len(walls) / elapsed, **health_stats(latencies),
         "headline": health_stats(latencies)["health_p99_ms"], "headline_unit": "ms /health p99",
@@ -480,6 +502,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--scale-groups", type=int, default=1024, help="scale: groups in flight")
     g.add_argument("--openai-clients", type=int, default=4, help="openai: concurrent clients")
     g.add_argument("--openai-requests", type=int, default=3, help="openai: requests per client")
+    g.add_argument(
+        "--openai-stream", action="store_true", help="openai: streamed chat completions (n x tokens each) instead"
+    )
     g.add_argument(
         "--openai-shape", type=int, nargs=3, default=[16, 8, 256], metavar=("PROMPTS", "N", "TOKENS"), help="openai"
     )
