@@ -189,10 +189,14 @@ class ServingEngine:
 
     def score(self, prompts: list[list[int]]) -> tuple[PromptScores, int]:
         """Each prompt's token logprobs under the served weights (`prompt_scoring.score_prompts`) and their version:
-        run on the loop, so no weight update lands inside it (the engine's own steps go on meanwhile)."""
+        run on the loop, so no weight update lands inside it (the engine's own steps go on meanwhile). A prompt sent
+        several times is scored once."""
+        unique = list(dict.fromkeys(map(tuple, prompts)))
         out: list[tuple[PromptScores, int]] = []
-        self._call(lambda: out.append((score_prompts(self.model, prompts), self.version)))
-        return out[0]
+        self._call(lambda: out.append((score_prompts(self.model, [list(p) for p in unique]), self.version)))
+        scores, version = out[0]
+        by_prompt = dict(zip(unique, scores, strict=True))
+        return [by_prompt[tuple(p)] for p in prompts], version
 
     def set_paused(self, paused: bool) -> None:
         """Pause: the engine holds its requests and cache and runs no step until resumed; new groups queue."""

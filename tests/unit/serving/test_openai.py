@@ -165,18 +165,24 @@ def test_detokenize_false_answers_ids_and_exact_logprobs_without_text(served, to
     assert decoded_ids and any(choice["text"] for choice in texts)  # control: decoded when asked
 
 
-def test_prompt_logprobs_are_the_policys_own_teacher_forced_logprobs(served, tokenizer, prompts):
+def test_prompt_logprobs_are_the_policys_own_teacher_forced_logprobs(served, tokenizer, prompts, monkeypatch):
     """`prompt_logprobs: 0` (vLLM's): every choice carries its prompt's token logprobs and ranks, equal to one
     teacher-forced pass of the served weights at temperature 1 whatever the request samples with; position 0 is None.
     Control: the same values at the request's temperature are far off. Alternatives (> 0) and streaming are refused,
     naming the field."""
     _, url, reference = served
-    body = {"model": MODEL, "prompt": [prompts[0], prompts[1]], "n": 2, "max_tokens": 4, "temperature": TEMPERATURE,
+    from trl_cb.serving import engine
+
+    scored, real_score = [], engine.score_prompts
+    monkeypatch.setattr(engine, "score_prompts", lambda model, ps: scored.extend(ps) or real_score(model, ps))
+    sent = [prompts[0], prompts[1], prompts[0]]  # a prompt twice: scored once, its entries in both places
+    body = {"model": MODEL, "prompt": sent, "n": 2, "max_tokens": 4, "temperature": TEMPERATURE,
             "prompt_logprobs": 0, "return_token_ids": True}  # fmt: skip
     answer = requests.post(url + "/v1/completions", json=body, headers=AUTH, timeout=120)
     assert answer.status_code == 200, answer.text
+    assert len(answer.json()["choices"]) == 6 and scored == [prompts[0], prompts[1]]
     for choice in answer.json()["choices"]:
-        prompt = prompts[choice["index"] // 2]
+        prompt = sent[choice["index"] // 2]
         entries = choice["prompt_logprobs"]
         assert entries[0] is None and len(entries) == len(prompt) and choice["prompt_logprobs_weight_version"] == 0
         assert [int(next(iter(e))) for e in entries[1:]] == prompt[1:]
