@@ -26,6 +26,7 @@ from typing import Any
 from transformers import GenerationConfig, PreTrainedModel
 
 from ..engine.request_processors import RequestProcessorSettings
+from .served_sampling import SERVED_SAMPLING
 
 __all__ = [
     "FIELD_RULES",
@@ -242,10 +243,10 @@ def check_generation_config(generation_config: GenerationConfig) -> None:
 #: a logit gap of 10 is already a probability ratio of e^1000, i.e. greedy for every practical purpose.
 MIN_SAMPLING_TEMPERATURE = 1e-2
 
-#: The `GenerationConfig` fields a rollout server applies from a request (`serving/protocol.py`'s
-#: `CompletionRequest` carries the sampling ones; EOS and padding are the served model's).
-SERVED_FIELDS = frozenset(
-    {"max_new_tokens", "temperature", "top_p", "top_k", "do_sample", "eos_token_id", "pad_token_id", "bos_token_id"}
+#: The `GenerationConfig` fields a rollout server applies from a request: the sampling ones (`SERVED_SAMPLING`, the
+#: one table), the length; EOS and padding are the served model's.
+SERVED_FIELDS = frozenset({setting.name for setting in SERVED_SAMPLING}) | frozenset(
+    {"max_new_tokens", "do_sample", "eos_token_id", "pad_token_id", "bos_token_id"}
 )
 
 #: The value that means "off" for the sampling fields a rollout server does not carry (None means off for all).

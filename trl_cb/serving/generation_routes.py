@@ -90,8 +90,7 @@ class Generation:
 
     def flow(self, body: CompletionRequest, request: Request) -> RequestFlow:
         """trl_cb's own request's flow (its prompts submitted now)."""
-        sampling = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k}
-        return self.flows(request)(body.prompt, body.n, body.max_tokens, sampling)
+        return self.flows(request)(body.prompt, body.n, body.max_tokens, body.sampling())
 
     def _served(self) -> None:
         self.counters.served += 1

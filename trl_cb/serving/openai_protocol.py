@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..checks.served_sampling import served_names
 from .protocol import (
     MAX_N,
     MAX_PROMPT_TOKENS,
@@ -33,7 +34,6 @@ from .protocol import (
     CompletionRequest,
     DecodedSamplingRequest,
     PromptIds,
-    engine_sampling,
 )
 from .protocol import _Strict as Strict
 
@@ -71,9 +71,6 @@ class _OpenAISampling(DecodedSamplingRequest):
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
-    temperature: float | None = None  # 0: greedy (`protocol.GREEDY`), else >= MIN_SAMPLING_TEMPERATURE
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)  # vLLM's: 0 or -1 keep every token
     seed: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -90,17 +87,12 @@ class _OpenAISampling(DecodedSamplingRequest):
         refused += ["seed"] if self.seed is not None else []
         if refused:
             raise ValueError(
-                f"{refused}: not applied by this server (it samples with temperature, top_p and top_k; a per-request "
+                f"{refused}: not applied by this server (it samples with {served_names()}; a per-request "
                 "seed cannot be honoured in a shared continuous batch); unset them"
             )
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
-
-    def sampling(self) -> dict[str, Any]:
-        """The engine's sampling settings (OpenAI's defaults: temperature 1, top_p 1; no top-k; 0: greedy)."""
-        temperature = 1.0 if self.temperature is None else self.temperature
-        return engine_sampling(temperature, 1.0 if self.top_p is None else self.top_p, self.top_k or 0)
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

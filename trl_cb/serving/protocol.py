@@ -17,9 +17,10 @@ import struct
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from ..checks.generation_settings import FIELD_RULES, MIN_SAMPLING_TEMPERATURE, settings_servers_cannot_apply
+from ..checks.served_sampling import SERVED_SAMPLING, served_names
 
 #: Most prompts one completion request may carry.
 MAX_PROMPTS = 1024
@@ -72,16 +73,8 @@ def numbers_from_strings(data: dict[str, Any]) -> dict[str, Any]:
 GREEDY = {"temperature": 1.0, "top_p": 1.0, "top_k": 1}
 
 
-def engine_sampling(temperature: float, top_p: float, top_k: int) -> dict[str, Any]:
-    """The engine's sampling settings of a request: `GREEDY` for temperature 0, else the request's own (a top_k of 0
-    or less keeps every token). A temperature between 0 and `MIN_SAMPLING_TEMPERATURE` never gets here (422)."""
-    if temperature == 0:
-        return dict(GREEDY)
-    return {"temperature": temperature, "top_p": top_p, "top_k": max(top_k, 0)}
-
-
 def greedy_or_sampling(temperature: float | None) -> float | None:
-    """Field check of an OpenAI-style temperature: 0 (greedy) or at least `MIN_SAMPLING_TEMPERATURE`."""
+    """Field check of a request's temperature: 0 (greedy) or at least `MIN_SAMPLING_TEMPERATURE`."""
     if temperature is not None and temperature != 0 and not temperature >= MIN_SAMPLING_TEMPERATURE:
         raise ValueError(
             f"temperature must be 0 (greedy) or >= {MIN_SAMPLING_TEMPERATURE}: below it the fp32 logits divided by "
@@ -106,10 +99,35 @@ class SamplingRequest(_Strict):
         refused = settings_servers_cannot_apply(settings)
         if refused:
             raise ValueError(
-                f"{refused}: sampling settings this server cannot apply (it samples with temperature, top_p and "
-                "top_k); unset them or generate in-process"
+                f"{refused}: sampling settings this server cannot apply (it samples with {served_names()}); unset "
+                "them or generate in-process"
             )
         return {k: v for k, v in data.items() if k not in settings}
+
+
+class _ServedSamplingRules(SamplingRequest):
+    """The rules and the reading of the served fields that `ServedSampling` adds from the table."""
+
+    @field_validator("temperature", check_fields=False)
+    @classmethod
+    def _greedy_or_sampling(cls, temperature: float | None) -> float | None:
+        return greedy_or_sampling(temperature)
+
+    def sampling(self) -> dict[str, Any]:
+        """The engine's sampling settings of this request: `GREEDY` for temperature 0, else each served setting's
+        value (`off` when unset)."""
+        values = {s.name: s.request_value(getattr(self, s.name)) for s in SERVED_SAMPLING}
+        return dict(GREEDY) if values["temperature"] == 0 else values
+
+
+#: Every request body's served sampling fields, one per `SERVED_SAMPLING` row (unset: off; the row's bounds, 422
+#: past them), built from the table so that a new row reaches every route; `sampling()` reads them for the engine.
+ServedSampling = create_model(
+    "ServedSampling",
+    __base__=_ServedSamplingRules,
+    __module__=__name__,
+    **{s.name: (s.kind | None, Field(default=None, **s.bounds)) for s in SERVED_SAMPLING},  # type: ignore[call-overload]
+)
 
 
 #: Most stop strings per request, and their longest length (characters); most stop token ids (vLLM's).
@@ -117,29 +135,22 @@ MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 256
 Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
-class DecodedSamplingRequest(SamplingRequest):
+class DecodedSamplingRequest(ServedSampling):  # type: ignore[misc,valid-type]
     """A request whose samples are decoded and may end at a stop (OpenAI's completion and chat bodies, vLLM's
-    `sampling_params`; answered by `openai_serving.py`): the stop fields its decoder reads, and the one temperature
-    rule, 0 (greedy) or at least `MIN_SAMPLING_TEMPERATURE` (`greedy_or_sampling`). A subclass sets its own
-    `temperature` default (OpenAI's: unset, vLLM's: 1.0); the rule follows the field."""
+    `sampling_params`; answered by `openai_serving.py`): the served sampling fields and the stop fields its decoder
+    reads."""
 
-    temperature: float | None = None
     stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-
-    @field_validator("temperature")
-    @classmethod
-    def _greedy_or_sampling(cls, temperature: float | None) -> float | None:
-        return greedy_or_sampling(temperature)
 
     def stops(self) -> list[str]:
         """The stop strings as one list (the request may send one string, a list, or none)."""
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-class CompletionRequest(SamplingRequest):
+class CompletionRequest(ServedSampling):  # type: ignore[misc,valid-type]
     """`/v1/completions` for token-id prompts as trl_cb's client sends it; `n` samples per prompt, each sampled with
     trl_cb's engine. The route reads the OpenAI superset (`openai_protocol.OpenAICompletionRequest`)."""
 
@@ -147,9 +158,6 @@ class CompletionRequest(SamplingRequest):
     prompt: list[PromptIds] = Field(min_length=1, max_length=MAX_PROMPTS)
     n: int = Field(default=1, ge=1, le=MAX_N)
     max_tokens: int = Field(ge=1, le=MAX_TOKENS)
-    temperature: float = Field(default=1.0, ge=MIN_SAMPLING_TEMPERATURE)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=0)  # only the sampled token's logprob is returned
     return_token_ids: bool = True
     #: How choices carry their per-token arrays: JSON (OpenAI's objects, `openai_answers.py`), or `binary` (no JSON

@@ -22,10 +22,11 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import Response
 from pydantic import Field, model_validator
 
+from ..checks.served_sampling import served_names
 from ..rollouts.rollout_groups import RolloutGroup
 from .openai_answers import DecodedSample, dump, usage
 from .openai_serving import AnswerContext, Flows, OpenAIServing, all_groups, finished_sample
-from .protocol import MAX_N, MAX_TOKENS, DecodedSamplingRequest, PromptIds, engine_sampling
+from .protocol import MAX_N, MAX_TOKENS, DecodedSamplingRequest, PromptIds
 from .protocol import _Strict as Strict
 
 __all__ = ["GenerateRequest", "VLLMSamplingParams", "generate"]
@@ -41,9 +42,6 @@ class VLLMSamplingParams(DecodedSamplingRequest):
     returned)."""
 
     n: int = Field(default=1, ge=1, le=MAX_N)
-    temperature: float = 1.0  # 0: greedy (`protocol.GREEDY`), else >= MIN_SAMPLING_TEMPERATURE
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # 0 or -1: every token
     max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=1, le=MAX_TOKENS)
     logprobs: int | None = Field(default=None, ge=0, le=1)  # the sampled token's only: no alternatives
     spaces_between_special_tokens: bool = True
@@ -61,17 +59,14 @@ class VLLMSamplingParams(DecodedSamplingRequest):
         refused += [name for name in ("ignore_eos", "min_tokens") if getattr(self, name)]
         if refused:
             raise ValueError(
-                f"{refused}: not applied by this server's token-in route (it samples with temperature, top_p and "
-                "top_k, stopping at EOS, stop_token_ids and stop strings); unset them"
+                f"{refused}: not applied by this server's token-in route (it samples with {served_names()}, "
+                "stopping at EOS, stop_token_ids and stop strings); unset them"
             )
         return self
 
     @property
     def return_token_ids(self) -> bool:
         return True  # the route is for token ids
-
-    def sampling(self) -> dict[str, Any]:
-        return engine_sampling(self.temperature, self.top_p, self.top_k)
 
     def new_tokens(self) -> int:
         return DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..checks.generation_settings import settings_servers_cannot_apply
+from ..checks.served_sampling import SERVED_SAMPLING, served_names
 from ..engine.weight_export import iter_weights, weight_specs
 from ..errors import RolloutServerError
 from ..rollouts.async_core import AsyncBounds, AsyncRolloutSource
@@ -64,8 +65,8 @@ class RemoteRollouts:
         unsent = settings_servers_cannot_apply(self.trainer.generation_config.to_dict())
         if unsent:  # refused rather than silently dropped
             raise ValueError(
-                f"cb_server_urls cannot apply {unsent} (the server samples with temperature, top_p and top_k "
-                "only); unset them or generate in-process."
+                f"cb_server_urls cannot apply {unsent} (the server samples with {served_names()} only); unset them "
+                "or generate in-process."
             )
 
         def connect() -> None:
@@ -137,14 +138,11 @@ class RemoteRollouts:
         return self.weight_version
 
     def sampling(self) -> dict[str, Any]:
-        """The `/v1/completions` sampling fields of the trainer's generation config."""
+        """The `/v1/completions` sampling fields of the trainer's generation config (every served setting, `off`
+        when the config leaves it unset)."""
         config = self.trainer.generation_config
-        return {
-            "max_tokens": config.max_new_tokens,
-            "temperature": config.temperature if config.temperature is not None else 1.0,
-            "top_p": config.top_p if config.top_p is not None else 1.0,
-            "top_k": config.top_k or 0,
-        }
+        served = {s.name: s.request_value(getattr(config, s.name)) for s in SERVED_SAMPLING}
+        return {"max_tokens": config.max_new_tokens, **served}
 
     def push_weights(self) -> int:
         """Push the current weights to every replica as the next version (served once this returns) and return it:
