@@ -1014,12 +1014,12 @@ def test_batch_internals_the_decode_graphs_use(model, tokenizer, monkeypatch):
         sampling_config(tokenizer, max_new_tokens=4),
         ContinuousBatchingConfig(return_logprobs=True, num_blocks=8, max_batch_tokens=64, page_size=16),
         WorkloadHints(max_prompt_length=40, max_generated_length=4, num_requests=1),
-        decode_graphs=True,
+        graphs=True,
     )
     try:
         processor = manager.batch_processor
         runner, ios, cache = processor.model_runner, processor.inputs_and_outputs, processor.cache
-        assert decode_graphs.decode_graphs(manager) is not None
+        assert decode_graphs.graphs_of(manager) is not None
         assert cache.max_decode_fast_path_length > 0, "the scheduler's block-table decode path must be on"
         assert ios.block_table.numel() > 0, "the IOs hold a kernel block table"
         for name in ("use_block_table", "num_q_tokens", "compute_stream", "block_table"):

@@ -70,7 +70,7 @@ def create_manager(
     hints: WorkloadHints,
     request_processors: Sequence[HistoryProcessor] = (),
     record_policy_logprobs: bool = False,
-    decode_graphs: bool = False,
+    graphs: bool = False,
 ) -> ContinuousBatchingManager:
     """Build and warm up (on this thread, RNG preserved) a fresh manager; its thread is *not* started (`resume`
     starts it). Never reuses a cached one.
@@ -78,7 +78,7 @@ def create_manager(
     The engine's processors are checked against `generate()`'s for `generation_config`, `request_processors` run
     before them at every step, a policy-logprob recorder first of all with `record_policy_logprobs`
     (`_upstream_sampling`), and trl_cb's attention is chosen (`_choose_attention`), all before the batch processor
-    and its cache exist; with `decode_graphs` (and a graph backend for the device) decode steps read the cache through
+    and its cache exist; with `graphs` (and a graph backend for the device) decode steps read the cache through
     block tables and run as graphs kept across rounds (`decode_graphs.py`). After warmup `_upstream_patches.install`
     sets trl_cb's behaviour on the engine. The model leaves with the attention implementation it came with (`resume`
     switches it for each round), and on any failure, a KeyboardInterrupt included, with its train/eval mode too: the
@@ -105,11 +105,11 @@ def create_manager(
                 manager, model, generation_config, request_processors, record_policy_logprobs
             )
             _choose_attention(manager, model)  # before warmup builds the batch processor (no dense mask)
-            _upstream_recurrent.check_engine_settings(manager, model, decode_graphs)
+            _upstream_recurrent.check_engine_settings(manager, model, graphs)
             if attn_before == attention.ATTENTION_NAME:
                 manager._original_attn_impl = attn_before  # after this engine's rounds, the other engine's again
-            backend = _graphs.backend_for(model.device) if decode_graphs else None
-            if decode_graphs and backend is None:
+            backend = _graphs.backend_for(model.device) if graphs else None
+            if graphs and backend is None:
                 logger.warning("No graph backend on %s: decode steps run eagerly.", model.device)
             longest = hints.max_prompt_length + hints.max_generated_length
             block_tables = backend is not None and _graphs.enable_block_table_decode(manager, longest)
@@ -118,8 +118,9 @@ def create_manager(
             manager.warmup()
             choose_cuda_kernel(manager, model)
             stepper = _upstream_recurrent.new_stepper(manager, model)  # a hybrid's recurrent layers, else None
-            graphs = backend if block_tables else None
-            _patches.install(manager, model, _patches.Features(attention.ATTENTION_NAME, recorder, graphs, stepper))
+            graph_backend = backend if block_tables else None
+            features = _patches.Features(attention.ATTENTION_NAME, recorder, graph_backend, stepper)
+            _patches.install(manager, model, features)
             restore_training_attention(manager)  # inside the try: an interrupt here is restored below too
     except BaseException:
         with deferred_interrupts():
@@ -291,7 +292,7 @@ def resume(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
 def check_graphs(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
     """Drop the engine's decode graphs if a weight of `model` they read moved (call with no step running: before a
     round, or inside a pause after the weights were written)."""
-    graphs = _graphs.decode_graphs(manager)
+    graphs = _graphs.graphs_of(manager)
     if graphs is not None:
         graphs.check(model)
 

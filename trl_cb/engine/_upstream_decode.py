@@ -47,7 +47,9 @@ from ._upstream_decode_plan import (
 )
 
 __all__ = [
+    "FAST_PATH_ATTR",
     "DecodeFastPathStats",
+    "FastPath",
     "decode_fast_path_stats",
     "fast_path_fits",
     "with_fast_path",
@@ -55,8 +57,20 @@ __all__ = [
     "writing_states_first",
 ]
 
-_STATS_ATTR = "_trl_cb_decode_fast_path_stats"
-_LAST_ATTR = "_trl_cb_decode_fast_path_last"
+#: Where `_upstream_patches.install` keeps a processor's `FastPath` (read by the stats and the lazy-state writer).
+FAST_PATH_ATTR = "_trl_cb_decode_fast_path"
+
+
+@dataclass
+class FastPath:
+    """What `with_fast_path` builds for one processor: its three methods, which `_upstream_patches.install` sets, and
+    the state they share: the counters and the fast scheduler's last batch (a one-item list the scheduler rebinds)."""
+
+    schedule: Callable
+    prepare: Callable
+    update: Callable
+    stats: DecodeFastPathStats
+    last: list[Batch | None]
 
 
 @dataclass
@@ -74,7 +88,8 @@ class _Previous:
 
 def decode_fast_path_stats(manager: ContinuousBatchingManager) -> DecodeFastPathStats | None:
     """The counters of `manager`'s fast path; None where it is not installed."""
-    return getattr(manager.batch_processor, _STATS_ATTR, None)
+    fast = getattr(manager.batch_processor, FAST_PATH_ATTR, None)
+    return None if fast is None else fast.stats
 
 
 def fast_path_fits(processor: Any) -> bool:
@@ -95,7 +110,7 @@ def fast_path_fits(processor: Any) -> bool:
 
 def with_fast_path(
     processor: Any, schedule: Callable, prepare: Callable, update: Callable, states_read_per_step: bool = False
-) -> tuple[Callable, Callable, Callable]:
+) -> FastPath:
     """The scheduler's `schedule_batch`, the IOs' `prepare_batch_tensors` and the processor's `update_batch` with the
     fast path in front of `schedule` / `prepare` / `update` (upstream's, or what `_upstream_patches` composed before:
     the read rows and block-table padding for `prepare`, the recorder's `prepare_batch_update` that `update` calls once
@@ -105,13 +120,11 @@ def with_fast_path(
     allocator = next(iter(cache.cache_allocators.values()))
     block_tables = ios.block_table.numel() > 0
     stats = DecodeFastPathStats()
-    setattr(processor, _STATS_ATTR, stats)
     # request states written once per request instead of once per step, unless the step or a processor (every row's
     # tokens) reads them
     processors = processor.logit_processor.logits_processor
     lazy = not states_read_per_step and not any(isinstance(p, _sampling.PerRequestProcessor) for p in processors)
     last: list[Batch | None] = [None]  # the fast scheduler's last batch
-    setattr(processor, _LAST_ATTR, last)
     if block_tables:
         host = _HostInputs(ios)
 
@@ -123,10 +136,12 @@ def with_fast_path(
         def advance(last: Any, batch: list, processors: Any, num_q_tokens: int, max_kv_read: int) -> Any:
             return _advance(ios, allocator, last, batch, processors, max_kv_read)
 
-    return (
+    return FastPath(
         fast_scheduler(scheduler, cache, allocator, schedule, stats, last, lazy, block_tables),
         _fast_prepare(ios, stats, prepare, block_tables, advance),
         _fast_update(ios, update),
+        stats,
+        last,
     )
 
 
@@ -134,9 +149,9 @@ def write_pending_states(processor: Any) -> None:
     """Bring every request state of `processor`'s fast path up to date (tokens, logprobs, position), as upstream's
     per-step updates would have left it. Call where code outside the engine step reads request states: between two
     steps (under `manager.pause()`) or on the engine thread; nothing happens without a fast path."""
-    last = getattr(processor, _LAST_ATTR, None)
-    if last is not None:
-        write_pending(last[0])
+    fast = getattr(processor, FAST_PATH_ATTR, None)
+    if fast is not None:
+        write_pending(fast.last[0])
 
 
 def writing_states_first(processor: Any, method: Callable) -> Callable:

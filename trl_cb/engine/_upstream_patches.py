@@ -78,7 +78,7 @@ def install(manager: ContinuousBatchingManager, model: PreTrainedModel, features
         graphs = _graphs.DecodeGraphs(features.graphs_backend)
         if recorder is not None:
             graphs.after_replay.append(recorder.replayed)
-        _graphs.attach(manager, graphs)
+        setattr(manager, _graphs.GRAPHS_ATTR, graphs)
         runner.maybe_pad_inputs = _graphs.padded_decode(
             runner, ios, manager.continuous_batching_config.max_requests_per_batch
         )
@@ -96,9 +96,11 @@ def install(manager: ContinuousBatchingManager, model: PreTrainedModel, features
     ios.prepare_batch_update = prepare_update
     processor.update_batch = update  # the fast path's inline update calls it for the rows it does not take
     if _upstream_decode.fast_path_fits(processor):
-        schedule, prepare, update = _upstream_decode.with_fast_path(
+        fast = _upstream_decode.with_fast_path(
             processor, schedule, prepare, update, states_read_per_step=features.recurrent is not None
         )
+        setattr(processor, _upstream_decode.FAST_PATH_ATTR, fast)
+        schedule, prepare, update = fast.schedule, fast.prepare, fast.update
         # upstream's error paths read the request states, which the fast path writes lazily
         processor.handle_batch_error = _upstream_decode.writing_states_first(processor, processor.handle_batch_error)
         processor.fail_all_requests = _upstream_decode.writing_states_first(processor, processor.fail_all_requests)

@@ -190,15 +190,15 @@ def routed_forward(original: Callable) -> Callable:
     return forward
 
 
-def check_engine_settings(manager: ContinuousBatchingManager, model: PreTrainedModel, decode_graphs: bool) -> None:
+def check_engine_settings(manager: ContinuousBatchingManager, model: PreTrainedModel, graphs: bool) -> None:
     """`ValueError` where `manager`'s resolved settings cannot keep `model`'s per-sequence states (no-op for a model
-    without recurrent layers): accelerator graphs (trl_cb's `decode_graphs` or transformers'), an asynchronous or
+    without recurrent layers): accelerator graphs (trl_cb's, `decode_graphs.py`, or transformers'), an asynchronous or
     compiled engine (the step plan is built on the host), CPU offloading (it restores an offloaded request's keys, not
     its states). Call before the batch processor is built."""
     if not recurrent_layers(model.config.get_text_config()):
         return
     settings = resolved_engine_settings(manager)
-    settings["use_cuda_graph"] = decode_graphs or settings["use_cuda_graph"]
+    settings["use_cuda_graph"] = graphs or settings["use_cuda_graph"]
     require_synchronous_engine(settings, RECURRENT_STATE_NEEDS_SYNC)
     if (manager.continuous_batching_config.cpu_offload_space or 0) > 0:
         raise ValueError(
@@ -221,15 +221,15 @@ def new_stepper(manager: ContinuousBatchingManager, model: PreTrainedModel) -> R
     return RecurrentStepper(text_config.num_hidden_layers, model.device, {type(m) for m in mixers.values()})
 
 
-def with_step_plan(engine: RecurrentStepper, ios: ContinuousBatchingIOs, compute: Callable) -> Callable:
+def with_step_plan(stepper: RecurrentStepper, ios: ContinuousBatchingIOs, compute: Callable) -> Callable:
     """`compute_batch` that plans the step (the batch's rows mapped to their state slots) before the forward."""
 
     def compute_with_plan(module: torch.nn.Module, batch_data: dict) -> None:
-        engine.plan_step(ios.requests_in_batch)
+        stepper.plan_step(ios.requests_in_batch)
         try:
             compute(module, batch_data)
         finally:
-            engine.end_step()
+            stepper.end_step()
 
     return compute_with_plan
 

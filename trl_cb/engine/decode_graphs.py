@@ -35,15 +35,15 @@ __all__ = [
     "WeightFingerprint",
     "backend_available",
     "backend_for",
-    "attach",
-    "decode_graphs",
+    "GRAPHS_ATTR",
     "enable_block_table_decode",
     "graphed_compute",
+    "graphs_of",
     "padded_decode",
 ]
 
-#: Manager attribute (ours) holding its `DecodeGraphs`.
-_GRAPHS_ATTR = "_trl_cb_decode_graphs"
+#: Manager attribute (ours) holding its `DecodeGraphs` (set by `_upstream_patches.install`).
+GRAPHS_ATTR = "_trl_cb_decode_graphs"
 
 
 class Graph(Protocol):
@@ -159,9 +159,9 @@ class DecodeGraphs:
             hook(key)
 
 
-def decode_graphs(manager: ContinuousBatchingManager) -> DecodeGraphs | None:
+def graphs_of(manager: ContinuousBatchingManager) -> DecodeGraphs | None:
     """The engine's graphs; None where it runs its decode steps eagerly."""
-    return getattr(manager, _GRAPHS_ATTR, None)
+    return getattr(manager, GRAPHS_ATTR, None)
 
 
 def enable_block_table_decode(manager: ContinuousBatchingManager, max_sequence_length: int) -> bool:
@@ -223,8 +223,3 @@ def graphed_compute(runner: Any, ios: Any, graphs: DecodeGraphs, eager: Callable
         graphs.step(ios.num_q_tokens, run, stream, module)
 
     return compute_batch
-
-
-def attach(manager: ContinuousBatchingManager, graphs: DecodeGraphs) -> None:
-    """Keep `graphs` on `manager` (`decode_graphs` finds them there)."""
-    setattr(manager, _GRAPHS_ATTR, graphs)

@@ -8,7 +8,7 @@ other samples, groups and the trainer go on. The core sees a group once all its 
 Invariants (docs/async.md, "Multi-turn"): every model token keeps the logprobs and version the engine recorded (a
 turn in flight at an update is a partial rollout); tool tokens get logprob 0.0, mask 0 (`tool_masks`: out of the loss
 and IS, as TRL's sync loop marks them) and their previous token's version; a completion never exceeds
-`max_completion_tokens`; a `Conversation` that raises ends the run (tool failures are its business: TRL's semantics).
+`max_completion_length`; a `Conversation` that raises ends the run (tool failures are its business: TRL's semantics).
 Inner backends are called under one lock only: from `poll` on the trainer's thread and, for backends that generate
 between takes, from a driver thread that submits next turns while the trainer trains.
 """
@@ -99,7 +99,7 @@ class MultiTurnBackend(RolloutBackend):
         inner: The backend that generates (its groups may carry `num_samples` and `max_new_tokens`).
         open_conversation: Makes one sample's `Conversation` (run on a worker thread: it may reset an environment).
         num_generations: Samples per group (G).
-        max_completion_tokens: Longest completion (every turn and tool result of a sample together).
+        max_completion_length: Longest completion (every turn and tool result of a sample together).
         max_turn_tokens: Most tokens of one turn (within what is left of the completion; default: all of it).
         version: The policy version now (the core's), for the groups this layer submits.
         workers: Threads running conversations (tool calls) at once.
@@ -112,17 +112,17 @@ class MultiTurnBackend(RolloutBackend):
         inner: RolloutBackend,
         open_conversation: OpenConversation,
         num_generations: int,
-        max_completion_tokens: int,
+        max_completion_length: int,
         version: Callable[[], int],
         workers: int = 8,
         concurrent: bool = False,
         max_turn_tokens: int | None = None,
     ) -> None:
         self.inner = inner
-        self.max_turn_tokens = max_turn_tokens or max_completion_tokens
+        self.max_turn_tokens = max_turn_tokens or max_completion_length
         self.open_conversation = open_conversation
         self.num_generations = num_generations
-        self.max_completion_tokens = max_completion_tokens
+        self.max_completion_length = max_completion_length
         self.version = version
         self.concurrent = concurrent
         self._workers = max(1, workers)
@@ -262,7 +262,7 @@ class MultiTurnBackend(RolloutBackend):
             self._run(self._answered, sample, sample.conversation.after_turn, context, list(map(int, ids)))
 
     def _answered(self, sample: _Sample, suffix: list[int] | None) -> bool:
-        left = self.max_completion_tokens - len(sample.completion_ids) - len(suffix or [])
+        left = self.max_completion_length - len(sample.completion_ids) - len(suffix or [])
         if suffix is None or left <= 0:
             return self._sample_done(sample)
         sample.add_tool_tokens(list(suffix), self.version())
@@ -288,7 +288,7 @@ class MultiTurnBackend(RolloutBackend):
 def with_turns(
     rollouts: AsyncRollouts,
     open_conversation: OpenConversation,
-    max_completion_tokens: int,
+    max_completion_length: int,
     workers: int,
     max_turn_tokens: int | None = None,
 ) -> MultiTurnBackend:
@@ -301,7 +301,7 @@ def with_turns(
         inner,
         open_conversation,
         rollouts.num_generations,
-        max_completion_tokens,
+        max_completion_length,
         version=lambda: rollouts.policy_version,
         workers=workers,
         concurrent=inner.generates_between_takes,

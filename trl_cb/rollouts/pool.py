@@ -57,7 +57,7 @@ class _EngineChoices:
     """What `EnginePool` decides once per `ensure` for an engine serving a generation config."""
 
     settings: RequestProcessorSettings  # what trl_cb applies per request itself
-    graphs: bool  # decode steps as accelerator graphs (`EnginePool.decode_graphs`)
+    graphs: bool  # decode steps as accelerator graphs (`EnginePool.wants_graphs`)
     block_tables: bool  # decode steps read the cache through block tables (graphs, full attention only)
 
 
@@ -66,7 +66,7 @@ class EnginePool:
 
     `stable_weights`: whether the weights the engine reads sit at the same addresses every round
     (`ModelAccess.stable_weights`); when not, accelerator graphs, which replay the addresses they were captured
-    with, are off (an explicit `use_cuda_graph=True` is refused; `decode_graphs`)."""
+    with, are off (an explicit `use_cuda_graph=True` is refused; `wants_graphs`)."""
 
     def __init__(self, cb_kwargs: dict[str, Any], stable_weights: bool = True) -> None:
         self.cb_kwargs = cb_kwargs
@@ -129,12 +129,12 @@ class EnginePool:
     def _choices(self, module: PreTrainedModel, generation_config: GenerationConfig) -> _EngineChoices:
         """The settings an engine built now for `generation_config` would run with, each decided once."""
         settings = request_processor_settings(generation_config)
-        graphs = self.decode_graphs(module, needs_history=settings.needs_history)
+        graphs = self.wants_graphs(module, needs_history=settings.needs_history)
         full_attention = set(_upstream.engine_layer_groups(module.config.get_text_config())) == {"full_attention"}
         block_tables = graphs and decode_graphs.backend_available(module.device) and full_attention
         return _EngineChoices(settings=settings, graphs=graphs, block_tables=block_tables)
 
-    def decode_graphs(self, module: PreTrainedModel, needs_history: bool = False) -> bool:
+    def wants_graphs(self, module: PreTrainedModel, needs_history: bool = False) -> bool:
         """Whether the engine runs its decode steps as accelerator graphs (`engine/decode_graphs.py`).
 
         The user's `use_cuda_graph` where set (a `(varlen, decode)` pair: its decode half), else on wherever the device
@@ -226,7 +226,7 @@ class EnginePool:
                 hints,
                 request_processors,
                 record_policy,
-                decode_graphs=choices.graphs,
+                graphs=choices.graphs,
             )
         except MemoryError as err:
             raise MemoryError(

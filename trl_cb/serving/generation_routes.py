@@ -61,19 +61,19 @@ class Generation:
         self,
         prompts: list[list[int]],
         n: int,
-        max_tokens: int,
+        max_new_tokens: int,
         sampling: dict[str, Any],
         on_done: Callable[[Ticket], None],
         watchers: list[Any] | None = None,
     ) -> list[Ticket]:
         """Check the request (400 naming the reason; past the context, vLLM's wording) and queue its groups."""
         longest = max((len(prompt) for prompt in prompts), default=0)
-        if self.max_model_len is not None and longest + max_tokens > self.max_model_len:
+        if self.max_model_len is not None and longest + max_new_tokens > self.max_model_len:
             self.counters.rejected += 1
-            raise context_overflow(self.max_model_len, longest, max_tokens)
+            raise context_overflow(self.max_model_len, longest, max_new_tokens)
         try:
-            validate_prompts(prompts, self.model, max_tokens, self.engine_config)
-            config = GenerationConfig(do_sample=True, max_new_tokens=max_tokens, **sampling, **self.defaults)
+            validate_prompts(prompts, self.model, max_new_tokens, self.engine_config)
+            config = GenerationConfig(do_sample=True, max_new_tokens=max_new_tokens, **sampling, **self.defaults)
             self.generator.checked_generation_config(config)  # refuses settings the engine cannot apply exactly
         except ValueError as exc:
             self.counters.rejected += 1

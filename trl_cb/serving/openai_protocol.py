@@ -138,7 +138,9 @@ class OpenAICompletionRequest(_OpenAISampling):
             raise ValueError("stop strings need the text: unset stop or detokenize=false")
         return self
 
-    def new_tokens(self) -> int:
+    def max_new_tokens(self) -> int:
+        """The completion-token limit under its one name inside trl_cb (`GenerationConfig`'s): `max_tokens`, or
+        OpenAI's default."""
         return DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
     def text_prompts(self) -> bool:
@@ -155,7 +157,7 @@ class OpenAICompletionRequest(_OpenAISampling):
 
     def rollout_request(self, prompt_ids: list[list[int]]) -> CompletionRequest:
         """The same request as trl_cb's own body (the binary answer is built from it)."""
-        fields = dict(prompt=prompt_ids, n=self.n, max_tokens=self.new_tokens(), encoding=self.encoding)
+        fields = dict(prompt=prompt_ids, n=self.n, max_tokens=self.max_new_tokens(), encoding=self.encoding)
         return CompletionRequest.model_construct(**fields, **self.sampling(), logprobs=None, return_token_ids=True)
 
 
@@ -282,7 +284,9 @@ class ChatCompletionRequest(_OpenAISampling):
         _finite(self.chat_template_kwargs or {}, "chat_template_kwargs")
         return self
 
-    def new_tokens(self) -> int:
+    def max_new_tokens(self) -> int:
+        """The completion-token limit under its one name inside trl_cb: `max_completion_tokens` (OpenAI's current
+        name) over `max_tokens` (its deprecated one), or the chat default."""
         chosen = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return DEFAULT_CHAT_MAX_TOKENS if chosen is None else chosen
 
@@ -370,12 +374,13 @@ class OpenAIError(HTTPException):
         self.body = openai_error(message, param, code)
 
 
-def context_overflow(limit: int, prompt_tokens: int, max_tokens: int) -> OpenAIError:
+def context_overflow(limit: int, prompt_tokens: int, max_new_tokens: int) -> OpenAIError:
     """vLLM's wording for a prompt plus its completion budget past the context (clients such as `verifiers` read it
     to end a rollout as an overflow, not a provider error): 400."""
+    requested = prompt_tokens + max_new_tokens
     message = (
-        f"This model's maximum context length is {limit} tokens. However, you requested {prompt_tokens + max_tokens} "
-        f"tokens ({prompt_tokens} in the prompt, {max_tokens} in the completion). Please reduce the length of the "
+        f"This model's maximum context length is {limit} tokens. However, you requested {requested} "
+        f"tokens ({prompt_tokens} in the prompt, {max_new_tokens} in the completion). Please reduce the length of the "
         "prompt or completion."
     )
     return OpenAIError(400, message, param="max_tokens", code=400)

@@ -61,7 +61,8 @@ ANSWER_THREADS = 1
 #: Server-sent events' media type.
 EVENT_STREAM = "text/event-stream"
 
-#: `flows(prompts, n, max_tokens, sampling, install)`: the server's `RequestFlow` for this request (submitted at once).
+#: `flows(prompts, n, max_new_tokens, sampling, install)`: the server's `RequestFlow` for this request (submitted at
+#: once).
 Flows = Callable[..., RequestFlow]
 
 _T = TypeVar("_T")
@@ -317,7 +318,7 @@ class OpenAIServing:
                 watcher.post = post
             return watchers or [None] * len(prompts)
 
-        return flows(prompts, body.n, body.new_tokens(), body.sampling(), install), watchers
+        return flows(prompts, body.n, body.max_new_tokens(), body.sampling(), install), watchers
 
     async def completion(
         self,

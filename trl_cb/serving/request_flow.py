@@ -27,7 +27,7 @@ RETRY_AFTER_S = 1
 #: How often a request waiting for its groups checks that its client is still connected.
 DISCONNECT_POLL_S = 0.25
 
-#: `submit(prompts, n, max_tokens, sampling, on_done, watchers) -> tickets`: the server's checked submission.
+#: `submit(prompts, n, max_new_tokens, sampling, on_done, watchers) -> tickets`: the server's checked submission.
 Submit = Callable[..., list[Ticket]]
 
 
@@ -51,7 +51,7 @@ class RequestFlow:
         request: Request,
         prompts: list[list[int]],
         n: int,
-        max_tokens: int,
+        max_new_tokens: int,
         sampling: dict[str, Any],
         install: Callable[[Callable[[Any], None]], list[Any]] | None = None,
         on_end: Callable[[], None] | None = None,
@@ -65,7 +65,7 @@ class RequestFlow:
 
         self._engine, self._request, self._on_end = engine, request, on_end
         watchers = install(post) if install is not None else None
-        self.tickets = submit(prompts, n, max_tokens, sampling, lambda t: post(("done", t)), watchers)
+        self.tickets = submit(prompts, n, max_new_tokens, sampling, lambda t: post(("done", t)), watchers)
         self._index = {id(ticket): i for i, ticket in enumerate(self.tickets)}
 
     async def __aiter__(self) -> AsyncIterator[tuple[str, Any]]:

@@ -68,7 +68,8 @@ class VLLMSamplingParams(DecodedSamplingRequest):
     def return_token_ids(self) -> bool:
         return True  # the route is for token ids
 
-    def new_tokens(self) -> int:
+    def max_new_tokens(self) -> int:
+        """The completion-token limit under its one name inside trl_cb: `max_tokens`, or vLLM's default."""
         return DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
 

@@ -44,7 +44,7 @@ class ToolTurns:
         self.timeout = timeout
         self.tokenizer = trainer.processing_class
         self.factories: dict[Any, Any] | None = trainer.environment_factories
-        self.max_completion = int(trainer.max_completion_length)
+        self.max_completion_length = int(trainer.max_completion_length)
         self.max_model_len = int(trainer.model.config.max_position_embeddings)
         self.free_environments: dict[Any, list[Any]] = {}
         self.lock = threading.Lock()
@@ -158,7 +158,7 @@ class ToolConversation(Conversation):
         self.completions += tool_messages
         suffix = trl_internals.tool_suffix_ids(self.turns.trainer, tool_messages)
         total = len(context) + len(turn_ids) + len(suffix)
-        if total - len(self.prompt_ids) > self.turns.max_completion or total >= self.turns.max_model_len:
+        if total - len(self.prompt_ids) > self.turns.max_completion_length or total >= self.turns.max_model_len:
             del self.completions[-len(tool_messages) :]  # TRL drops the results that do not fit; the sample ends
             return None
         self.rounds += 1

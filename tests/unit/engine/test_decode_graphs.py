@@ -28,7 +28,7 @@ G = 3
 
 def _graphs(gen: ContinuousBatchingGenerator) -> decode_graphs.DecodeGraphs | None:
     engine = gen._pool.engine
-    return None if engine is None else decode_graphs.decode_graphs(engine.manager)
+    return None if engine is None else decode_graphs.graphs_of(engine.manager)
 
 
 def _worst(model, prompts, result, temperature=1.0, top_k=0, top_p=1.0, policy=False) -> float:

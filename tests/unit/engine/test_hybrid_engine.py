@@ -199,8 +199,8 @@ def test_engine_settings_that_cannot_keep_states_are_refused(tokenizer, special_
 
     model = hybrid_model(BY_TYPE["qwen3_5_text"], tokenizer, special_ids, dtype=torch.float32)
     with pytest.raises(ValueError, match="state slot"):  # trl_cb's decode graphs, asked for explicitly
-        EnginePool({"use_cuda_graph": True}).decode_graphs(model)
-    assert EnginePool({}).decode_graphs(model) is False  # and off by default
+        EnginePool({"use_cuda_graph": True}).wants_graphs(model)
+    assert EnginePool({}).wants_graphs(model) is False  # and off by default
     gen = ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=4), {"cpu_offload_space": 1.0})
     with gen, pytest.raises(ValueError, match="cpu_offload_space"):
         gen.generate([[5, 6, 7]], num_generations=1)

@@ -64,6 +64,32 @@ def test_engine_methods_are_assigned_only_in_the_patches_module():
     }  # fmt: skip
 
 
+#: Engine modules that may `setattr`: the patch module, the gateway that builds the engine (its build-time marks), and
+#: two that set attributes on their own objects (a copied module's parameters, a key tensor's read index).
+SETATTR_ALLOWED = {"_upstream_patches.py", "_upstream.py", "precision.py", "_upstream_cache.py"}
+
+
+def _setattr_calls(source: str) -> list[int]:
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+    ]
+
+
+def test_feature_modules_keep_nothing_on_engine_objects():
+    """A feature's state on the engine (the fast path's counters and last batch, the decode graphs) is attached by
+    `install`: the feature modules build it and hand it back."""
+    offenders = [
+        f"{path.name}:{line}"
+        for path in sorted((PACKAGE / "engine").glob("*.py"))
+        if path.name not in SETATTR_ALLOWED
+        for line in _setattr_calls(path.read_text())
+    ]
+    assert not offenders, offenders
+    assert _setattr_calls("setattr(processor, NAME, stats)") == [1]  # control: the scan sees a setattr
+
+
 def test_a_built_engine_runs_the_composed_methods_with_the_graph_innermost(model, tokenizer, prompts, monkeypatch):
     use_fake_graphs(monkeypatch)
     placeholder_seen = []
@@ -83,6 +109,6 @@ def test_a_built_engine_runs_the_composed_methods_with_the_graph_innermost(model
 
         runner._forward_process_and_sample = record
         gen.generate(prompts[:2], num_generations=2)
-        graphs = decode_graphs.decode_graphs(manager)
+        graphs = decode_graphs.graphs_of(manager)
     assert graphs.replays > 0
     assert placeholder_seen and all(placeholder_seen), "a graph step ran without the mask placeholder"
