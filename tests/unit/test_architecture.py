@@ -235,7 +235,7 @@ def test_the_server_checks_auth_and_the_weight_owner_once_and_assembles_route_mo
     routes = [d for n in ast.walk(create_app) for d in getattr(n, "decorator_list", []) if isinstance(d, ast.Call)]
     assert not routes, "create_app registers no route itself: it includes the route modules' routers"
     handlers = {m: route_handlers(MODULES[m].read_text()) for m in serving}
-    assert len(handlers["trl_cb.serving.generation_routes"]) == 4  # the check sees the handlers (control)
+    assert len(handlers["trl_cb.serving.generation_routes"]) == 5  # the check sees the handlers (control)
     long = [
         f"{m}.{f.name}: {f.end_lineno - f.lineno + 1} lines"
         for m, found in handlers.items()

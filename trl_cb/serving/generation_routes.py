@@ -1,13 +1,14 @@
 """The rollout server's generation routes: OpenAI's `/v1/completions` (JSON, server-sent events, or trl_cb's binary
 answer with `encoding="binary"`), `/v1/chat/completions` (and prime-rl's `/v1/chat/completions/tokens`), vLLM's
-`/inference/v1/generate` and trl_cb's `/v1/completions/stream`. `server.create_app` includes them.
+`/inference/v1/generate`, OpenAI's `/v1/responses` (`responses_api.py`) and trl_cb's `/v1/completions/stream`.
+`server.create_app` includes them.
 
 Invariants: a request is checked before anything is queued (`Generation.submit`: a prompt plus its budget past the
 context gets vLLM's wording, a prompt or setting the engine would not apply exactly 400 naming it), then runs as one
 `RequestFlow` on the shared engine; every choice carries the values the engine recorded (ids, both logprobs, each
 token's weight version; its `weight_version` is its oldest token's); a client gone before its answer gets nothing (its
-groups cancelled). No answer is built on the event loop: binary frames and stream lines are packed on the thread
-pool, OpenAI answers on `OpenAIServing`'s answer thread.
+groups cancelled). No answer is built on the event loop: binary frames and stream lines are packed on the thread pool,
+OpenAI answers on `OpenAIServing`'s answer thread.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .openai_serving import OpenAIServing
 from .prompt_scoring import PromptScores, refuse_unscorable
 from .protocol import Choice, CompletionRequest, PackedColumns, StreamLine, value_runs
 from .request_flow import RequestFlow, refusal
+from .responses_api import ResponsesRequest, respond
 from .vllm_generate import GenerateRequest, generate
 
 __all__ = ["Generation", "encode_choices", "generation_router", "pack_choices"]
@@ -128,6 +130,14 @@ def generation_router(gen: Generation) -> APIRouter:
         return await gen.openai.chat(gen.flows(request), body, prompt)
 
     router.add_api_route("/v1/chat/completions/tokens", chat_completions, methods=["POST"])  # prime-rl's token-in
+
+    @router.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API (the Agents SDK's default model): one chat completion of the conversation in
+        `input`, answered as a `response` object (`responses_api.py`)."""
+        require_model(body.model, gen.model_name)
+        prompt = await run_in_threadpool(converted, lambda: body.as_chat().prompt_ids(gen.tokenizer), gen.counters)
+        return await respond(gen.openai, gen.flows(request), body, prompt)
 
     @router.post("/inference/v1/generate")
     async def inference_generate(body: GenerateRequest, request: Request) -> Response:

@@ -19,11 +19,13 @@ __all__ = [
     "DecodedSample",
     "chat_choice",
     "chat_chunk",
+    "chat_logprobs",
     "chat_delta",
     "completion_choice",
     "completion_chunk",
     "dump",
     "response_head",
+    "rl_fields",
     "usage",
 ]
 
@@ -52,7 +54,7 @@ class DecodedSample:
     content: str | None = None  # chat: the message's text once tool calls are parsed out
 
 
-def _rl_fields(sample: DecodedSample, rl: bool) -> dict[str, Any]:
+def rl_fields(sample: DecodedSample, rl: bool) -> dict[str, Any]:
     if not rl:
         return {"weight_version": sample.weight_version}
     return {
@@ -74,13 +76,13 @@ def completion_choice(index: int, sample: DecodedSample, logprobs: bool, rl: boo
             "text_offset": sample.offsets,
         }
     choice = {"index": index, "text": sample.text, "logprobs": values, "finish_reason": sample.finish_reason}
-    choice.update(stop_reason=sample.stop_reason, **_rl_fields(sample, rl))
+    choice.update(stop_reason=sample.stop_reason, **rl_fields(sample, rl))
     if rl and prompt is not None:
         choice["prompt_token_ids"] = prompt
     return choice
 
 
-def _chat_logprobs(sample: DecodedSample) -> dict:
+def chat_logprobs(sample: DecodedSample) -> dict:
     """OpenAI's `{content: [{token, logprob, bytes, top_logprobs}]}`: `token` is the token's share of the text (the
     tokens concatenate to the content), `bytes` its own bytes (they concatenate to the content's UTF-8, also where a
     token ends inside a character and its share is "")."""
@@ -95,8 +97,8 @@ def chat_choice(index: int, sample: DecodedSample, logprobs: bool, rl: bool) -> 
     message: dict[str, Any] = {"role": "assistant", "content": sample.content}
     if sample.tool_calls:
         message["tool_calls"] = sample.tool_calls
-    choice = {"index": index, "message": message, "logprobs": _chat_logprobs(sample) if logprobs else None}
-    choice.update(finish_reason=sample.finish_reason, stop_reason=sample.stop_reason, **_rl_fields(sample, rl))
+    choice = {"index": index, "message": message, "logprobs": chat_logprobs(sample) if logprobs else None}
+    choice.update(finish_reason=sample.finish_reason, stop_reason=sample.stop_reason, **rl_fields(sample, rl))
     return choice
 
 
@@ -108,8 +110,8 @@ def chat_delta(index: int, sample: DecodedSample, logprobs: bool, rl: bool, firs
         delta["content"] = sample.content
     if sample.tool_calls:
         delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(sample.tool_calls)]
-    choice = {"index": index, "delta": delta, "logprobs": _chat_logprobs(sample) if logprobs else None}
-    choice.update(finish_reason=sample.finish_reason, stop_reason=sample.stop_reason, **_rl_fields(sample, rl))
+    choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(sample) if logprobs else None}
+    choice.update(finish_reason=sample.finish_reason, stop_reason=sample.stop_reason, **rl_fields(sample, rl))
     return choice
 
 

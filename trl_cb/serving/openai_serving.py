@@ -8,8 +8,10 @@ text ends before the stop string (OpenAI; `include_stop_str_in_output` keeps it)
 concatenate to the whole answer's text, ids and values; a stream never sends text that could still turn out to be
 the start of a stop string. The routes themselves are `generation_routes.py`'s (auth and limits: `middleware.py`).
 
-A whole (non-streamed) answer is decoded and encoded off the event loop (`OpenAIServing.off_loop`: one worker
-thread), so the loop answers `/health` and other requests meanwhile (docs/benchmarks.md, "Rollout server").
+Nothing is decoded or encoded on the event loop, so it answers `/health` and other requests meanwhile
+(docs/benchmarks.md, "Rollout server"): a whole answer on one answer thread (`OpenAIServing.off_loop`), a stream's
+chunks where their tokens are seen (`_StreamWatcher`, on the engine's thread) and its last chunks on the answer thread;
+the loop only writes the bytes.
 """
 
 from __future__ import annotations
@@ -224,24 +226,51 @@ def _parsed(tokenizer: Any, ids: list[int], prompt: list[int], tools: list[dict[
     return {"content": message.get("content"), "tool_calls": calls}
 
 
+@dataclass(frozen=True)
+class _ChunkFormat:
+    """How a stream's chunks look: the answer's head (id, model, object), the samples per prompt, chat or not."""
+
+    head: dict[str, Any]
+    n: int
+    chat: bool
+
+
 class _StreamWatcher:
     """The engine-side half of a stream (or of a stop-string search): decodes each sample of one prompt step by step,
-    posts what is new (when streaming), and ends a sample at its stop string."""
+    ends a sample at its stop string, and when streaming (`fmt`) posts each new piece as its encoded event,
+    `("delta", (new tokens, event bytes))`; `tail_events` encodes the last chunks once the prompt's group ended."""
 
-    def __init__(self, ctx: AnswerContext, prompt_index: int, stream: bool) -> None:
-        self.ctx, self.prompt_index, self.stream = ctx, prompt_index, stream
+    def __init__(self, ctx: AnswerContext, prompt_index: int, prompt: list[int], fmt: _ChunkFormat | None) -> None:
+        self.ctx, self.prompt_index, self.prompt, self.fmt = ctx, prompt_index, prompt, fmt
         self.post: Callable[[Any], None] | None = None  # set by the request flow before the engine starts
         self.decoders: dict[int, SampleDecoder] = {}
         self.sent: dict[int, int] = {}  # per sample: characters of its visible text already sent
+        self.started: set[tuple[int, int]] = set()  # samples whose first chunk (with the prompt's ids) went out
 
     def __call__(self, partial: PartialSample) -> bool:
         decoder = self._decoder(partial.index)
         start = len(decoder.ids)
         new = decoder.feed(partial.token_ids)
-        if self.stream and new and self.post is not None:
+        if self.fmt is not None and new and self.post is not None:
             values = (partial.logprobs, partial.policy_logprobs, partial.versions)
-            self.post(("delta", (self.prompt_index, partial.index, self._delta(partial.index, start, values))))
+            sample = self._delta(partial.index, start, values)
+            self.post(("delta", (len(sample.token_ids), self._event(partial.index, sample))))
         return decoder.ended
+
+    def tail_events(self) -> list[bytes]:
+        """Each sample's last chunk, encoded (call once the prompt's group ended, off the event loop)."""
+        return [self._event(k, self.tail(k, self.prompt)) for k in range(self._format().n)]
+
+    def _event(self, k: int, sample: DecodedSample) -> bytes:
+        fmt = self._format()
+        return _event(
+            _chunk(self.ctx, fmt.head, fmt.n, self.prompt_index, k, sample, self.prompt, self.started, fmt.chat)
+        )
+
+    def _format(self) -> _ChunkFormat:
+        if self.fmt is None:
+            raise RuntimeError("this watcher does not stream")
+        return self.fmt
 
     def tail(self, k: int, prompt: list[int]) -> DecodedSample:
         """Sample k's last chunk once its group ended: its held-back text, finish reason and (chat with tools) the
@@ -306,12 +335,12 @@ class OpenAIServing:
         )  # fmt: skip
 
     def flow(
-        self, flows: Flows, body: Any, ctx: AnswerContext, prompts: list[list[int]], stream: bool = False
+        self, flows: Flows, body: Any, ctx: AnswerContext, prompts: list[list[int]], fmt: _ChunkFormat | None = None
     ) -> tuple[RequestFlow, list[_StreamWatcher]]:
         """The request's flow (submitted now: a bad prompt raises here, before any answer), with a watcher per prompt
-        where the answer streams or has stop strings or stop token ids to find."""
-        watched = stream or bool(ctx.stops and ctx.tokenizer is not None) or bool(ctx.stop_ids)
-        watchers = [_StreamWatcher(ctx, i, stream) for i in range(len(prompts))] if watched else []
+        where the answer streams (`fmt`: its chunks) or has stop strings or stop token ids to find."""
+        watched = fmt is not None or bool(ctx.stops and ctx.tokenizer is not None) or bool(ctx.stop_ids)
+        watchers = [_StreamWatcher(ctx, i, prompt, fmt) for i, prompt in enumerate(prompts)] if watched else []
 
         def install(post: Callable[[Any], None]) -> list:
             for watcher in watchers:
@@ -331,10 +360,10 @@ class OpenAIServing:
         carries its prompt's token logprobs, scored while the samples generate."""
         ctx = self.context(body, logprobs=body.logprobs is not None)
         head = response_head("text_completion", self.model_name)
-        flow, watchers = self.flow(flows, body, ctx, prompts, bool(body.stream))
-        if body.stream:
-            events = self._stream(body, ctx, prompts, flow, watchers, head, chat=False)
-            return StreamingResponse(events, media_type=EVENT_STREAM)
+        fmt = _ChunkFormat(head, body.n, chat=False) if body.stream else None
+        flow, watchers = self.flow(flows, body, ctx, prompts, fmt)
+        if fmt is not None:
+            return StreamingResponse(self._stream(body, fmt, prompts, flow, watchers), media_type=EVENT_STREAM)
         try:
             scores = None if scored is None else await scored()
         except BaseException:
@@ -347,45 +376,35 @@ class OpenAIServing:
     async def chat(self, flows: Flows, body: ChatCompletionRequest, prompt: list[int]) -> Response:
         ctx = self.context(body, logprobs=bool(body.logprobs), tools=body.offered_tools())
         head = response_head("chat.completion", self.model_name)
-        flow, watchers = self.flow(flows, body, ctx, [prompt], bool(body.stream))
-        if body.stream:
-            events = self._stream(body, ctx, [prompt], flow, watchers, head, chat=True)
-            return StreamingResponse(events, media_type=EVENT_STREAM)
+        fmt = _ChunkFormat({**head, "object": "chat.completion.chunk"}, body.n, chat=True) if body.stream else None
+        flow, watchers = self.flow(flows, body, ctx, [prompt], fmt)
+        if fmt is not None:
+            return StreamingResponse(self._stream(body, fmt, [prompt], flow, watchers), media_type=EVENT_STREAM)
         groups = await all_groups(flow, 1)
         answer = await self.off_loop(chat_answer, ctx, head, body.n, prompt, groups[0])
         return Response(answer, media_type="application/json")
 
     async def _stream(
-        self,
-        body: Any,
-        ctx: AnswerContext,
-        prompts: list[list[int]],
-        flow: RequestFlow,
-        watchers: list[_StreamWatcher],
-        head: dict[str, Any],
-        chat: bool,
+        self, body: Any, fmt: _ChunkFormat, prompts: list[list[int]], flow: RequestFlow, watchers: list[_StreamWatcher]
     ) -> AsyncIterator[bytes]:
-        """Server-sent events: a chunk per sample per engine step, a last chunk per sample (the rest of its text,
-        its finish reason), the usage if asked, then `[DONE]`."""
-        n, started, generated = body.n, set(), 0
-        head = {**head, "object": "chat.completion.chunk"} if chat else head
+        """Server-sent events: a chunk per sample per engine step (encoded by its watcher), a last chunk per sample
+        (the rest of its text, its finish reason; encoded on the answer thread), the usage if asked, then `[DONE]`."""
+        generated = 0
         try:
             async for kind, payload in flow:
                 if kind == "delta":
-                    i, k, sample = payload
-                    generated += len(sample.token_ids)
-                    yield _event(_chunk(ctx, head, n, i, k, sample, prompts[i], started, chat))
+                    tokens, event = payload
+                    generated += tokens
+                    yield event
                     continue
-                i = payload[0]
-                for k in range(n):
-                    sample = watchers[i].tail(k, prompts[i])
-                    yield _event(_chunk(ctx, head, n, i, k, sample, prompts[i], started, chat))
+                for event in await self.off_loop(watchers[payload[0]].tail_events):
+                    yield event
         except Exception as exc:  # the request failed after the stream began: said in the stream
             status = getattr(exc, "status_code", 500)
             yield _event({"error": {"message": str(getattr(exc, "detail", exc))[:500], "code": status}})
         else:
             if body.include_usage():
-                yield _event({**head, "choices": [], "usage": usage(sum(map(len, prompts)), generated)})
+                yield _event({**fmt.head, "choices": [], "usage": usage(sum(map(len, prompts)), generated)})
         yield b"data: [DONE]\n\n"
 
 

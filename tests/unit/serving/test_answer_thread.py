@@ -1,6 +1,8 @@
-"""Whole OpenAI answers are decoded and encoded off the server's event loop (`OpenAIServing.off_loop`): while one
-answer's decoder or encoder is held on an event, `/health` still answers; released, the answer completes. Control:
-with the answer built on the loop again (the code before), `/health` gets no answer while the gate is held.
+"""OpenAI answers are decoded and encoded off the server's event loop: a whole answer on the answer thread
+(`OpenAIServing.off_loop`), a stream's chunks on the engine's thread (each step's) and the answer thread (the last
+ones). While one answer's decoder or encoder is held on an event, `/health` still answers; released, the answer
+completes. Control: with the answer built on the loop again (the code before), `/health` gets no answer while the gate
+is held.
 
 No clock is raced against the work: the test waits until the request reached the gate, asks `/health`, and only then
 opens the gate. A fake engine finishes every group at once (the answer's work is all there is).
@@ -8,6 +10,7 @@ opens the gate. A fake engine finishes every group at once (the answer's work is
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,7 +20,7 @@ import requests
 
 from tests.unit.serving.conftest import in_process_server
 from trl_cb.offline.tiny import tiny_model
-from trl_cb.rollouts.rollout_groups import RolloutGroup
+from trl_cb.rollouts.rollout_groups import PartialSample, RolloutGroup
 from trl_cb.serving import openai_serving, vllm_generate
 from trl_cb.serving.engine import Ticket
 from trl_cb.serving.openai_serving import OpenAIServing, SampleDecoder
@@ -67,6 +70,105 @@ def url(tokenizer) -> Iterator[str]:
     app.state.engine.submit = submit
     with in_process_server(app) as served:
         yield served
+
+
+@pytest.fixture
+def streaming_url(tokenizer) -> Iterator[str]:
+    """A server whose fake engine runs each request on a thread of its own, as the engine's: every sample's tokens
+    shown to its watcher in two steps, then the groups finished."""
+    app = create_app(tiny_model(tokenizer), tokenizer=tokenizer)
+    ids = [(9 + 7 * t) % 400 + 20 for t in range(TOKENS)]
+
+    def submit(prompts, n, config, on_done=None, watchers=None):
+        tickets = [Ticket(list(p), n, config, on_done=on_done) for p in prompts]
+
+        def engine() -> None:
+            for ticket, watcher in zip(tickets, watchers or [None] * len(tickets), strict=True):
+                for end in (TOKENS // 2, TOKENS):
+                    for k in range(n):
+                        if watcher is not None:
+                            watcher(PartialSample(k, ids[:end], [-0.5] * end, [-0.5] * end, [0] * end))
+                group = RolloutGroup(row=None, prompt_ids=ticket.prompt_ids, submitted_version=0)
+                group.completion_ids = [list(ids) for _ in range(n)]
+                group.logprobs = group.policy_logprobs = [[-0.5] * TOKENS for _ in range(n)]
+                group.versions = [[0] * TOKENS for _ in range(n)]
+                ticket.finish(group)
+
+        threading.Thread(target=engine, daemon=True).start()
+        return tickets
+
+    app.state.engine.submit = submit
+    with in_process_server(app) as served:
+        yield served
+
+
+def streamed_request(url: str, gate: Gate, health_timeout: float) -> tuple[list[dict], bool]:
+    """A streamed chat request's chunks, and whether `/health` answered while its chunk encoding was held."""
+    body = {"tokens": PROMPT, "n": N, "max_tokens": TOKENS, "logprobs": True, "stream": True}
+    chunks: list[dict] = []
+
+    def read() -> None:
+        with requests.post(url + "/v1/chat/completions", json=body, timeout=300, stream=True) as response:
+            for line in response.iter_lines():
+                if line.startswith(b"data: {"):
+                    chunks.append(json.loads(line[len(b"data: ") :]))
+
+    request = threading.Thread(target=read)
+    request.start()
+    try:
+        assert gate.entered.wait(timeout=300), "the stream never reached the gated encoder"
+        try:
+            healthy = requests.get(url + "/health", timeout=health_timeout).status_code == 200
+        except requests.Timeout:
+            healthy = False
+        assert not gate.opened.is_set() and request.is_alive()
+    finally:
+        gate.opened.set()
+        request.join(timeout=300)
+    return chunks, healthy
+
+
+@pytest.mark.parametrize("held", ["step", "last"])
+def test_health_answers_while_a_stream_is_encoded(streaming_url, monkeypatch, held):
+    """The chunk encoder held at an engine step's chunk (on the engine's thread) or at a last chunk (on the answer
+    thread, once the group ended): `/health` answers; released, every token arrives, in order."""
+    gate, encode = Gate(), openai_serving._event
+    calls = [0]
+
+    def encoder(body: dict) -> bytes:
+        calls[0] += 1
+        last = any(choice.get("finish_reason") for choice in body.get("choices", []))
+        return gate.wrap(encode)(body) if (last if held == "last" else calls[0] == 1) else encode(body)
+
+    monkeypatch.setattr(openai_serving, "_event", encoder)
+    chunks, healthy = streamed_request(streaming_url, gate, health_timeout=60)
+    assert healthy
+    per_sample: dict[int, list] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            per_sample.setdefault(choice["index"], []).extend(
+                choice["logprobs"]["content"] if choice["logprobs"] else []
+            )
+    assert sorted(per_sample) == list(range(N)) and all(len(v) == TOKENS for v in per_sample.values())
+
+
+def test_control_a_stream_encoded_on_the_loop_holds_health(streaming_url, monkeypatch):
+    """Control: the last chunks built on the event loop (`off_loop` inline, as the code before built them there):
+    `/health` gets no answer while the encoder is held."""
+
+    async def inline(self, build, *args):
+        return build(*args)
+
+    gate, encode = Gate(), openai_serving._event
+
+    def encoder(body: dict) -> bytes:
+        last = any(choice.get("finish_reason") for choice in body.get("choices", []))
+        return gate.wrap(encode)(body) if last else encode(body)
+
+    monkeypatch.setattr(OpenAIServing, "off_loop", inline)
+    monkeypatch.setattr(openai_serving, "_event", encoder)
+    chunks, healthy = streamed_request(streaming_url, gate, health_timeout=1.0)
+    assert not healthy and chunks
 
 
 def gated(monkeypatch: pytest.MonkeyPatch, step: str) -> Gate:

@@ -275,9 +275,10 @@ def test_weight_update_completion_has_its_own_endpoint(server, local_model):
 
 CHAT = {"messages": [{"role": "user", "content": "How many clips?"}], "max_tokens": 4}
 COMPLETIONS, CHAT_PATH, TOKENS_PATH = "/v1/completions", "/v1/chat/completions", "/v1/chat/completions/tokens"
+RESPONSES = "/v1/responses"
 
 
-@pytest.mark.parametrize("path", [CHAT_PATH, TOKENS_PATH, "/tokenize"])
+@pytest.mark.parametrize("path", [CHAT_PATH, TOKENS_PATH, "/tokenize", RESPONSES])
 def test_openai_routes_refuse_on_headers(server, path):
     """Auth before the body (invalid JSON without a key: 401; 100 MB announced: 401 without the key, 413 with it),
     as on every other route."""
@@ -320,6 +321,15 @@ def test_openai_routes_refuse_on_headers(server, path):
         (COMPLETIONS, {"prompt": "hi", "detokenize": False, "stop": "x"}, 422, "stop"),
         (COMPLETIONS, {"prompt": [[5, 10**7]], "stream": True}, 400, "vocabulary"),
         ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 422, "exactly one"),
+        (RESPONSES, {"input": "hi", "stream": True}, 422, "stream"),
+        (RESPONSES, {"input": "hi", "n": 2}, 422, "n must be 1"),
+        (
+            RESPONSES,
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            422,
+            "input",
+        ),
+        (RESPONSES, {"input": "hi", "model": "gpt-4o"}, 404, "model"),
     ],
 )
 def test_openai_requests_the_server_cannot_honour_are_refused(server, path, body, status, field):
@@ -341,6 +351,8 @@ def test_openai_requests_the_server_cannot_honour_are_refused(server, path, body
         (TOKENS_PATH, '{"tokens": [5, NaN], "max_tokens": 4}', "tokens"),
         (COMPLETIONS, '{"prompt": "x", "top_p": -Infinity}', "top_p"),
         ("/tokenize", '{"messages": [{"role": "user", "content": "x"}], "tools": [{"x": NaN}]}', "tools"),
+        (RESPONSES, '{"input": "x", "top_p": NaN}', "top_p"),
+        (RESPONSES, '{"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"x": NaN}}]}', "tools"),
     ],
 )
 def test_openai_non_finite_values_are_422(server, path, text, field):
@@ -366,3 +378,6 @@ def test_openai_text_routes_answer_on_the_served_tokenizer(server, tokenizer):
     assert choice["prompt_token_ids"] == tokenizer.encode("Natalia sold") and isinstance(choice["text"], str)
     answer = requests.post(url + CHAT_PATH, json=CHAT, headers=AUTH, timeout=60).json()
     assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["role"] == "assistant"
+    body = {"input": "How many clips?", "max_output_tokens": 4}
+    response = requests.post(url + RESPONSES, json=body, headers=AUTH, timeout=60).json()
+    assert response["object"] == "response" and response["output"][0]["content"][0]["type"] == "output_text"
