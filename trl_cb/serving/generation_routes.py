@@ -136,8 +136,8 @@ def generation_router(gen: Generation) -> APIRouter:
         """OpenAI's Responses API (the Agents SDK's default model): one chat completion of the conversation in
         `input`, answered as a `response` object (`responses_api.py`)."""
         require_model(body.model, gen.model_name)
-        prompt = await run_in_threadpool(converted, lambda: body.as_chat().prompt_ids(gen.tokenizer), gen.counters)
-        return await respond(gen.openai, gen.flows(request), body, prompt)
+        chat, prompt = await run_in_threadpool(converted, lambda: body.chat_prompt(gen.tokenizer), gen.counters)
+        return await respond(gen.openai, gen.flows(request), body, chat, prompt)
 
     @router.post("/inference/v1/generate")
     async def inference_generate(body: GenerateRequest, request: Request) -> Response:

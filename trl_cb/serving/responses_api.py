@@ -170,6 +170,11 @@ class ResponsesRequest(_OpenAISampling):
             **{name: getattr(self, name) for name in shared},
         )
 
+    def chat_prompt(self, tokenizer: Any) -> tuple[ChatCompletionRequest, list[int]]:
+        """The chat request and its prompt ids (the conversation through the served chat template)."""
+        chat = self.as_chat()
+        return chat, chat.prompt_ids(tokenizer)
+
 
 def response_object(
     ctx: AnswerContext, body: ResponsesRequest, model: str, prompt: list[int], group: RolloutGroup
@@ -224,10 +229,11 @@ def _output_items(sample: DecodedSample, logprobs: bool) -> list[dict[str, Any]]
     return items
 
 
-async def respond(serving: OpenAIServing, flows: Flows, body: ResponsesRequest, prompt: list[int]) -> Response:
-    """Sample the response (the prompt is `body.as_chat()`'s, rendered by the route) and answer it, built off the
+async def respond(
+    serving: OpenAIServing, flows: Flows, body: ResponsesRequest, chat: ChatCompletionRequest, prompt: list[int]
+) -> Response:
+    """Sample the response (`chat`, `prompt`: `body.chat_prompt`'s, built by the route) and answer it, built off the
     event loop like every whole answer."""
-    chat = body.as_chat()
     ctx = serving.context(chat, logprobs=bool(chat.logprobs), tools=chat.offered_tools())
     flow, _ = serving.flow(flows, chat, ctx, [prompt])
     groups = await all_groups(flow, 1)
