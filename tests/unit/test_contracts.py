@@ -127,7 +127,6 @@ def test_add_request_reads_num_return_sequences_for_forking(model, tokenizer, pr
                 got.add(result.request_id)
         assert got == set(ids)
         assert _upstream.engine_fatal_error(manager) is None
-        assert _upstream.resolved_cache_blocks(manager) >= 32
     finally:
         manager.destroy()
 

@@ -361,12 +361,6 @@ def finished_output(result: Any) -> Any | None:
     return result
 
 
-def resolved_cache_blocks(manager: ContinuousBatchingManager) -> int | None:
-    """Number of whole-model KV blocks the engine's cache actually holds (after its own rounding)."""
-    processor = manager.batch_processor
-    return None if processor is None else int(processor.cache.num_blocks)
-
-
 def inflight_generated_lengths(manager: ContinuousBatchingManager) -> dict[str, int]:
     """Tokens generated so far by every request the scheduler holds (active or waiting). Call under `pause()`."""
     processor = manager.batch_processor
