@@ -45,7 +45,9 @@ __all__ = [
     "DetokenizeRequest",
     "OpenAICompletionRequest",
     "OpenAIError",
+    "OpenAISampling",
     "TokenizeRequest",
+    "check_finite",
     "context_overflow",
     "model_not_found",
     "openai_error",
@@ -65,7 +67,7 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class _OpenAISampling(DecodedSamplingRequest):
+class OpenAISampling(DecodedSamplingRequest):
     """What both OpenAI requests share: sampling, stop strings (`DecodedSamplingRequest`), streaming and the RL
     switches."""
 
@@ -81,7 +83,7 @@ class _OpenAISampling(DecodedSamplingRequest):
     return_token_ids: bool | None = None
 
     @model_validator(mode="after")
-    def _honoured(self) -> _OpenAISampling:
+    def _honoured(self) -> OpenAISampling:
         refused = [name for name in ("presence_penalty", "frequency_penalty") if getattr(self, name)]
         refused += ["logit_bias"] if self.logit_bias else []
         refused += ["seed"] if self.seed is not None else []
@@ -98,7 +100,7 @@ class _OpenAISampling(DecodedSamplingRequest):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class OpenAICompletionRequest(_OpenAISampling):
+class OpenAICompletionRequest(OpenAISampling):
     """`/v1/completions`: OpenAI's body (a text, texts, token ids, lists of token ids), and trl_cb's client's
     (`protocol.CompletionRequest`, whose `encoding` may ask for the binary answer)."""
 
@@ -195,17 +197,17 @@ class CompletionAnswer(BaseModel):
     choices: list[AnswerChoice]
 
 
-def _finite(value: Any, name: str) -> None:
+def check_finite(value: Any, name: str) -> None:
     """`ValueError` naming `name` for a NaN or infinity anywhere in free-form JSON (messages' extra fields, tool
     schemas, template kwargs): the typed fields refuse them already."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{name}: non-finite numbers are not allowed")
     if isinstance(value, dict):
         for item in value.values():
-            _finite(item, name)
+            check_finite(item, name)
     elif isinstance(value, list):
         for item in value:
-            _finite(item, name)
+            check_finite(item, name)
 
 
 class _ContentPart(Strict):
@@ -236,9 +238,9 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _finite_extras(self) -> ChatMessage:
-        _finite(self.model_extra or {}, "messages")
+        check_finite(self.model_extra or {}, "messages")
         for call in self.tool_calls or []:
-            _finite(call.model_dump(), "messages")
+            check_finite(call.model_dump(), "messages")
         return self
 
     def for_template(self) -> dict[str, Any]:
@@ -256,7 +258,7 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatCompletionRequest(_OpenAISampling):
+class ChatCompletionRequest(OpenAISampling):
     """`/v1/chat/completions` (and `/v1/chat/completions/tokens`): `messages` rendered with the served model's chat
     template (`tools` passed to it), or `tokens`, the exact prompt ids (a conversation's previous ids sent back, so a
     multi-turn trajectory never drifts through re-tokenization)."""
@@ -280,8 +282,8 @@ class ChatCompletionRequest(_OpenAISampling):
     def _chat_honoured(self) -> ChatCompletionRequest:
         if not self.messages and self.tokens is None:
             raise ValueError("messages (or tokens) must not be empty")
-        _finite(self.tools or [], "tools")
-        _finite(self.chat_template_kwargs or {}, "chat_template_kwargs")
+        check_finite(self.tools or [], "tools")
+        check_finite(self.chat_template_kwargs or {}, "chat_template_kwargs")
         return self
 
     def max_new_tokens(self) -> int:
@@ -326,8 +328,8 @@ class TokenizeRequest(Strict):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
-        _finite(self.tools or [], "tools")
-        _finite(self.chat_template_kwargs or {}, "chat_template_kwargs")
+        check_finite(self.tools or [], "tools")
+        check_finite(self.chat_template_kwargs or {}, "chat_template_kwargs")
         return self
 
     def ids(self, tokenizer: Any) -> list[int]:

@@ -28,9 +28,9 @@ from .openai_protocol import (
     MAX_TOOLS,
     ChatCompletionRequest,
     ChatMessage,
+    OpenAISampling,
     Text,
-    _finite,
-    _OpenAISampling,
+    check_finite,
 )
 from .openai_serving import AnswerContext, Flows, OpenAIServing, all_groups, finished_sample
 from .protocol import MAX_TOKENS
@@ -102,7 +102,7 @@ class _FunctionTool(BaseModel):
         return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
 
 
-class ResponsesRequest(_OpenAISampling):
+class ResponsesRequest(OpenAISampling):
     """`/v1/responses`' body: `input` and `instructions`, function `tools`, `max_output_tokens`, the served sampling
     fields; OpenAI's bookkeeping fields (`store`, `metadata`, `truncation: "disabled"`, `text` in plain format) are
     accepted and change nothing the model samples."""
@@ -134,8 +134,8 @@ class ResponsesRequest(_OpenAISampling):
             raise ValueError("a response has one output: n must be 1")
         if self.reasoning:
             raise ValueError("reasoning settings are not served: unset reasoning")
-        _finite([tool.parameters for tool in self.tools or []], "tools")
-        _finite(self.chat_template_kwargs or {}, "chat_template_kwargs")
+        check_finite([tool.parameters for tool in self.tools or []], "tools")
+        check_finite(self.chat_template_kwargs or {}, "chat_template_kwargs")
         return self
 
     def messages(self) -> list[ChatMessage]:
