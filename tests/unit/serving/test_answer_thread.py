@@ -113,19 +113,7 @@ def streamed_request(url: str, gate: Gate, health_timeout: float) -> tuple[list[
                 if line.startswith(b"data: {"):
                     chunks.append(json.loads(line[len(b"data: ") :]))
 
-    request = threading.Thread(target=read)
-    request.start()
-    try:
-        assert gate.entered.wait(timeout=300), "the stream never reached the gated encoder"
-        try:
-            healthy = requests.get(url + "/health", timeout=health_timeout).status_code == 200
-        except requests.Timeout:
-            healthy = False
-        assert not gate.opened.is_set() and request.is_alive()
-    finally:
-        gate.opened.set()
-        request.join(timeout=300)
-    return chunks, healthy
+    return chunks, health_while_held(url, gate, read, health_timeout)
 
 
 @pytest.mark.parametrize("held", ["step", "last"])
@@ -186,7 +174,15 @@ def held_request(url: str, route: str, gate: Gate, health_timeout: float) -> tup
     """`route`'s request, and whether `/health` answered while the request was held at `gate`."""
     path, body = ROUTES[route]
     answer: dict[str, requests.Response] = {}
-    request = threading.Thread(target=lambda: answer.update(r=requests.post(url + path, json=body, timeout=300)))
+    send = lambda: answer.update(r=requests.post(url + path, json=body, timeout=300))  # noqa: E731
+    healthy = health_while_held(url, gate, send, health_timeout)
+    return answer["r"], healthy
+
+
+def health_while_held(url: str, gate: Gate, send: Callable[[], None], health_timeout: float) -> bool:
+    """Run `send` (a request) on a thread; once it reached `gate`, whether `/health` answers; then open the gate and
+    wait for the request to end."""
+    request = threading.Thread(target=send)
     request.start()
     try:
         assert gate.entered.wait(timeout=300), "the request never reached the gated step"
@@ -198,7 +194,7 @@ def held_request(url: str, route: str, gate: Gate, health_timeout: float) -> tup
     finally:
         gate.opened.set()
         request.join(timeout=300)
-    return answer["r"], healthy
+    return healthy
 
 
 @pytest.mark.parametrize("step", ["decode", "encode"])
