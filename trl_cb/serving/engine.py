@@ -187,13 +187,13 @@ class ServingEngine:
         """Run `copy` (which writes new weights into the model) between two engine steps, then serve `version`."""
         self._call(lambda: self._apply_weights(copy, version))
 
-    def score(self, prompts: list[list[int]]) -> tuple[PromptScores, int]:
-        """Each prompt's token logprobs under the served weights (`prompt_scoring.score_prompts`) and their version:
-        run on the loop, so no weight update lands inside it (the engine's own steps go on meanwhile). A prompt sent
-        several times is scored once."""
+    def score(self, prompts: list[list[int]], top: int = 0) -> tuple[PromptScores, int]:
+        """Each prompt's token logprobs under the served weights, with the `top` most likely tokens at each position
+        (`prompt_scoring.score_prompts`), and their version: run on the loop, so no weight update lands inside it
+        (the engine's own steps go on meanwhile). A prompt sent several times is scored once."""
         unique = list(dict.fromkeys(map(tuple, prompts)))
         out: list[tuple[PromptScores, int]] = []
-        self._call(lambda: out.append((score_prompts(self.model, [list(p) for p in unique]), self.version)))
+        self._call(lambda: out.append((score_prompts(self.model, [list(p) for p in unique], top), self.version)))
         scores, version = out[0]
         by_prompt = dict(zip(unique, scores, strict=True))
         return [by_prompt[tuple(p)] for p in prompts], version

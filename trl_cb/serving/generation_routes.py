@@ -97,14 +97,14 @@ class Generation:
     def _served(self) -> None:
         self.counters.served += 1
 
-    def scorer(self, prompts: list[list[int]]) -> Callable[[], Awaitable[tuple[PromptScores, int]]]:
+    def scorer(self, prompts: list[list[int]], top: int = 0) -> Callable[[], Awaitable[tuple[PromptScores, int]]]:
         """`prompt_logprobs`' scoring of `prompts` (awaited once their generation is queued), or 400 naming why the
         served model cannot be scored beside its engine."""
         refused = refuse_unscorable(self.model)
         if refused is not None:
             self.counters.rejected += 1
             raise HTTPException(status_code=400, detail=refused)
-        return lambda: run_in_threadpool(self.engine.score, prompts)
+        return lambda: run_in_threadpool(self.engine.score, prompts, top)
 
 
 def generation_router(gen: Generation) -> APIRouter:
@@ -118,7 +118,7 @@ def generation_router(gen: Generation) -> APIRouter:
         require_model(body.model, gen.model_name)
         prompts = await run_in_threadpool(converted, lambda: body.prompt_ids(gen.tokenizer), gen.counters)
         if body.encoding == "json":
-            scored = None if body.prompt_logprobs is None else gen.scorer(prompts)
+            scored = None if body.prompt_logprobs is None else gen.scorer(prompts, body.prompt_logprobs)
             return await gen.openai.completion(gen.flows(request), body, prompts, scored)
         return await rollout_answer(gen, body.rollout_request(prompts), request)
 

@@ -25,6 +25,7 @@ from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..checks.served_sampling import served_names
+from .prompt_scoring import MAX_PROMPT_LOGPROBS
 from .protocol import (
     MAX_N,
     MAX_PROMPT_TOKENS,
@@ -118,16 +119,12 @@ class OpenAICompletionRequest(OpenAISampling):
     add_special_tokens: bool = True
     encoding: Literal["json", "binary"] = "json"
     detokenize: bool = True  # false: no text (`text` empty), for clients that read token ids only
-    #: vLLM's: each prompt token's own logprob and rank under the served policy (`prompt_scoring.py`); 0 only
-    prompt_logprobs: int | None = Field(default=None, ge=0)
+    #: vLLM's: each prompt token's own logprob and rank under the served policy, and the k most likely tokens at
+    #: each position (`prompt_scoring.py`)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_PROMPT_LOGPROBS)
 
     @model_validator(mode="after")
     def _completion_honoured(self) -> OpenAICompletionRequest:
-        if self.prompt_logprobs:
-            raise ValueError(
-                "prompt_logprobs > 0 (alternatives at each prompt position) is not served: 0 returns each prompt "
-                "token's own logprob and rank"
-            )
         if self.prompt_logprobs is not None and (self.stream or self.encoding != "json"):
             raise ValueError("prompt_logprobs is answered in one JSON object: unset stream and encoding")
         if self.echo or self.suffix:

@@ -166,18 +166,18 @@ def test_detokenize_false_answers_ids_and_exact_logprobs_without_text(served, to
 
 
 def test_prompt_logprobs_are_the_policys_own_teacher_forced_logprobs(served, tokenizer, prompts, monkeypatch):
-    """`prompt_logprobs: 0` (vLLM's): every choice carries its prompt's token logprobs and ranks, equal to one
-    teacher-forced pass of the served weights at temperature 1 whatever the request samples with; position 0 is None.
-    Control: the same values at the request's temperature are far off. Alternatives (> 0) and streaming are refused,
-    naming the field."""
+    """`prompt_logprobs: k` (vLLM's): every choice carries its prompt's token logprobs and ranks, and the k most likely
+    tokens at each position, equal to one teacher-forced pass of the served weights at temperature 1 whatever the
+    request samples with; position 0 is None. Control: the same values at the request's temperature are far off. More
+    than `MAX_PROMPT_LOGPROBS` alternatives and streaming are refused, naming the field."""
     _, url, reference = served
     from trl_cb.serving import engine
 
     scored, real_score = [], engine.score_prompts
-    monkeypatch.setattr(engine, "score_prompts", lambda model, ps: scored.extend(ps) or real_score(model, ps))
+    monkeypatch.setattr(engine, "score_prompts", lambda model, ps, k: scored.extend(ps) or real_score(model, ps, k))
     sent = [prompts[0], prompts[1], prompts[0]]  # a prompt twice: scored once, its entries in both places
     body = {"model": MODEL, "prompt": sent, "n": 2, "max_tokens": 4, "temperature": TEMPERATURE,
-            "prompt_logprobs": 0, "return_token_ids": True}  # fmt: skip
+            "prompt_logprobs": 3, "return_token_ids": True}  # fmt: skip
     answer = requests.post(url + "/v1/completions", json=body, headers=AUTH, timeout=120)
     assert answer.status_code == 200, answer.text
     assert len(answer.json()["choices"]) == 6 and scored == [prompts[0], prompts[1]]
@@ -185,7 +185,7 @@ def test_prompt_logprobs_are_the_policys_own_teacher_forced_logprobs(served, tok
         prompt = sent[choice["index"] // 2]
         entries = choice["prompt_logprobs"]
         assert entries[0] is None and len(entries) == len(prompt) and choice["prompt_logprobs_weight_version"] == 0
-        assert [int(next(iter(e))) for e in entries[1:]] == prompt[1:]
+        assert [int(next(iter(e))) for e in entries[1:]] == prompt[1:]  # the prompt's token first
         served_values = torch.tensor([e[str(t)]["logprob"] for e, t in zip(entries[1:], prompt[1:])])
         with torch.no_grad():
             rows = torch.log_softmax(reference(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
@@ -199,7 +199,13 @@ def test_prompt_logprobs_are_the_policys_own_teacher_forced_logprobs(served, tok
         assert [e[str(t)]["decoded_token"] for e, t in zip(entries[1:], prompt[1:])] == [
             tokenizer.decode([t]) for t in prompt[1:]
         ]
-    for extra, field in (({"prompt_logprobs": 1}, "prompt_logprobs"), ({"stream": True}, "prompt_logprobs")):
+        best = rows.topk(3, dim=-1)
+        for entry, ids, values in zip(entries[1:], best.indices.tolist(), best.values, strict=True):
+            assert set(map(str, ids)) <= entry.keys() and len(entry) <= 4
+            served_top = torch.tensor([entry[str(i)]["logprob"] for i in ids])
+            assert (served_top - values).abs().max().item() <= TOL
+            assert [entry[str(i)]["rank"] for i in ids] == [1, 2, 3]
+    for extra, field in (({"prompt_logprobs": 21}, "prompt_logprobs"), ({"stream": True}, "prompt_logprobs")):
         refused = requests.post(url + "/v1/completions", json={**body, **extra}, headers=AUTH, timeout=120)
         assert refused.status_code == 422 and field in refused.text, refused.text
 
