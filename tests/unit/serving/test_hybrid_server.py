@@ -10,7 +10,7 @@ import torch
 
 from tests.unit.rollouts.test_hybrid_rollouts import FP32_HYBRID_TOL
 from tests.unit.serving.conftest import KEY
-from tests.unit.serving.test_inflight import straddling_reference, update_inside_a_request
+from tests.unit.serving.test_inflight import straddling_reference, switch_gap, update_inside_a_request
 from trl_cb.offline.tiny import tiny_model
 from trl_cb.serving.client import RolloutClient
 from trl_cb.serving.weight_sync import WeightSender
@@ -38,7 +38,7 @@ def test_update_mid_request_on_a_hybrid_server(server, local_model, prompts):
     ):
         switch = versions.index(version) if version in versions else len(versions)
         prompt, got = batch[i // 2], torch.tensor(logprobs)
-        gaps.append((straddling_reference(old, new_model, prompt, tokens, switch) - got).abs().max().item())
+        gaps.append(switch_gap(old, new_model, prompt, tokens, got, switch))
         if 0 < switch < len(tokens):
             recomputed = straddling_reference(new_model, new_model, prompt, tokens, 0)
             new_prefix.append((recomputed[switch:] - got[switch:]).abs().max().item())
