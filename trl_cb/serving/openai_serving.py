@@ -8,10 +8,10 @@ text ends before the stop string (OpenAI; `include_stop_str_in_output` keeps it)
 concatenate to the whole answer's text, ids and values; a stream never sends text that could still turn out to be
 the start of a stop string. The routes themselves are `generation_routes.py`'s (auth and limits: `middleware.py`).
 
-Nothing is decoded or encoded on the event loop, so it answers `/health` and other requests meanwhile
-(docs/benchmarks.md, "Rollout server"): a whole answer on one answer thread (`OpenAIServing.off_loop`), a stream's
-chunks where their tokens are seen (`_StreamWatcher`, on the engine's thread) and its last chunks on the answer thread;
-the loop only writes the bytes.
+Answers are decoded and encoded off the event loop, so it answers `/health` and other requests meanwhile
+(docs/benchmarks.md, "Rollout server"): a whole answer and a stream's last chunks on one answer thread
+(`OpenAIServing.off_loop`), a stream's samples decoded where their tokens are seen (`_StreamWatcher`, on the engine's
+thread); only a stream's per-step chunks, a few hundred bytes each, are encoded on the loop.
 """
 
 from __future__ import annotations
@@ -237,8 +237,9 @@ class _ChunkFormat:
 
 class _StreamWatcher:
     """The engine-side half of a stream (or of a stop-string search): decodes each sample of one prompt step by step,
-    ends a sample at its stop string, and when streaming (`fmt`) posts each new piece as its encoded event,
-    `("delta", (new tokens, event bytes))`; `tail_events` encodes the last chunks once the prompt's group ended."""
+    ends a sample at its stop string, and when streaming (`fmt`) posts each new piece, `("delta", (prompt index,
+    sample index, piece))`, which `event` encodes; `tail_events` encodes the last chunks once the prompt's group
+    ended."""
 
     def __init__(self, ctx: AnswerContext, prompt_index: int, prompt: list[int], fmt: _ChunkFormat | None) -> None:
         self.ctx, self.prompt_index, self.prompt, self.fmt = ctx, prompt_index, prompt, fmt
@@ -253,15 +254,15 @@ class _StreamWatcher:
         new = decoder.feed(partial.token_ids)
         if self.fmt is not None and new and self.post is not None:
             values = (partial.logprobs, partial.policy_logprobs, partial.versions)
-            sample = self._delta(partial.index, start, values)
-            self.post(("delta", (len(sample.token_ids), self._event(partial.index, sample))))
+            self.post(("delta", (self.prompt_index, partial.index, self._delta(partial.index, start, values))))
         return decoder.ended
 
     def tail_events(self) -> list[bytes]:
         """Each sample's last chunk, encoded (call once the prompt's group ended, off the event loop)."""
-        return [self._event(k, self.tail(k, self.prompt)) for k in range(self._format().n)]
+        return [self.event(k, self.tail(k, self.prompt)) for k in range(self._format().n)]
 
-    def _event(self, k: int, sample: DecodedSample) -> bytes:
+    def event(self, k: int, sample: DecodedSample) -> bytes:
+        """Sample k's chunk holding `sample` (a step's new piece, or the last one), as a server-sent event."""
         fmt = self._format()
         return _event(
             _chunk(self.ctx, fmt.head, fmt.n, self.prompt_index, k, sample, self.prompt, self.started, fmt.chat)
@@ -387,15 +388,16 @@ class OpenAIServing:
     async def _stream(
         self, body: Any, fmt: _ChunkFormat, prompts: list[list[int]], flow: RequestFlow, watchers: list[_StreamWatcher]
     ) -> AsyncIterator[bytes]:
-        """Server-sent events: a chunk per sample per engine step (encoded by its watcher), a last chunk per sample
-        (the rest of its text, its finish reason; encoded on the answer thread), the usage if asked, then `[DONE]`."""
+        """Server-sent events: a chunk per sample per engine step (a small event, encoded here: measured, encoding it
+        on the engine's thread instead doubled `/health`'s p99, docs/benchmarks.md), a last chunk per sample (the rest
+        of its text, its finish reason; the group's, on the answer thread), the usage if asked, then `[DONE]`."""
         generated = 0
         try:
             async for kind, payload in flow:
                 if kind == "delta":
-                    tokens, event = payload
-                    generated += tokens
-                    yield event
+                    i, k, sample = payload
+                    generated += len(sample.token_ids)
+                    yield watchers[i].event(k, sample)
                     continue
                 for event in await self.off_loop(watchers[payload[0]].tail_events):
                     yield event
