@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -109,7 +110,10 @@ def test_decode_kernels_and_step_profile_write_their_json(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     points = json.loads((tmp_path / "step_profile-null-cpu.json").read_text())["points"]
     assert [p["rows"] for p in points] == [8, 32]
-    assert all(p["device_ms"] > 0 and sum(p["device_ms_by_family"].values()) > 0 for p in points)
+    # times are a difference of two rounds, which noise can make 0 or negative on a busy machine: only their presence
+    # is checked here (speed is the benchmark's to measure, not a test's); the op counts do not depend on load
+    assert all(math.isfinite(p["device_ms"]) and set(p["device_ms_by_family"]) for p in points)
+    assert points[0]["kernels"] > 0
     assert abs(points[0]["kernels"] - points[1]["kernels"]) <= 0.05 * points[0]["kernels"], points
 
 
