@@ -692,7 +692,10 @@ def test_gpu_suite_runs_end_to_end_on_cpu(tmp_path):
         assert payload["complete"] and payload["points"] and result.with_suffix(".png").is_file()
     (profile,) = out.glob("step_profile-*.json")
     points = json.loads(profile.read_text())["points"]
-    assert [p["rows"] for p in points] == [8, 16] and all(p["kernels"] > 0 and p["device_ms"] > 0 for p in points)
+    # device ms is a difference of two rounds (0 or negative under load): present, not positive; op counts are exact
+    assert [p["rows"] for p in points] == [8, 16] and all(
+        p["kernels"] > 0 and math.isfinite(p["device_ms"]) for p in points
+    )
     seed = json.loads(next(out.glob("gsm8k-*.json")).read_text())
     assert {p["key"][2] for p in seed["points"]} == {"generate", "trl_cb", "trl_cb_no_graphs"}
     assert (out / "results.tgz").stat().st_size > 0
