@@ -78,7 +78,7 @@ def fake_group(prompt: list[int], n: int, tokens: int, seed: int) -> Any:
     group = RolloutGroup(row=None, prompt_ids=prompt, submitted_version=0)
     group.completion_ids = [torch.randint(5, 500, (tokens,), generator=generator).tolist() for _ in range(n)]
     group.logprobs = [(-torch.rand(tokens, generator=generator) * 5).tolist() for _ in range(n)]
-    group.policy_logprobs = list(group.logprobs)  # the same lists, as `ServingEngine._collect` hands them over
+    group.policy_logprobs = list(group.logprobs)  # the same lists, as `EngineLoop._collect` hands them over
     group.versions = [[0] * (tokens // 2) + [1] * (tokens - tokens // 2) for _ in range(n)]
     return group
 
@@ -93,7 +93,7 @@ def serve_fake(port: int, text: bool = False) -> None:
 
     from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
     from trl_cb.rollouts.rollout_groups import PartialSample
-    from trl_cb.serving.engine import Ticket
+    from trl_cb.serving.engine_loop import Ticket
     from trl_cb.serving.server import create_app
 
     torch.set_num_threads(1)
@@ -124,7 +124,7 @@ def serve_fake(port: int, text: bool = False) -> None:
                 threading.Thread(target=stepped, args=(ticket, made[key]), daemon=True).start()
         return tickets
 
-    app.state.engine.submit = submit
+    app.state.engine_loop.submit = submit
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 

@@ -1,7 +1,9 @@
 """One name per concept inside trl_cb (docs/architecture.md, "One name per concept"): the completion-token limit is
 `max_new_tokens` (`GenerationConfig`'s) per request or turn and `max_completion_length` (TRL's) for a whole
 multi-turn sample; the wire's `max_tokens` / `max_completion_tokens` exist only as request-body fields, converted once
-by the body's `max_new_tokens()`. The scan walks every module and has a control."""
+by the body's `max_new_tokens()`. "engine" is a built CB engine (`rollouts/pool.py` `Engine`) only: the server's
+`EngineLoop` and a hybrid's `RecurrentStepper` are never held under that name. The scans walk every module and have
+controls."""
 
 from __future__ import annotations
 
@@ -13,9 +15,9 @@ WIRE_ONLY = {"max_tokens", "max_completion_tokens"}  # request-body fields, nowh
 RETIRED = {"new_tokens", "max_completion", "max_generated"}  # internal names the limit used to have
 
 
-def offences(source: str, where: str) -> list[str]:
-    """Each parameter, function, variable or attribute in `source` named a wire-only or retired name, except a
-    request body's field (an annotated name in a class body) for the wire-only ones."""
+def offences(source: str, where: str, banned: set[str] = WIRE_ONLY | RETIRED) -> list[str]:
+    """Each parameter, function, variable or attribute in `source` named one of `banned`, except a request body's
+    field (an annotated name in a class body)."""
     tree = ast.parse(source)
     fields = {
         id(node)
@@ -36,7 +38,7 @@ def offences(source: str, where: str) -> list[str]:
                     names += (
                         [sub.id] if isinstance(sub, ast.Name) else [sub.attr] if isinstance(sub, ast.Attribute) else []
                     )
-        found += [f"{where}:{node.lineno} {name}" for name in names if name in WIRE_ONLY | RETIRED]
+        found += [f"{where}:{node.lineno} {name}" for name in names if name in banned]
     return found
 
 
@@ -61,3 +63,17 @@ def test_a_second_name_is_caught():
         "x:6 max_completion",
         "x:7 max_tokens",
     ]
+
+
+def test_the_server_holds_no_engine_by_that_name():
+    """`serving/` holds the `EngineLoop` (which steps the engine), never an engine under the name `engine`; neither
+    does the hybrid stepper's module."""
+    paths = sorted((PACKAGE / "serving").glob("*.py")) + [PACKAGE / "engine" / "_upstream_recurrent.py"]
+    found = [hit for path in paths for hit in offences(path.read_text(), path.name, {"engine"})]
+    assert not found, found
+
+
+def test_an_engine_name_is_caught():
+    """Control: the server's old spelling (a parameter, an app attribute) is flagged."""
+    source = "def weight_router(engine, weights):\n    app.state.engine = engine\n"
+    assert offences(source, "x", {"engine"}) == ["x:1 engine", "x:2 engine"]

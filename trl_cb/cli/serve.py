@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         serve(app, args.host, args.port, timeout_graceful_shutdown=1)  # SIGINT: queued requests answered 503 first
     finally:
-        app.state.engine.close()
+        app.state.engine_loop.close()
     # Nothing is left to save; the interpreter's teardown (torch, thread pools) takes ~5 s on CPU, which would break
     # the Ctrl-C-within-2-s promise: end the process now.
     logging.shutdown()

@@ -182,10 +182,10 @@ def routed_forward(original: Callable) -> Callable:
     @functools.wraps(original)
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         cache = next((kwargs[k] for k in CACHE_KWARGS if k in kwargs), None)
-        engine = stepper(cache)
-        if engine is None:
+        found = stepper(cache)
+        if found is None:
             return original(self, *args, **kwargs)
-        return engine.run(self, original, args, kwargs)
+        return found.run(self, original, args, kwargs)
 
     return forward
 

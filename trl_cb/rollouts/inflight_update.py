@@ -1,5 +1,5 @@
 """A weight update applied to a running engine between two of its steps: the one pause/apply/resume mechanism of
-the rollout server (`serving/engine.py`) and of in-process overlap (`overlap.py`).
+the rollout server (`serving/engine_loop.py`) and of in-process overlap (`overlap.py`).
 
 Invariants: the caller's block runs only while the engine loop sits between two steps (no forward reads a
 half-written weight); every request in flight has its generated-token count recorded as the point where the new

@@ -27,7 +27,7 @@ from transformers import GenerationConfig
 from ..checks.inputs import validate_prompts
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.rollout_groups import RolloutGroup, oldest_version
-from .engine import ServerShuttingDown, ServingEngine, Ticket
+from .engine_loop import EngineLoop, ServerShuttingDown, Ticket
 from .frames import FRAMES_MEDIA_TYPE, frame_pieces
 from .info_routes import converted, require_model
 from .metrics import RequestCounters
@@ -50,7 +50,7 @@ class Generation:
     model: torch.nn.Module
     model_name: str
     generator: ContinuousBatchingGenerator
-    engine: ServingEngine
+    engine_loop: EngineLoop
     defaults: dict[str, Any]
     engine_config: dict[str, Any]  # the continuous-batching config the prompts are checked against
     counters: RequestCounters
@@ -82,13 +82,13 @@ class Generation:
             raise HTTPException(status_code=400, detail=str(exc)) from exc
         self.counters.prompt_tokens += sum(len(prompt) for prompt in prompts)
         try:
-            return self.engine.submit(prompts, n, config, on_done=on_done, watchers=watchers)
+            return self.engine_loop.submit(prompts, n, config, on_done=on_done, watchers=watchers)
         except ServerShuttingDown as exc:
             raise refusal(exc) from exc
 
     def flows(self, request: Request) -> Callable[..., RequestFlow]:
         """This request's `RequestFlow` factory (`openai_serving.Flows`); each flow counts as served when it ends."""
-        return lambda *args: RequestFlow(self.submit, self.engine, request, *args, on_end=self._served)
+        return lambda *args: RequestFlow(self.submit, self.engine_loop, request, *args, on_end=self._served)
 
     def flow(self, body: CompletionRequest, request: Request) -> RequestFlow:
         """trl_cb's own request's flow (its prompts submitted now)."""
@@ -104,7 +104,7 @@ class Generation:
         if refused is not None:
             self.counters.rejected += 1
             raise HTTPException(status_code=400, detail=refused)
-        return lambda: run_in_threadpool(self.engine.score, prompts, top)
+        return lambda: run_in_threadpool(self.engine_loop.score, prompts, top)
 
 
 def generation_router(gen: Generation) -> APIRouter:

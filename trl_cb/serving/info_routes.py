@@ -45,13 +45,13 @@ def converted(convert: Callable[[], Any], counters: RequestCounters) -> Any:
 def info_router(
     model: torch.nn.Module,
     model_name: str,
-    engine: Any,
+    engine_loop: Any,
     weights: Any,
     counters: RequestCounters,
     max_model_len: int | None,
     tokenizer: Any,
 ) -> APIRouter:
-    """The routes above for `model` served as `model_name` by `engine` (`ServingEngine`) with `weights`
+    """The routes above for `model` served as `model_name` by `engine_loop` (`EngineLoop`) with `weights`
     (`WeightReceiver`); `tokenizer` may be None (then `/tokenize` and `/detokenize` answer 400)."""
     router = APIRouter()
 
@@ -69,7 +69,7 @@ def info_router(
             "id": model_name,
             "object": "model",
             "owned_by": "trl_cb",
-            "weight_version": engine.version,
+            "weight_version": engine_loop.version,
             "dtype": dtype(),
             "max_model_len": max_model_len,
         }
@@ -94,7 +94,7 @@ def info_router(
     @router.get("/metrics")
     def metrics(request: Request) -> Response:
         """Prometheus text, or the JSON object with `Accept: application/json` (`metrics.py`)."""
-        snapshot = metrics_snapshot(engine, weights, counters)
+        snapshot = metrics_snapshot(engine_loop, weights, counters)
         if wants_json(request.headers.get("accept")):
             return JSONResponse(snapshot)
         info = {"model": model_name, "version": __version__, "dtype": dtype()}

@@ -30,10 +30,10 @@ class RequestCounters:
     prompt_tokens: int = 0  # prompt tokens of accepted requests, each prompt once (OpenAI's `usage.prompt_tokens`)
 
 
-def metrics_snapshot(engine: Any, weights: Any, counters: RequestCounters) -> dict[str, Any]:
+def metrics_snapshot(engine_loop: Any, weights: Any, counters: RequestCounters) -> dict[str, Any]:
     """The JSON object (`Accept: application/json`): every key always present (docs/server.md, HTTP API)."""
-    stats = engine.stats
-    waiting, running = engine.queue_depth()
+    stats = engine_loop.stats
+    waiting, running = engine_loop.queue_depth()
     uptime = time.time() - stats.started
     return {
         "requests_served": counters.served,
@@ -46,8 +46,8 @@ def metrics_snapshot(engine: Any, weights: Any, counters: RequestCounters) -> di
         "tokens_generated": stats.tokens_generated,
         "tokens_per_s": stats.tokens_generated / max(uptime, 1e-9),
         "engine_builds": stats.engine_builds,
-        "paused": engine.paused,
-        "weight_version": engine.version,
+        "paused": engine_loop.paused,
+        "weight_version": engine_loop.version,
         "weight_updates_in_flight": stats.weight_updates_in_flight,
         "weight_sync_open": weights.is_open,
         "weight_sync_error": weights.last_error,

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible routes' work: a request's prompts become groups on the shared `ServingEngine`, their samples
+"""The OpenAI-compatible routes' work: a request's prompts become groups on the shared `EngineLoop`, their samples
 are decoded as they arrive (`detokenize.TokenText`), end at a stop string (the engine request is cancelled there),
 and are answered as OpenAI objects (`openai_protocol.py`), whole or as server-sent events.
 

@@ -6,7 +6,7 @@ what RL clients ask a rollout server for. The engine computes logits only where 
 one teacher-forced forward of the served model (no cache): the same computation as the trainer's, at temperature 1
 (the policy itself: no sampling setting applies to given tokens), in fp32 from the model's logits.
 
-Invariants: `score_prompts` runs on the serving engine's loop (`ServingEngine.score`), between two weight updates, so a
+Invariants: `score_prompts` runs on the serving engine's loop (`EngineLoop.score`), between two weight updates, so a
 prompt's values all come from one weight version, which the answer reports; an entry is `None` at position 0 (nothing
 precedes it) and `{str(id): {"logprob", "rank", "decoded_token"}}` after: the prompt's token, then the `k` most likely
 (vLLM's shape; rank 1 is the most likely token; the prompt's token once if it is among them). Memory: one prompt at a

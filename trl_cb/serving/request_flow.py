@@ -1,4 +1,4 @@
-"""`RequestFlow`: one HTTP request's groups on the shared `ServingEngine`, from submission to the last group, as
+"""`RequestFlow`: one HTTP request's groups on the shared `EngineLoop`, from submission to the last group, as
 the routes consume them (`generation_routes.py`: trl_cb's answers; `openai_serving.py`: OpenAI's).
 
 Invariants: constructing the flow checks the prompts and settings and submits the groups (so a bad request fails
@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import HTTPException, Request
 
-from .engine import ServerShuttingDown, Ticket
+from .engine_loop import ServerShuttingDown, Ticket
 
 __all__ = ["RETRY_AFTER_S", "RequestFlow", "Submit", "refusal"]
 
@@ -47,7 +47,7 @@ class RequestFlow:
     def __init__(
         self,
         submit: Submit,
-        engine: Any,
+        engine_loop: Any,
         request: Request,
         prompts: list[list[int]],
         n: int,
@@ -63,7 +63,7 @@ class RequestFlow:
             with contextlib.suppress(RuntimeError):  # the request's loop is gone: nobody to tell
                 loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
-        self._engine, self._request, self._on_end = engine, request, on_end
+        self._engine_loop, self._request, self._on_end = engine_loop, request, on_end
         watchers = install(post) if install is not None else None
         self.tickets = submit(prompts, n, max_new_tokens, sampling, lambda t: post(("done", t)), watchers)
         self._index = {id(ticket): i for i, ticket in enumerate(self.tickets)}
@@ -89,13 +89,15 @@ class RequestFlow:
                 yield "group", (self._index[id(ticket)], ticket.group)
         finally:
             if not all(ticket.done.is_set() for ticket in self.tickets):
-                self._engine.cancel(self.tickets)  # the client went away (or a group failed): stop what still runs
+                self._engine_loop.cancel(
+                    self.tickets
+                )  # the client went away (or a group failed): stop what still runs
             if self._on_end is not None:
                 self._on_end()
 
     def cancel(self) -> None:
         """Stop this request's groups (its answer failed before they were read)."""
-        self._engine.cancel(self.tickets)
+        self._engine_loop.cancel(self.tickets)
 
     async def groups(self) -> dict[int, Any]:
         """Every group by prompt index (watchers' items skipped); fewer than the prompts if the client left."""

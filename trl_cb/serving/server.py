@@ -1,8 +1,8 @@
-"""The rollout server's HTTP app: one persistent `ServingEngine` behind FastAPI (docs/server.md). `create_app` builds
-the engine and assembles the route modules (`info_routes.py`, `generation_routes.py`, `weight_routes.py`) behind
-`middleware.RequestGate`; `serve` runs it.
+"""The rollout server's HTTP app: one persistent CB engine, stepped by its `EngineLoop`, behind FastAPI
+(docs/server.md). `create_app` builds the engine loop and assembles the route modules (`info_routes.py`,
+`generation_routes.py`, `weight_routes.py`) behind `middleware.RequestGate`; `serve` runs it.
 
-Invariants: concurrent requests share the engine's batch (`engine.py`); weights change between two engine steps, and
+Invariants: concurrent requests share the engine's batch (`engine_loop.py`); weights move between two engine steps, and
 every token reports the `weight_version` that sampled it (`token_weight_versions`; a choice's `weight_version` is its
 oldest token's). A client that disconnects cancels its groups. Bad requests get 4xx naming the reason and leave the
 server serving; a 4xx never echoes the request's values. `middleware.RequestGate` fronts the whole app: with an API
@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from transformers import GenerationConfig
 
 from ..rollouts.generator import ContinuousBatchingGenerator
-from .engine import ServingEngine
+from .engine_loop import EngineLoop
 from .generation_routes import Generation, generation_router
 from .info_routes import info_router
 from .metrics import RequestCounters
@@ -59,19 +59,19 @@ def create_app(
     `tokenizer`: the served model's (text prompts, chat, answers' text: the OpenAI-compatible routes); without one,
     only token-id prompts are served and answers carry no text.
     `prefix_caching`: a request reuses the KV blocks of earlier requests' shared prefix (a conversation's earlier
-    turns), never across a weight update (`ServingEngine`).
+    turns), never across a weight update (`EngineLoop`).
     """
     defaults = {"eos_token_id": model.generation_config.eos_token_id, "pad_token_id": model.config.pad_token_id}
     defaults.update(generation_defaults or {})
     model.eval()
-    # Requests with different temperature / top_k / top_p share the running engine (engine.py), unless turned off.
+    # Requests with different temperature / top_k / top_p share the running engine (engine_loop.py), unless turned off.
     engine_config = {"per_request_processors": True, **(continuous_batching_config or {})}
     generator = ContinuousBatchingGenerator(
         model, GenerationConfig(do_sample=True, max_new_tokens=16, **defaults), engine_config
     )
     per_request = bool(engine_config["per_request_processors"])
-    engine = ServingEngine(generator, model, max_num_seqs, per_request=per_request, share_prefixes=prefix_caching)
-    weights = WeightReceiver(model, engine.apply_weights)
+    engine_loop = EngineLoop(generator, model, max_num_seqs, per_request=per_request, share_prefixes=prefix_caching)
+    weights = WeightReceiver(model, engine_loop.apply_weights)
     counters = RequestCounters()
     eos = defaults.get("eos_token_id")
     eos_ids = set(eos if isinstance(eos, list) else [eos])
@@ -79,17 +79,17 @@ def create_app(
     max_model_len = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     openai = OpenAIServing(with_response_parser(tokenizer), model_name, eos_ids)
     generation = Generation(
-        model, model_name, generator, engine, defaults, engine_config, counters, tokenizer, max_model_len, openai,
+        model, model_name, generator, engine_loop, defaults, engine_config, counters, tokenizer, max_model_len, openai,
         eos_ids,
     )  # fmt: skip
 
     app = FastAPI(title="trl_cb rollout server")
     app.add_middleware(RequestGate, api_key=api_key, max_body_bytes=max_body_bytes)  # auth and size, on headers
-    app.state.engine = engine
+    app.state.engine_loop = engine_loop
     _answer_refusals(app, counters)
-    app.include_router(info_router(model, model_name, engine, weights, counters, max_model_len, tokenizer))
+    app.include_router(info_router(model, model_name, engine_loop, weights, counters, max_model_len, tokenizer))
     app.include_router(generation_router(generation))
-    app.include_router(weight_router(engine, weights))
+    app.include_router(weight_router(engine_loop, weights))
     return app
 
 
@@ -115,7 +115,7 @@ def _answer_refusals(app: FastAPI, counters: RequestCounters) -> None:
 def serve(app: FastAPI, host: str, port: int, timeout_graceful_shutdown: float = 1.0) -> None:
     """Run `app` (from `create_app`) on uvicorn until SIGINT or SIGTERM.
 
-    On the signal the engine shuts down first (`ServingEngine.shut_down`: every queued or running group, also on a
+    On the signal the engine shuts down first (`EngineLoop.shut_down`: every queued or running group, also on a
     paused server, is answered 503 with `Retry-After` while the HTTP server still answers), then uvicorn stops, waiting
     at most `timeout_graceful_shutdown` seconds for the answers to go out. Without that first step uvicorn would
     cancel the waiting requests at its timeout and answer them 500.
@@ -124,7 +124,7 @@ def serve(app: FastAPI, host: str, port: int, timeout_graceful_shutdown: float =
 
     class _EngineFirst(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:  # uvicorn's signal handler, on the event loop's thread
-            app.state.engine.shut_down()  # does not wait: only posts to the engine loop
+            app.state.engine_loop.shut_down()  # does not wait: only posts to the engine loop
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(

@@ -32,18 +32,18 @@ def require_owner(weights: WeightReceiver, token: str) -> None:
         raise HTTPException(status_code=403, detail="token does not match the trainer that opened the group")
 
 
-def weight_router(engine: Any, weights: WeightReceiver) -> APIRouter:
-    """The routes above on `engine` (`ServingEngine`: paused, resumed, its version read) and `weights`."""
+def weight_router(engine_loop: Any, weights: WeightReceiver) -> APIRouter:
+    """The routes above on `engine_loop` (`EngineLoop`: paused, resumed, its version read) and `weights`."""
     router = APIRouter()
 
     @router.post("/pause")
     def pause() -> dict[str, bool]:
-        engine.set_paused(True)
+        engine_loop.set_paused(True)
         return {"paused": True}
 
     @router.post("/resume")
     def resume() -> dict[str, bool]:
-        engine.set_paused(False)
+        engine_loop.set_paused(False)
         return {"paused": False}
 
     @router.post("/weights/init")
@@ -76,7 +76,7 @@ def weight_router(engine: Any, weights: WeightReceiver) -> APIRouter:
         require_owner(weights, body.token)
         outcome = await run_in_threadpool(weights.wait, body.version, body.timeout_s)
         if outcome.status == "applied" or outcome.status == "pending":
-            answer = WeightsWaitResponse(status=outcome.status, weight_version=engine.version)
+            answer = WeightsWaitResponse(status=outcome.status, weight_version=engine_loop.version)
             return JSONResponse(status_code=200 if outcome.status == "applied" else 202, content=answer.model_dump())
         status = {"unknown": 404, "refused": 400}.get(outcome.status, 500)
         raise HTTPException(status_code=status, detail=outcome.detail)

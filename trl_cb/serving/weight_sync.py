@@ -7,7 +7,7 @@ the trainer opens its store, POSTs `/weights/init` (the server joins in a thread
 `/weights/update` with the parameter list, broadcasts the parameters in that order, packed in flat buffers
 (`weight_buckets.py`), and POSTs `/weights/wait`, which answers with that update's outcome. The server receives every
 tensor first, refuses the update if any is non-finite (the served weights stay as they were), else copies them into
-its model between two engine steps (`ServingEngine.apply_weights`), so no forward ever sees half-updated weights and
+its model between two engine steps (`EngineLoop.apply_weights`), so no forward ever sees half-updated weights and
 in-flight requests continue. Only the holder of the init `token` may update, wait or close; its versions must
 strictly increase (`StaleVersion`), so a wait for a version always waits for that update, never for an earlier one
 that happened to carry the same number.

@@ -68,10 +68,10 @@ def test_options_reach_the_server(dtype):
     args = serve.build_parser().parse_args([*argv, *extra])
     assert args.continuous_batching_config == {"max_memory_percent": 0.3, "max_batch_tokens": 64}
     app = serve.build_app(args)
-    model = app.state.engine.generator.model
+    model = app.state.engine_loop.generator.model
     assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
     assert {p.device.type for p in model.parameters()} == {"cpu"}
-    cb_kwargs = app.state.engine.generator._pool.cb_kwargs
+    cb_kwargs = app.state.engine_loop.generator._pool.cb_kwargs
     assert cb_kwargs["max_memory_percent"] == 0.3 and cb_kwargs["max_batch_tokens"] == 64
     auth = {"Authorization": f"Bearer {KEY}"}
     with serving(app, args.host, args.port) as url:

@@ -103,4 +103,4 @@ def in_process_server(app: Any, host: str = "127.0.0.1", port: int | None = None
     finally:
         server.should_exit = True
         thread.join(timeout=30)
-        app.state.engine.close()
+        app.state.engine_loop.close()

@@ -21,7 +21,7 @@ from tests.unit.serving.conftest import in_process_server
 from trl_cb.offline.tiny import tiny_model
 from trl_cb.rollouts.rollout_groups import PartialSample, RolloutGroup
 from trl_cb.serving import openai_serving, vllm_generate
-from trl_cb.serving.engine import Ticket
+from trl_cb.serving.engine_loop import Ticket
 from trl_cb.serving.openai_serving import OpenAIServing, SampleDecoder
 from trl_cb.serving.server import create_app
 
@@ -66,7 +66,7 @@ def url(tokenizer) -> Iterator[str]:
             ticket.finish(group)
         return tickets
 
-    app.state.engine.submit = submit
+    app.state.engine_loop.submit = submit
     with in_process_server(app) as served:
         yield served
 
@@ -96,7 +96,7 @@ def streaming_url(tokenizer) -> Iterator[str]:
         threading.Thread(target=engine, daemon=True).start()
         return tickets
 
-    app.state.engine.submit = submit
+    app.state.engine_loop.submit = submit
     with in_process_server(app) as served:
         yield served
 

@@ -171,10 +171,12 @@ def test_prompt_logprobs_are_the_policys_own_teacher_forced_logprobs(served, tok
     request samples with; position 0 is None. Control: the same values at the request's temperature are far off. More
     than `MAX_PROMPT_LOGPROBS` alternatives and streaming are refused, naming the field."""
     _, url, reference = served
-    from trl_cb.serving import engine
+    from trl_cb.serving import engine_loop
 
-    scored, real_score = [], engine.score_prompts
-    monkeypatch.setattr(engine, "score_prompts", lambda model, ps, k: scored.extend(ps) or real_score(model, ps, k))
+    scored, real_score = [], engine_loop.score_prompts
+    monkeypatch.setattr(
+        engine_loop, "score_prompts", lambda model, ps, k: scored.extend(ps) or real_score(model, ps, k)
+    )
     sent = [prompts[0], prompts[1], prompts[0]]  # a prompt twice: scored once, its entries in both places
     body = {"model": MODEL, "prompt": sent, "n": 2, "max_tokens": 4, "temperature": TEMPERATURE,
             "prompt_logprobs": 3, "return_token_ids": True}  # fmt: skip

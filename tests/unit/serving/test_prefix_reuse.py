@@ -69,7 +69,7 @@ def test_a_next_turn_prefills_only_what_is_new_and_nothing_across_an_update(toke
                 for param in model.parameters():
                     param.add_(0.05 * param.abs().mean() * torch.randn(param.shape, generator=noise))
 
-        app.state.engine.apply_weights(update, version=1)
+        app.state.engine_loop.apply_weights(update, version=1)
         ids, logprobs, computed = _turn(url, second, fed)
         assert computed == len(second), "a prefix cached under the old weights was reused after the update"
         assert _gap(model, second, ids, logprobs) <= FP32_LOGPROB_TOL

@@ -1,4 +1,4 @@
-"""`ServingEngine`: the rollout server's one persistent CB engine, shared by every concurrent request.
+"""`EngineLoop`: the thread that steps the rollout server's one persistent CB engine for every concurrent request.
 
 Requests become groups (a prompt and its `n` samples, prefilled once and forked) that join the running batch as soon
 as the engine has room. Invariants:
@@ -50,7 +50,7 @@ _MIN_SIZED_PROMPT = 256
 
 
 class ServerShuttingDown(RuntimeError):
-    """The server is stopping (`ServingEngine.shut_down`): the group was not, or not wholly, generated. Retryable: the
+    """The server is stopping (`EngineLoop.shut_down`): the group was not, or not wholly, generated. Retryable: the
     routes answer it 503 with `Retry-After`, which the trainer's client retries (on another replica)."""
 
 
@@ -116,7 +116,7 @@ class ServingStats:
     started: float = field(default_factory=time.time)
 
 
-class ServingEngine:
+class EngineLoop:
     """The engine loop of one rollout server (see the module docstring).
 
     Args:
