@@ -37,6 +37,7 @@ _MLA: dict[str, Any] = dict(
     qk_nope_head_dim=8,
     head_dim=8,
     v_head_dim=16,
+    num_key_value_heads=4,  # as in every released MLA model: the expanded keys have all the query heads
     n_routed_experts=4,
     first_k_dense_replace=1,
     n_group=1,
@@ -135,6 +136,21 @@ SUPPORTED: list[Arch] = [
         ),
         windowed=True,
     ),
+    Arch(
+        "gemma4_text",
+        "per-layer head sizes (global 1 KV head x 32, sliding 2 x 16), keys as values, per-layer inputs, windows",
+        dict(
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            hidden_size_per_layer_input=8,
+        ),
+        windowed=True,
+    ),
+    Arch("deepseek_v3", "multi-head latent attention (the latent cached: 16 + 8 wide), MoE", _MLA),
+    Arch("deepseek_v2", "multi-head latent attention (the latent cached: 16 + 8 wide), MoE", _MLA),
 ]
 
 #: Recurrent-layer sizes of the hybrid families, at the tiny shape (their defaults are full-size: a tiny Falcon-H1
@@ -193,14 +209,7 @@ _NEMOTRON_H: dict[str, Any] = dict(
 
 #: Families the engine cannot serve, with a fragment of the reason `trl_cb.compat` must give.
 REFUSED: list[tuple[Arch, str]] = [
-    (Arch("deepseek_v3", "multi-head latent attention (MLA)", _MLA), "multi-head latent attention"),
-    (Arch("deepseek_v2", "multi-head latent attention (MLA)", _MLA), "multi-head latent attention"),
-    (
-        Arch(
-            "gemma4_text", "per-layer head sizes", dict(vocab_size_per_layer_input=64, hidden_size_per_layer_input=8)
-        ),
-        "per-layer head sizes",
-    ),
+    (Arch("minicpm3", "multi-head latent attention, not measured", _MLA), "multi-head latent attention"),
     (Arch("nemotron_h", "Mamba-2 + attention + MoE / MLP-only layers", _NEMOTRON_H), "single-token"),
     (Arch("bamba", "Mamba-2 + attention", dict(attn_layer_indices=[1, 3], **_MAMBA)), "single-token"),
     (Arch("zaya", "convolutional attention (CCA) with a recurrent value state"), "not yet measured exact"),
@@ -220,6 +229,8 @@ def tiny_config(arch: Arch, vocab_size: int, special_ids: dict[str, int] | None 
     kwargs = {k: v for k, v in SHAPE.items() if k in defaults.to_dict()}
     kwargs.update(arch.overrides)
     kwargs.update(vocab_size=vocab_size, **(special_ids or {}))
+    if "vocab_size_per_layer_input" in defaults.to_dict() and "vocab_size_per_layer_input" not in arch.overrides:
+        kwargs["vocab_size_per_layer_input"] = vocab_size  # Gemma 4 looks every token up in its per-layer table
     config = AutoConfig.for_model(arch.model_type, **kwargs)
     return config
 

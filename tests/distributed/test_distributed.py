@@ -91,11 +91,15 @@ def _assert_zero3_rounds(report: dict, generation_dtype: str) -> None:
         ("zero3.yaml", "rloo", False, "qwen3_5", "DEEPSPEED", True),
         ("ddp.yaml", "grpo", True, "qwen2", "MULTI_CPU", False),
         ("zero3.yaml", "grpo", True, "qwen2", "DEEPSPEED", True),
+        ("zero3.yaml", "grpo", False, "gemma4_text", "DEEPSPEED", True),
+        ("zero3.yaml", "rloo", False, "deepseek_v3", "DEEPSPEED", True),
     ],
-    ids=["ddp-grpo", "zero3-grpo", "zero3-rloo-qwen3_5", "ddp-grpo-lora", "zero3-grpo-lora"],
-)
+    ids=["ddp-grpo", "zero3-grpo", "zero3-rloo-qwen3_5", "ddp-grpo-lora", "zero3-grpo-lora", "zero3-grpo-gemma4",
+         "zero3-rloo-deepseek_v3"],
+)  # fmt: skip
 def test_trainer_two_processes(config, trainer, lora, architecture, expected_type, shards, tmp_path):
-    """zero3-rloo runs Qwen3.5's hybrid layout (Gated DeltaNet + attention): its mixers read gathered weights too."""
+    """zero3-rloo runs Qwen3.5's hybrid layout (Gated DeltaNet + attention): its mixers read gathered weights too;
+    Gemma 4 and DeepSeek-V3 their per-group cache pages (per-layer head sizes, the cached latent)."""
     if "zero" in config:
         pytest.importorskip("deepspeed")
     if lora:

@@ -148,13 +148,20 @@ def _master_dtypes(trainer: Any) -> list[str]:
     return sorted({str(t.dtype) for t in flat})
 
 
+#: Families built from tests/model_zoo.py (weights of std 0.2) rather than `trl_cb.offline.tiny`.
+ZOO = ("gemma4_text", "deepseek_v3")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--report", required=True)
     parser.add_argument("--trainer", default="grpo", choices=["grpo", "rloo"])
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--bf16", action="store_true", help="TRL's bf16=True on an fp32-loaded model")
-    parser.add_argument("--architecture", default="qwen2", choices=["qwen2", "qwen3_5"], help="qwen3_5: hybrid")
+    parser.add_argument(
+        "--architecture", default="qwen2", choices=["qwen2", "qwen3_5", *ZOO],
+        help="qwen3_5: hybrid; gemma4_text / deepseek_v3: per-group cache geometry (tests/model_zoo.py)",
+    )  # fmt: skip
     args = parser.parse_args()
 
     import trl_cb
@@ -171,7 +178,17 @@ def main() -> None:
         use_transformers_continuous_batching=True, top_k=0, top_p=1.0,
     )  # fmt: skip
     tokenizer = tiny_tokenizer()
-    model = tiny_model(tokenizer, architecture=args.architecture, eos_logit_bias=4.0)
+    if args.architecture in ZOO:
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.model_zoo
+        from tests.model_zoo import SUPPORTED, tiny_arch_model
+
+        arch = next(a for a in SUPPORTED if a.model_type == args.architecture)
+        special = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+        model = tiny_arch_model(arch, len(tokenizer), special)
+    else:
+        model = tiny_model(tokenizer, architecture=args.architecture, eos_logit_bias=4.0)
     peft_config = None
     if args.lora:
         from peft import LoraConfig

@@ -27,6 +27,7 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 from tests.conftest import sampling_config
 from trl_cb.engine import _upstream, _upstream_sampling
 from trl_cb.engine import varlen_attention as attention
+from trl_cb.engine._upstream_geometry import SlotShape
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -442,6 +443,38 @@ def test_generate_adds_top_k_but_cb_does_not():
     assert cfg.top_k in (None, 50)  # generate() falls back to 50 when unset; we set top_k=0 explicitly for CB
 
 
+def test_cache_construction_the_per_group_geometry_patches():
+    """`engine/_upstream_geometry.py` swaps names the cache module looks up while it builds (behaviour, with a
+    control that upstream's build fails on Gemma 4: tests/unit/engine/test_cache_geometry.py)."""
+    from transformers.generation.continuous_batching import cache as cb_cache
+    from transformers.generation.continuous_batching.cache_allocators.full_attention import (
+        FullAttentionCacheAllocator,
+    )
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+
+    init = inspect.getsource(cb_cache.PagedAttentionCache.__init__)
+    for looked_up in (
+        "ATTN_TYPE_TO_ALLOCATOR[attn_type](index=index, layer_indices=layer_indices, **ca_kwargs)",
+        "PagedAttentionMemoryHandler(",
+        "find_num_key_value_heads(config)",
+        "find_head_dim(config)",
+    ):
+        assert looked_up in init, looked_up  # fmt: skip
+    handler = inspect.getsource(cb_cache.PagedAttentionMemoryHandler.__init__)
+    for stored in ("self.bytes_per_block = bytes_per_block", "self.cache_dtype = ", "self.cb_config = "):
+        assert stored in handler, stored
+    assert params(FullAttentionCacheAllocator.__init__) == [
+        "self", "index", "config", "num_key_value_heads", "cache_dtype", "page_size", "layer_indices",
+        "allow_block_sharing",
+    ]  # fmt: skip
+    assert params(FullAttentionCacheAllocator.update) == [
+        "self", "key_states", "value_states", "layer_idx", "read_index", "write_index",
+    ]  # fmt: skip
+    assert "find_head_dim(config)" in inspect.getsource(FullAttentionCacheAllocator.__init__)
+    # DeepSeek-V3's layer caches its latent (one head: kv_lora_rank "keys", qk_rope_head_dim "values").
+    assert "cache.update(kv_nope, k_rot" in inspect.getsource(modeling_deepseek_v3.DeepseekV3Attention.forward)
+
+
 def test_engine_cache_layout_we_check_models_against():
     """trl_cb/compat.py compares each model with how the engine lays out its cache: layer types it has allocators
     for, one (KV heads, head size) for every slot, layers grouped from `layer_types` / `sliding_window`."""
@@ -449,7 +482,7 @@ def test_engine_cache_layout_we_check_models_against():
 
     assert _upstream.engine_attention_layer_types() == {"full_attention", "sliding_attention"}
     qwen = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
-    assert _upstream.engine_cache_geometry(qwen) == (2, 16)
+    assert _upstream.engine_cache_geometry(qwen) == [SlotShape(2, 16, 16)] * 2
     assert _upstream.engine_layer_groups(qwen) == {"full_attention": [0, 1]}
     mistral = MistralConfig(num_hidden_layers=2, sliding_window=8)  # no layer_types: all sliding
     assert _upstream.engine_layer_groups(mistral) == {"sliding_attention": [0, 1]}

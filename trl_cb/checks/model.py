@@ -25,6 +25,7 @@ import torch
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
 from ..engine import _upstream, sharding
+from ..engine import _upstream_geometry as _geometry
 from ..engine import _upstream_recurrent as _recurrent
 from ..engine import varlen_attention as attention
 
@@ -127,24 +128,23 @@ def config_problems(config: PretrainedConfig) -> list[str]:
     if _recurrent.recurrent_layers(cfg) and _model_type(cfg) not in VERIFIED_HYBRIDS:
         problems.append(_unverified_hybrid(cfg))
     try:
-        kv_heads, head_dim = _upstream.engine_cache_geometry(cfg)
-    except (RuntimeError, ValueError, AttributeError) as err:  # e.g. Gemma-4: head_dim is a per-layer attribute
-        problems.append(
-            "per-layer head sizes: the engine sizes every cache slot from one head size and one KV head count "
-            f"({type(err).__name__}: {_first_sentence(err)})"
-        )
-        head_dim = None
-    if _get(cfg, "kv_lora_rank", None) is not None:
-        problems.append(
-            f"multi-head latent attention (kv_lora_rank={cfg.kv_lora_rank}): keys are qk_head_dim="
-            f"{_get(cfg, 'qk_head_dim', '?')} wide and values v_head_dim={_get(cfg, 'v_head_dim', '?')}, but "
-            f"the engine sizes both cache slots from head_dim={head_dim}"
-        )
-    elif head_dim is not None:
+        _upstream.engine_cache_geometry(cfg)
+    except (RuntimeError, ValueError, AttributeError) as err:
+        if _get(cfg, "kv_lora_rank", None) is not None:
+            problems.append(
+                f"multi-head latent attention (kv_lora_rank={cfg.kv_lora_rank}) of a family not measured exact "
+                f"through the engine (measured: {', '.join(sorted(_geometry.LATENT_FAMILIES))})"
+            )
+        else:
+            problems.append(f"cache geometry: {type(err).__name__}: {_first_sentence(err)}")
+    shape = _geometry.upstream_shape(cfg)
+    if shape is not None and _get(cfg, "kv_lora_rank", None) is None:
         for name in _HEAD_SIZE_FIELDS:
             value = _get(cfg, name, None)
-            if isinstance(value, int) and value != head_dim:
-                problems.append(f"{name}={value} differs from head_dim={head_dim}, the head size the engine caches")
+            if isinstance(value, int) and value != shape.key_width:
+                problems.append(
+                    f"{name}={value} differs from head_dim={shape.key_width}, the head size the engine caches"
+                )
     if _get(cfg, "use_bidirectional_attention", False):
         problems.append("bidirectional attention (use_bidirectional_attention=True): the engine attends causally")
     if _get(cfg, "attention_chunk_size", None) is not None and "chunked_attention" not in layer_types:
@@ -240,7 +240,8 @@ def probe_problems(model: PreTrainedModel, num_tokens: int = 6) -> list[str]:
         calls = _record_attention_calls(model, num_tokens)
     except Exception as err:  # noqa: BLE001 - whatever the model's forward raises is the verdict, reported with it
         return [f"a forward with the attention probe failed ({type(err).__name__}: {_first_sentence(err)})"]
-    kv_heads, head_dim = _upstream.engine_cache_geometry(cfg)
+    shapes = _upstream.engine_cache_geometry(cfg)
+    latent = _get(cfg, "kv_lora_rank", None) is not None  # the layer expands what it cached: its attention sees more
     groups = _upstream.engine_layer_groups(cfg)
     sliding_layers = set(groups.get("sliding_attention", []))
     engine_window = _get(cfg, "sliding_window", None)
@@ -277,7 +278,8 @@ def probe_problems(model: PreTrainedModel, num_tokens: int = 6) -> list[str]:
     deviations: dict[str, list[int]] = {}
     for layer, layer_calls in sorted(by_layer.items()):
         call = layer_calls[0]
-        for reason in _call_problems(call, layer, kv_heads, head_dim, impl, layer in sliding_layers, engine_window):
+        slot = None if latent else shapes[layer]
+        for reason in _call_problems(call, slot, impl, layer in sliding_layers, engine_window):
             deviations.setdefault(reason, []).append(layer)
     problems.extend(f"{reason} (layers {_ranges(layers)})" for reason, layers in deviations.items())
     return problems
@@ -285,20 +287,21 @@ def probe_problems(model: PreTrainedModel, num_tokens: int = 6) -> list[str]:
 
 def _call_problems(
     call: _AttentionCall,
-    layer: int,
-    kv_heads: int,
-    head_dim: int,
+    slot: _geometry.SlotShape | None,
     impl: str,
     engine_sliding: bool,
     engine_window: int | None,
 ) -> list[str]:
+    """How one layer's attention call deviates from what the engine does; `slot`: the layer's cache slot (None for
+    a latent layer, whose attention sees the keys it expands from what it cached)."""
     problems = []
     key_heads, key_dim = call.key_shape[1], call.key_shape[-1]
     value_heads, value_dim = call.value_shape[1], call.value_shape[-1]
-    if (key_heads, key_dim, value_heads, value_dim) != (kv_heads, head_dim, kv_heads, head_dim):
+    cached = (slot.kv_heads, slot.key_width, slot.kv_heads, slot.value_width) if slot is not None else None
+    if cached is not None and (key_heads, key_dim, value_heads, value_dim) != cached:
         problems.append(
             f"keys are {key_heads} heads x {key_dim} and values {value_heads} heads x {value_dim}, but the engine's "
-            f"cache slots are {kv_heads} heads x {head_dim}"
+            f"cache slots are {slot.kv_heads} heads x {slot.key_width} (keys) / {slot.value_width} (values)"
         )
     if not call.is_causal:
         problems.append("bidirectional attention (is_causal=False): the engine attends causally")

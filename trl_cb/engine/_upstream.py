@@ -29,7 +29,7 @@ from transformers.generation.continuous_batching import ContinuousBatchingManage
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from ..errors import EngineDiedError, GenerationError
-from . import _upstream_cache, _upstream_decode, _upstream_recurrent, cuda_kernels
+from . import _upstream_cache, _upstream_decode, _upstream_geometry, _upstream_recurrent, cuda_kernels
 from . import _upstream_patches as _patches
 from . import _upstream_sampling as _sampling
 from . import decode_graphs as _graphs
@@ -97,7 +97,12 @@ def create_manager(
         model.set_attn_implementation("sdpa")
     try:
         # A hybrid model's cache is built for its attention layers; its recurrent layers keep states beside it.
-        with torch.random.fork_rng(devices=devices), _upstream_recurrent.attention_only_cache():
+        text = model.config.get_text_config()
+        with (
+            torch.random.fork_rng(devices=devices),
+            _upstream_recurrent.attention_only_cache(),
+            _upstream_geometry.per_group_geometry(text),
+        ):
             manager = model.init_continuous_batching(
                 generation_config=generation_config, continuous_batching_config=cb_config, workload_hints=hints
             )
@@ -134,18 +139,19 @@ def create_manager(
 def choose_cuda_kernel(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
     """On CUDA: the fused attention kernels this engine uses (`cuda_kernels.choose`, checked once), kept on its cache
     where the attention paths read them (`_upstream_cache.KERNELS_ATTR`). Call after warmup."""
-    from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
-
     if model.device.type != "cuda":
         return
     text = model.config.get_text_config()
+    shapes = set(_upstream_geometry.layer_shapes(text))
+    if len(shapes) != 1 or (shape := shapes.pop()).key_width != shape.value_width:
+        return  # per-group or latent pages: the reference kernels, which read each layer's own shapes
     kernels = cuda_kernels.choose(
         model.device,
         model.dtype,
         manager.continuous_batching_config.page_size,
         text.num_attention_heads,
-        find_num_key_value_heads(text),
-        find_head_dim(text),
+        shape.kv_heads,
+        shape.key_width,
         softcap=getattr(text, "attn_logit_softcapping", None),
         sinks=any(getattr(m, "sinks", None) is not None for m in model.modules()),
     )
@@ -394,8 +400,13 @@ def engine_attention_layer_types() -> frozenset[str]:
     return frozenset(ATTN_TYPE_TO_ALLOCATOR)
 
 
-def engine_cache_geometry(text_config: Any) -> tuple[int, int]:
-    """(key/value heads, head size) of every key *and* value slot of the engine's cache, for every layer."""
-    from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
-
-    return find_num_key_value_heads(text_config), find_head_dim(text_config)
+def engine_cache_geometry(text_config: Any) -> list[_upstream_geometry.SlotShape]:
+    """Each layer's cache slot (KV heads, key and value widths) as the engine builds it (`_upstream_geometry`: one
+    shape per layer group). `ValueError` where a group's layers differ, a sliding group's keys and values differ in
+    width, or a latent-attention family is not measured exact."""
+    shapes = _upstream_geometry.layer_shapes(text_config)
+    for kind, layers in engine_layer_groups(text_config).items():
+        shape = _upstream_geometry.group_shape(shapes, layers)
+        if kind != "full_attention" and shape.key_width != shape.value_width:
+            raise ValueError(f"{kind} layers {layers}: keys and values of different widths ({shape}) are not served")
+    return shapes

@@ -26,6 +26,8 @@ from typing import Any, Protocol
 import torch
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 
+from . import _upstream_geometry
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -168,15 +170,18 @@ def enable_block_table_decode(manager: ContinuousBatchingManager, max_sequence_l
     """Before warmup (the batch processor does not exist yet): let decode steps read the cache through a block table
     of `max_sequence_length` tokens per request (upstream offers block tables only to flash kernels and turns them off
     while resolving the config; `paged_decode` reads them on any device). Returns whether it was enabled: not for
-    sliding-window layers, whose allocator has no block table. Hybrid models (recurrent layers) never get here:
-    `_upstream_recurrent.check_engine_settings` refuses decode graphs for them first."""
+    sliding-window layers, whose allocator has no block table, nor for a layer that expands what it reads from the
+    cache (latent attention: `_upstream_geometry.expands_cached_keys`). Hybrid models (recurrent layers) never get
+    here: `_upstream_recurrent.check_engine_settings` refuses decode graphs for them first."""
     from transformers.generation.continuous_batching.cache import ATTN_TYPE_TO_ALLOCATOR, group_layers_by_attn_type
 
     config = manager.continuous_batching_config
     text_config = manager.model.config.get_text_config()
     layer_types = group_layers_by_attn_type(text_config)
-    if not all(ATTN_TYPE_TO_ALLOCATOR[t].supports_block_table for t in layer_types) or "sliding_attention" in (
-        layer_types
+    if (
+        not all(ATTN_TYPE_TO_ALLOCATOR[t].supports_block_table for t in layer_types)
+        or "sliding_attention" in layer_types
+        or _upstream_geometry.expands_cached_keys(text_config)
     ):
         return False
     blocks = math.ceil(max_sequence_length / config.page_size) + 1

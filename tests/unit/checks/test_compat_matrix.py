@@ -210,7 +210,7 @@ def _trainer_args(kind: str, tmp_path, **overrides):
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_trainer_refuses_at_construction(kind, tokenizer, special_ids, tmp_path):
-    arch, reason = next((a, r) for a, r in REFUSED if a.model_type == "deepseek_v3")
+    arch, reason = next((a, r) for a, r in REFUSED if a.model_type == "minicpm3")
     _, trainer_cls = PAIRS[kind]
     model = tiny_arch_model(arch, len(tokenizer), special_ids)
     with pytest.raises(UnsupportedModelError, match=reason):
@@ -220,7 +220,7 @@ def test_trainer_refuses_at_construction(kind, tokenizer, special_ids, tmp_path)
 
 def test_trainer_refuses_a_named_model_before_loading_weights(tokenizer, tmp_path):
     """Only config.json exists: had the trainer tried to load weights, it would fail with a different error."""
-    arch = next(a for a, _ in REFUSED if a.model_type == "deepseek_v3")
+    arch = next(a for a, _ in REFUSED if a.model_type == "minicpm3")
     tiny_config(arch, len(tokenizer)).save_pretrained(tmp_path / "model")
     with pytest.raises(UnsupportedModelError, match="multi-head latent attention"):
         GRPOTrainer(model=str(tmp_path / "model"), reward_funcs=_reward, args=_trainer_args("grpo", tmp_path),
@@ -229,7 +229,7 @@ def test_trainer_refuses_a_named_model_before_loading_weights(tokenizer, tmp_pat
 
 def test_trainer_without_cb_accepts_a_refused_model(tokenizer, special_ids, tmp_path):
     """The refusal is specific to the CB path: the way out it names works."""
-    arch = next(a for a, _ in REFUSED if a.model_type == "deepseek_v3")
+    arch = next(a for a, _ in REFUSED if a.model_type == "minicpm3")
     model = tiny_arch_model(arch, len(tokenizer), special_ids)
     args = _trainer_args("grpo", tmp_path, use_transformers_continuous_batching=False)
     GRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=_dataset(), processing_class=tokenizer)

@@ -95,7 +95,7 @@ def test_fail_reports_the_gap_and_where_it_starts(tokenizer, tmp_path, capsys, m
 
 def test_refused_architecture_exits_nonzero_before_loading_weights(tokenizer, tmp_path):
     """Only config.json and the tokenizer exist: the refusal comes from the config, through the module entry point."""
-    arch, reason = next((a, r) for a, r in REFUSED if a.model_type == "deepseek_v3")
+    arch, reason = next((a, r) for a, r in REFUSED if a.model_type == "minicpm3")
     path = _save(tmp_path, tokenizer, config=tiny_config(arch, len(tokenizer)))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
     proc = subprocess.run(

@@ -1,0 +1,160 @@
+"""Cache geometry per layer group (`trl_cb/engine/_upstream_geometry.py`): Gemma 4's per-layer head sizes and
+DeepSeek-V3's cached latent (keys and values of different widths) sampled exactly, every other family untouched.
+
+Exactness in float64 (weights of std 0.2, far from uniform) against the model's own teacher-forced forward: G = 4
+forked samples of prompts past the 8-token window, prefilled in 16-token chunks beside decoding rows, T = 1.0 and 0.7,
+with controls that an error would show: the completions scored after another prompt, and (the latent) the values cut
+from the wrong end of their padded pages.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoConfig, GenerationConfig
+
+from tests.model_zoo import SUPPORTED, WINDOW, tiny_arch_model, tiny_config
+from tests.unit.rollouts.test_generator import teacher_forced_logprobs
+from trl_cb import ContinuousBatchingGenerator
+from trl_cb.checks.model import config_problems
+from trl_cb.engine import _upstream_geometry as geometry
+from trl_cb.engine._upstream_geometry import PaddedAllocator, SlotShape
+from trl_cb.offline.data import synthetic_gsm8k
+
+G = 4
+TOLERANCE = 1e-6  # float64, the same path: what every other family meets
+CONTROL_GAP = 1e-2
+ARCHS = {a.model_type: a for a in SUPPORTED if a.model_type in ("gemma4_text", "deepseek_v3")}
+
+
+@pytest.fixture(scope="module")
+def special_ids(tokenizer) -> dict[str, int]:
+    return dict(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    """Three prompts of 20 tokens: past the 8-token window before the first sampled token."""
+    ids = [tokenizer(r["prompt"])["input_ids"][:20] for r in synthetic_gsm8k(3, seed=5)]
+    assert all(len(p) == 20 > 2 * WINDOW for p in ids)
+    return ids
+
+
+def _sample(model, tokenizer, prompts, temperature: float):
+    cfg = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=12,
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    with ContinuousBatchingGenerator(model, cfg, {"max_batch_tokens": 16}) as gen:
+        return gen.generate(prompts, num_generations=G)
+
+
+def _worst(model, prompts, result, temperature: float, shift: int = 0) -> float:
+    worst = 0.0
+    for i, (completion, logprobs) in enumerate(zip(result.completion_ids, result.logprobs, strict=True)):
+        prompt = prompts[(i // G + shift) % len(prompts)]
+        reference = teacher_forced_logprobs(model, prompt, completion, temperature, 0, 1.0)
+        worst = max(worst, (reference - torch.tensor(logprobs, dtype=torch.float64)).abs().max().item())
+    return worst
+
+
+def test_each_layer_gets_its_own_slot_shape(tokenizer):
+    gemma4 = tiny_config(ARCHS["gemma4_text"], len(tokenizer))
+    assert geometry.layer_shapes(gemma4) == [SlotShape(2, 16, 16), SlotShape(1, 32, 32)] * 2
+    assert geometry.upstream_shape(gemma4) is None  # upstream cannot read one head size: the reason it failed
+    deepseek = tiny_config(ARCHS["deepseek_v3"], len(tokenizer))
+    assert geometry.layer_shapes(deepseek) == [SlotShape(1, 16, 8)] * 4  # kv_lora_rank keys, qk_rope_head_dim values
+    qwen = AutoConfig.for_model("qwen2", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                num_key_value_heads=2)  # fmt: skip
+    assert geometry.layer_shapes(qwen) == [geometry.upstream_shape(qwen)] * 2 == [SlotShape(2, 16, 16)] * 2
+
+
+def test_a_uniform_model_builds_upstreams_cache_untouched(tokenizer):
+    """Nothing is patched for a model whose layers all have upstream's shape; the patch is undone after a build."""
+    from transformers.generation.continuous_batching import cache as cb_cache
+
+    names = ("ATTN_TYPE_TO_ALLOCATOR", "PagedAttentionMemoryHandler", "find_head_dim", "find_num_key_value_heads")
+    before = {name: getattr(cb_cache, name) for name in names}
+    qwen = AutoConfig.for_model("qwen2", num_hidden_layers=2, hidden_size=64, num_attention_heads=4)
+    with geometry.per_group_geometry(qwen):
+        assert all(getattr(cb_cache, name) is before[name] for name in names)
+    with geometry.per_group_geometry(tiny_config(ARCHS["gemma4_text"], len(tokenizer))):
+        assert all(getattr(cb_cache, name) is not before[name] for name in names)
+    assert all(getattr(cb_cache, name) is before[name] for name in names)
+
+
+def test_layers_cached_together_with_different_shapes_are_refused(tokenizer):
+    """Two full-attention layers of different head sizes would share one allocator: refused from the config."""
+    arch = ARCHS["gemma4_text"]
+    config = tiny_config(arch, len(tokenizer))
+    config.per_layer_config = {1: {"head_dim": 32}, 3: {"head_dim": 64}}
+    with pytest.raises(ValueError, match="cached together but have different shapes"):
+        geometry.group_shape(geometry.layer_shapes(config), [1, 3])
+    assert any("different shapes" in p for p in config_problems(config)), config_problems(config)
+
+
+def test_the_memory_model_counts_each_groups_bytes(tokenizer, special_ids, prompts):
+    """The memory model counts a whole-model block's exact bytes: Gemma 4's two 2 x 16 and two 1 x 32 layers."""
+    config = tiny_config(ARCHS["gemma4_text"], len(tokenizer))
+    page = 8
+    expected = page * sum(s.bytes_per_token(torch.float64) for s in geometry.layer_shapes(config))
+    assert expected == page * 2 * 8 * (2 * 2 * 16 + 2 * 1 * 32)
+    model = tiny_arch_model(ARCHS["gemma4_text"], len(tokenizer), special_ids, dtype=torch.float64)
+    cfg = GenerationConfig(do_sample=True, max_new_tokens=4, top_k=0, pad_token_id=tokenizer.pad_token_id)
+    with ContinuousBatchingGenerator(model, cfg, {"page_size": page, "num_blocks": 64}) as gen:
+        gen.generate(prompts[:1], num_generations=G)
+        cache = gen._pool.engine.manager.batch_processor.cache  # noqa: SLF001 - the built cache's geometry
+        shapes = {name: (a.num_key_value_heads, a.head_dim) for name, a in cache.cache_allocators.items()}
+        assert shapes == {"sliding_attention": (2, 16), "full_attention": (1, 32)}
+        # The requested capacity, in whole-model blocks of this geometry, is what was allocated: upstream's count
+        # (every layer at the widest slot and the most KV heads) would allocate twice as many sectors.
+        assert cache.num_sectors == math.ceil(64 * expected / cache.bytes_per_sector)
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHS))
+def test_forked_samples_match_teacher_forcing(model_type, tokenizer, special_ids, prompts):
+    model = tiny_arch_model(ARCHS[model_type], len(tokenizer), special_ids, dtype=torch.float64)
+    for temperature in (1.0, 0.7):
+        result = _sample(model, tokenizer, prompts, temperature)
+        assert len(result.completion_ids) == G * len(prompts)
+        worst = _worst(model, prompts, result, temperature)
+        assert worst <= TOLERANCE, f"{model_type} T={temperature}: {worst:.2e}"
+        wrong = _worst(model, prompts, result, temperature, shift=1)
+        assert wrong >= CONTROL_GAP, f"{model_type}: another prompt moved the logprobs by only {wrong:.2e}"
+
+
+def test_latent_values_cut_from_their_padded_pages(tokenizer, special_ids, prompts, monkeypatch):
+    """Control: DeepSeek-V3's values (8 wide) share 16-wide pages; cut from the wrong end, sampling goes wrong."""
+    model = tiny_arch_model(ARCHS["deepseek_v3"], len(tokenizer), special_ids, dtype=torch.float64)
+    update = PaddedAllocator.update
+
+    def wrong_end(self, key_states, value_states, layer_idx, read_index, write_index):
+        keys, _ = update(self, key_states, value_states, layer_idx, read_index, write_index)
+        width, value_width = self.shape.width, self.shape.value_width
+        values = torch.index_select(self._kv_token_views[layer_idx][1], 0, read_index)[..., width - value_width :]
+        return keys, values if read_index.numel() else value_states
+
+    monkeypatch.setattr(PaddedAllocator, "update", wrong_end)
+    result = _sample(model, tokenizer, prompts, 1.0)
+    assert _worst(model, prompts, result, 1.0) >= CONTROL_GAP
+
+
+@pytest.mark.parametrize("model_type", sorted(ARCHS))
+def test_decode_steps_stay_eager_where_graphs_are_on(model_type, tokenizer, special_ids, prompts, monkeypatch):
+    """With decode graphs on (as on CUDA), neither layout reads its pages through block tables: Gemma 4's sliding
+    layers have none, and a latent layer expands what it reads, which a block-table kernel over its pages would
+    skip. Exact as above."""
+    from tests.graph_fakes import use_fake_graphs
+    from trl_cb.engine import decode_graphs
+
+    use_fake_graphs(monkeypatch)
+    model = tiny_arch_model(ARCHS[model_type], len(tokenizer), special_ids, dtype=torch.float64)
+    cfg = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=12,
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    with ContinuousBatchingGenerator(model, cfg) as gen:
+        result = gen.generate(prompts, num_generations=G)
+        manager = gen._pool.engine.manager  # noqa: SLF001 - the engine's resolved settings
+        assert decode_graphs.graphs_of(manager) is None
+        assert manager.continuous_batching_config.max_blocks_per_request == 0
+    assert _worst(model, prompts, result, 1.0) <= TOLERANCE
