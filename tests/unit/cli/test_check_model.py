@@ -43,6 +43,18 @@ def test_pass_on_a_served_checkpoint(tokenizer, tmp_path, capsys):
     assert "was not crossed" not in out, "the window must be exercised"
 
 
+@pytest.mark.parametrize("model_type", ["gemma4_text", "deepseek_v3"])
+def test_pass_on_per_group_cache_geometry(model_type, tokenizer, tmp_path, capsys):
+    """Gemma 4 (per-layer head sizes, windows) and DeepSeek-V3 (the cached latent), saved and reloaded: each layer
+    group's pages in its own shape (engine/_upstream_geometry.py)."""
+    arch = next(a for a in SUPPORTED if a.model_type == model_type)
+    path = _save(tmp_path, tokenizer, model=tiny_arch_model(arch, len(tokenizer), _special_ids(tokenizer)))
+    argv = [path, "--num-prompts", "2", "--max-new-tokens", "12", "--prompt-tokens", str(2 * WINDOW)]
+    assert check_model.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "FAIL" not in out
+
+
 def test_pass_on_a_hybrid_checkpoint(tokenizer, tmp_path, capsys):
     """Qwen3.5's layout (3 Gated DeltaNet layers + 1 full attention), weights std 0.2, 200-token prompts: served
     with per-sequence recurrent state (engine/recurrent_state.py). Its fp32 gap to teacher forcing is the model's

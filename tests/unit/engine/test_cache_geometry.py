@@ -158,3 +158,29 @@ def test_decode_steps_stay_eager_where_graphs_are_on(model_type, tokenizer, spec
         assert decode_graphs.graphs_of(manager) is None
         assert manager.continuous_batching_config.max_blocks_per_request == 0
     assert _worst(model, prompts, result, 1.0) <= TOLERANCE
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+@pytest.mark.parametrize("model_type", sorted(ARCHS))
+def test_trainers_train_async_on_both_layouts(kind, model_type, tokenizer, special_ids, tmp_path):
+    """Async rollouts (one engine across optimizer steps) on each layout: at lr = 0 the sampler's logprobs equal the
+    trainer's (fp32) although samples cross step boundaries; at lr > 0 the weights move and the loss stays finite."""
+    from tests.unit.checks.test_compat_matrix import PAIRS, _dataset, _reward, _trainer_args
+    from tests.unit.checks.test_compat_matrix import TOLERANCE as FP32_TOLERANCE
+
+    _, trainer_cls = PAIRS[kind]
+    for learning_rate in (0.0, 1e-3):
+        model = tiny_arch_model(ARCHS[model_type], len(tokenizer), special_ids)
+        args = _trainer_args(kind, tmp_path / str(learning_rate), cb_async_generation=True, max_steps=3,
+                             learning_rate=learning_rate)  # fmt: skip
+        trainer = trainer_cls(model=model, reward_funcs=_reward, args=args, train_dataset=_dataset(),
+                              processing_class=tokenizer)  # fmt: skip
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        trainer.train()
+        logs = [e for e in trainer.state.log_history if "loss" in e]
+        assert len(logs) == 3 and all(math.isfinite(e["loss"]) for e in logs)
+        moved = any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
+        assert moved is (learning_rate > 0)
+        if learning_rate == 0:
+            worst = max(e["sampling/sampling_logp_difference/max"] for e in logs)
+            assert worst <= FP32_TOLERANCE, f"{model_type} {kind} async: {worst:.2e}"
