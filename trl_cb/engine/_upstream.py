@@ -137,23 +137,32 @@ def create_manager(
 
 
 def choose_cuda_kernel(manager: ContinuousBatchingManager, model: PreTrainedModel) -> None:
-    """On CUDA: the fused attention kernels this engine uses (`cuda_kernels.choose`, checked once), kept on its cache
-    where the attention paths read them (`_upstream_cache.KERNELS_ATTR`). Call after warmup."""
+    """On CUDA: the fused attention kernels this engine uses (`cuda_kernels.choose`, checked once per slot shape; a
+    kernel every shape agreed on, else the reference), kept on its cache where the attention paths read them
+    (`_upstream_cache.KERNELS_ATTR`). A latent layer's attention sees the keys it expanded, not its slot: reference.
+    Call after warmup."""
     if model.device.type != "cuda":
         return
     text = model.config.get_text_config()
-    shapes = set(_upstream_geometry.layer_shapes(text))
-    if len(shapes) != 1 or (shape := shapes.pop()).key_width != shape.value_width:
-        return  # per-group or latent pages: the reference kernels, which read each layer's own shapes
-    kernels = cuda_kernels.choose(
-        model.device,
-        model.dtype,
-        manager.continuous_batching_config.page_size,
-        text.num_attention_heads,
-        shape.kv_heads,
-        shape.key_width,
-        softcap=getattr(text, "attn_logit_softcapping", None),
-        sinks=any(getattr(m, "sinks", None) is not None for m in model.modules()),
+    if _upstream_geometry.expands_cached_keys(text):
+        return
+    chosen = [
+        cuda_kernels.choose(
+            model.device,
+            model.dtype,
+            manager.continuous_batching_config.page_size,
+            text.num_attention_heads,
+            shape.kv_heads,
+            shape.key_width,
+            softcap=getattr(text, "attn_logit_softcapping", None),
+            sinks=any(getattr(m, "sinks", None) is not None for m in model.modules()),
+        )
+        for shape in sorted(set(_upstream_geometry.layer_shapes(text)), key=repr)
+    ]
+    packed, paged = ({getattr(k, field) for k in chosen} for field in ("packed", "paged"))
+    kernels = cuda_kernels.Kernels(
+        packed.pop() if len(packed) == 1 else cuda_kernels.REFERENCE,
+        paged.pop() if len(paged) == 1 else cuda_kernels.REFERENCE,
     )
     setattr(manager.batch_processor.cache, _upstream_cache.KERNELS_ATTR, kernels)
 

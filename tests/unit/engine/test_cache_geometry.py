@@ -184,3 +184,36 @@ def test_trainers_train_async_on_both_layouts(kind, model_type, tokenizer, speci
         if learning_rate == 0:
             worst = max(e["sampling/sampling_logp_difference/max"] for e in logs)
             assert worst <= FP32_TOLERANCE, f"{model_type} {kind} async: {worst:.2e}"
+
+
+def test_cuda_kernels_are_checked_per_slot_shape(tokenizer, monkeypatch):
+    """On CUDA each distinct slot shape checks the fused kernels; a kernel is used only where every shape agreed,
+    and a latent layer (whose attention sees the keys it expanded) keeps the reference. CPU stand-ins for the device
+    and the check."""
+    import types
+
+    from trl_cb.engine import _upstream, _upstream_cache, cuda_kernels
+
+    asked: list[tuple[int, int]] = []
+    verdicts = {16: cuda_kernels.Kernels("flash", "flash"), 32: cuda_kernels.Kernels("flash", cuda_kernels.REFERENCE)}
+
+    def choose(device, dtype, page_size, heads, kv_heads, head_dim, softcap=None, sinks=False):
+        asked.append((kv_heads, head_dim))
+        return verdicts[head_dim]
+
+    monkeypatch.setattr(cuda_kernels, "choose", choose)
+    for model_type, expected in (
+        ("gemma4_text", cuda_kernels.Kernels("flash", cuda_kernels.REFERENCE)),
+        ("deepseek_v3", None),
+    ):
+        asked.clear()
+        config = tiny_config(ARCHS[model_type], len(tokenizer))
+        model = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, config=config, modules=list)
+        cache = types.SimpleNamespace()
+        manager = types.SimpleNamespace(
+            continuous_batching_config=types.SimpleNamespace(page_size=16),
+            batch_processor=types.SimpleNamespace(cache=cache),
+        )
+        _upstream.choose_cuda_kernel(manager, model)
+        assert getattr(cache, _upstream_cache.KERNELS_ATTR, None) == expected, model_type
+        assert sorted(asked) == ([(1, 32), (2, 16)] if expected else [])
