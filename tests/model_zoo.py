@@ -138,10 +138,12 @@ SUPPORTED: list[Arch] = [
     ),
     Arch(
         "gemma4_text",
-        "per-layer head sizes (global 1 KV head x 32, sliding 2 x 16), keys as values, per-layer inputs, windows",
+        "per-layer head sizes (global 1 KV head x 32, sliding 2 x 16), keys as values, KV sharing (layers 2-3),"
+        " per-layer inputs, windows",
         dict(
             sliding_window=WINDOW,
             layer_types=["sliding_attention", "full_attention"] * 2,
+            num_kv_shared_layers=2,
             global_head_dim=32,
             num_global_key_value_heads=1,
             attention_k_eq_v=True,
