@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import math
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -62,6 +64,10 @@ ANSWER_THREADS = 1
 
 #: Server-sent events' media type.
 EVENT_STREAM = "text/event-stream"
+
+#: A streamed sample's chunks after its first: at most one per this many seconds (each holds the tokens of the steps
+#: in between), so the event loop's encoding work follows the clock, not the engine's step rate.
+STREAM_INTERVAL_S = 0.02
 
 #: `flows(prompts, n, max_new_tokens, sampling, install)`: the server's `RequestFlow` for this request (submitted at
 #: once).
@@ -237,9 +243,11 @@ class _ChunkFormat:
 
 class _StreamWatcher:
     """The engine-side half of a stream (or of a stop-string search): decodes each sample of one prompt step by step,
-    ends a sample at its stop string, and when streaming (`fmt`) posts each new piece, `("delta", (prompt index,
-    sample index, piece))`, which `event` encodes; `tail_events` encodes the last chunks once the prompt's group
-    ended."""
+    ends a sample at its stop string, and when streaming (`fmt`) posts each sample's new piece,
+    `("delta", (prompt index, sample index, piece))`, which `event` encodes; `tail_events` encodes the last chunks
+    once the prompt's group ended. A sample's first tokens are posted at once, later ones at most every
+    `STREAM_INTERVAL_S` (a chunk then holds the tokens of several steps, as vLLM's `stream_interval`): the event loop
+    encodes one event per sample per interval, not per engine step, whatever the step rate (docs/benchmarks.md)."""
 
     def __init__(self, ctx: AnswerContext, prompt_index: int, prompt: list[int], fmt: _ChunkFormat | None) -> None:
         self.ctx, self.prompt_index, self.prompt, self.fmt = ctx, prompt_index, prompt, fmt
@@ -247,19 +255,28 @@ class _StreamWatcher:
         self.decoders: dict[int, SampleDecoder] = {}
         self.sent: dict[int, int] = {}  # per sample: characters of its visible text already sent
         self.started: set[tuple[int, int]] = set()  # samples whose first chunk (with the prompt's ids) went out
+        self.unsent: dict[int, int] = {}  # per sample: its first token not yet in a posted chunk
+        self.values: dict[int, tuple[list, list, list]] = {}  # per sample: its logprobs, policy logprobs, versions
+        self.posted_at: dict[int, float] = {}  # per sample: when its last chunk was posted (monotonic s)
 
     def __call__(self, partial: PartialSample) -> bool:
-        decoder = self._decoder(partial.index)
-        start = len(decoder.ids)
+        k = partial.index
+        decoder = self._decoder(k)
+        self.unsent.setdefault(k, len(decoder.ids))
         new = decoder.feed(partial.token_ids)
-        if self.fmt is not None and new and self.post is not None:
-            values = (partial.logprobs, partial.policy_logprobs, partial.versions)
-            self.post(("delta", (self.prompt_index, partial.index, self._delta(partial.index, start, values))))
+        self.values[k] = (partial.logprobs, partial.policy_logprobs, partial.versions)
+        now = time.monotonic()
+        due = now - self.posted_at.get(k, -math.inf) >= STREAM_INTERVAL_S
+        if self.fmt is not None and new and self.post is not None and due and not decoder.ended:
+            self.post(("delta", (self.prompt_index, k, self._delta(k, self.unsent.pop(k), self.values[k]))))
+            self.posted_at[k] = now
         return decoder.ended
 
-    def tail_events(self) -> list[bytes]:
-        """Each sample's last chunk, encoded (call once the prompt's group ended, off the event loop)."""
-        return [self.event(k, self.tail(k, self.prompt)) for k in range(self._format().n)]
+    def tail_events(self) -> tuple[list[bytes], int]:
+        """Each sample's last chunk, encoded, and the tokens they carry (call once the prompt's group ended, off the
+        event loop)."""
+        samples = [(k, self.tail(k, self.prompt)) for k in range(self._format().n)]
+        return [self.event(k, sample) for k, sample in samples], sum(len(s.token_ids) for _, s in samples)
 
     def event(self, k: int, sample: DecodedSample) -> bytes:
         """Sample k's chunk holding `sample` (a step's new piece, or the last one), as a server-sent event."""
@@ -277,7 +294,7 @@ class _StreamWatcher:
         """Sample k's last chunk once its group ended: its held-back text, finish reason and (chat with tools) the
         parsed message."""
         decoder = self._decoder(k)
-        sample = self._delta(k, len(decoder.ids), ([], [], []), final=True)
+        sample = self._delta(k, self.unsent.get(k, len(decoder.ids)), self.values.get(k, ([], [], [])), final=True)
         _finish(self.ctx, sample, decoder, prompt)
         if self.ctx.tools and not sample.tool_calls:  # the text was held back for parsing: all of it now
             sample.content = decoder.visible(final=True) or None
@@ -399,7 +416,9 @@ class OpenAIServing:
                     generated += len(sample.token_ids)
                     yield watchers[i].event(k, sample)
                     continue
-                for event in await self.off_loop(watchers[payload[0]].tail_events):
+                events, tokens = await self.off_loop(watchers[payload[0]].tail_events)
+                generated += tokens
+                for event in events:
                     yield event
         except Exception as exc:  # the request failed after the stream began: said in the stream
             status = getattr(exc, "status_code", 500)

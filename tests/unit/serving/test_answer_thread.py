@@ -222,3 +222,33 @@ def test_control_an_answer_built_on_the_loop_holds_health(url, monkeypatch):
     answer, healthy = held_request(url, "completions", gated(monkeypatch, "encode"), health_timeout=1.0)
     assert not healthy
     assert answer.status_code == 200 and len(answer.json()["choices"]) == 2 * N
+
+
+def test_a_streamed_sample_is_posted_at_most_once_per_interval(tokenizer, monkeypatch):
+    """The first tokens go out at once; the steps inside one `STREAM_INTERVAL_S` are held and go out together in the
+    next chunk (or the last one): every token once, in order, with its own logprob. Control: with no interval, a chunk
+    per step."""
+    clock = [100.0]
+    monkeypatch.setattr(openai_serving.time, "monotonic", lambda: clock[0])
+    ctx = openai_serving.AnswerContext(tokenizer, [], False, True, set(), True, False)
+    fmt = openai_serving._ChunkFormat({"id": "x", "object": "chat.completion.chunk"}, 1, chat=True)  # noqa: SLF001
+    tokens = tokenizer("one two three four five six")["input_ids"]
+    lps = [-0.1 * (i + 1) for i in range(len(tokens))]
+
+    def chunks(interval: float) -> list[list[int]]:
+        monkeypatch.setattr(openai_serving, "STREAM_INTERVAL_S", interval)
+        watcher = openai_serving._StreamWatcher(ctx, 0, [1, 2], fmt)  # noqa: SLF001
+        posted: list[Any] = []
+        watcher.post = posted.append
+        for step in range(1, len(tokens) + 1):
+            clock[0] += 0.008  # an engine step every 8 ms
+            watcher(PartialSample(0, tokens[:step], lps[:step], lps[:step], [0] * step))
+        pieces = [payload[2] for _, payload in posted] + [watcher.tail(0, [1, 2])]
+        assert [t for p in pieces for t in p.token_ids] == tokens  # every token once, in order
+        assert [v for p in pieces for v in p.logprobs] == lps
+        return [p.token_ids for p in pieces if p.token_ids]
+
+    held = chunks(0.02)
+    assert len(held[0]) == 1 and max(map(len, held)) == 3  # the first at once, then 3 steps (24 ms) per chunk
+    assert len(held) < len(tokens)
+    assert [len(c) for c in chunks(0.0)] == [1] * len(tokens)  # control: no interval, a chunk per step
