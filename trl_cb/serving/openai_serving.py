@@ -405,9 +405,10 @@ class OpenAIServing:
     async def _stream(
         self, body: Any, fmt: _ChunkFormat, prompts: list[list[int]], flow: RequestFlow, watchers: list[_StreamWatcher]
     ) -> AsyncIterator[bytes]:
-        """Server-sent events: a chunk per sample per engine step (a small event, encoded here: measured, encoding it
-        on the engine's thread instead doubled `/health`'s p99, docs/benchmarks.md), a last chunk per sample (the rest
-        of its text, its finish reason; the group's, on the answer thread), the usage if asked, then `[DONE]`."""
+        """Server-sent events: a chunk per sample per `STREAM_INTERVAL_S` at most (a small event, encoded here:
+        measured, encoding it on the engine's thread instead doubled `/health`'s p99, docs/benchmarks.md), a last chunk
+        per sample (the rest of its tokens and text, its finish reason; the group's, on the answer thread), the usage
+        if asked, then `[DONE]`."""
         generated = 0
         try:
             async for kind, payload in flow:
