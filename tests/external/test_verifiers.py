@@ -2,7 +2,7 @@
 (token in, vLLM's `/inference/v1/generate`) and evaluation client (chat, with a tool and its result).
 
 Opt-in: `verifiers` pins an `openai` below the one trl_cb's tests use, so it lives in its own environment, named by
-`TRL_CB_VERIFIERS_PYTHON` (`python -m venv /tmp/vf && /tmp/vf/bin/pip install verifiers==0.4.0`, docs/server.md);
+`TRL_CB_VERIFIERS_PYTHON` (`python -m venv VF && VF/bin/pip install verifiers==0.4.0`, docs/server.md);
 skipped without it. The server runs from this checkout; the driver (`verifiers_driver.py`) in that environment.
 """
 

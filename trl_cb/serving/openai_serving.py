@@ -275,7 +275,7 @@ class _StreamWatcher:
     def tail_events(self) -> tuple[list[bytes], int]:
         """Each sample's last chunk, encoded, and the tokens they carry (call once the prompt's group ended, off the
         event loop)."""
-        samples = [(k, self.tail(k, self.prompt)) for k in range(self._format().n)]
+        samples = [(k, self.tail(k)) for k in range(self._format().n)]
         return [self.event(k, sample) for k, sample in samples], sum(len(s.token_ids) for _, s in samples)
 
     def event(self, k: int, sample: DecodedSample) -> bytes:
@@ -290,12 +290,12 @@ class _StreamWatcher:
             raise RuntimeError("this watcher does not stream")
         return self.fmt
 
-    def tail(self, k: int, prompt: list[int]) -> DecodedSample:
+    def tail(self, k: int) -> DecodedSample:
         """Sample k's last chunk once its group ended: its held-back text, finish reason and (chat with tools) the
         parsed message."""
         decoder = self._decoder(k)
         sample = self._delta(k, self.unsent.get(k, len(decoder.ids)), self.values.get(k, ([], [], [])), final=True)
-        _finish(self.ctx, sample, decoder, prompt)
+        _finish(self.ctx, sample, decoder, self.prompt)
         if self.ctx.tools and not sample.tool_calls:  # the text was held back for parsing: all of it now
             sample.content = decoder.visible(final=True) or None
         return sample
