@@ -130,7 +130,7 @@ def config_problems(config: PretrainedConfig) -> list[str]:
     try:
         _upstream.engine_cache_geometry(cfg)
     except (RuntimeError, ValueError, AttributeError) as err:
-        if _get(cfg, "kv_lora_rank", None) is not None:
+        if _geometry.expands_cached_keys(cfg):
             problems.append(
                 f"multi-head latent attention (kv_lora_rank={cfg.kv_lora_rank}) of a family not measured exact "
                 f"through the engine (measured: {', '.join(sorted(_geometry.LATENT_FAMILIES))})"
@@ -138,7 +138,7 @@ def config_problems(config: PretrainedConfig) -> list[str]:
         else:
             problems.append(f"cache geometry: {type(err).__name__}: {_first_sentence(err)}")
     shape = _geometry.upstream_shape(cfg)
-    if shape is not None and _get(cfg, "kv_lora_rank", None) is None:
+    if shape is not None and not _geometry.expands_cached_keys(cfg):
         for name in _HEAD_SIZE_FIELDS:
             value = _get(cfg, name, None)
             if isinstance(value, int) and value != shape.key_width:
@@ -241,7 +241,7 @@ def probe_problems(model: PreTrainedModel, num_tokens: int = 6) -> list[str]:
     except Exception as err:  # noqa: BLE001 - whatever the model's forward raises is the verdict, reported with it
         return [f"a forward with the attention probe failed ({type(err).__name__}: {_first_sentence(err)})"]
     shapes = _upstream.engine_cache_geometry(cfg)
-    latent = _get(cfg, "kv_lora_rank", None) is not None  # the layer expands what it cached: its attention sees more
+    latent = _geometry.expands_cached_keys(cfg)  # the layer expands what it cached: its attention sees more
     groups = _upstream.engine_layer_groups(cfg)
     sliding_layers = set(groups.get("sliding_attention", []))
     engine_window = _get(cfg, "sliding_window", None)

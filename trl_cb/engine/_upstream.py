@@ -146,6 +146,7 @@ def choose_cuda_kernel(manager: ContinuousBatchingManager, model: PreTrainedMode
     text = model.config.get_text_config()
     if _upstream_geometry.expands_cached_keys(text):
         return
+    sinks = any(getattr(m, "sinks", None) is not None for m in model.modules())
     chosen = [
         cuda_kernels.choose(
             model.device,
@@ -155,7 +156,7 @@ def choose_cuda_kernel(manager: ContinuousBatchingManager, model: PreTrainedMode
             shape.kv_heads,
             shape.key_width,
             softcap=getattr(text, "attn_logit_softcapping", None),
-            sinks=any(getattr(m, "sinks", None) is not None for m in model.modules()),
+            sinks=sinks,
         )
         for shape in sorted(set(_upstream_geometry.layer_shapes(text)), key=repr)
     ]

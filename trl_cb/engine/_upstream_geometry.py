@@ -67,7 +67,7 @@ def layer_shapes(text_config: Any) -> list[SlotShape]:
     """Each decoder layer's `SlotShape`, from the config alone. `ValueError` for a latent-attention family outside
     `LATENT_FAMILIES` (its layer may hand the cache something else)."""
     layers = text_config.num_hidden_layers
-    if getattr(text_config, "kv_lora_rank", None) is not None:
+    if expands_cached_keys(text_config):
         if getattr(text_config, "model_type", None) not in LATENT_FAMILIES:
             raise ValueError(f"latent attention of model_type={text_config.model_type!r} is not measured exact")
         return [SlotShape(1, text_config.kv_lora_rank, text_config.qk_rope_head_dim)] * layers

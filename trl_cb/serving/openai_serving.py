@@ -262,12 +262,14 @@ class _StreamWatcher:
     def __call__(self, partial: PartialSample) -> bool:
         k = partial.index
         decoder = self._decoder(k)
-        self.unsent.setdefault(k, len(decoder.ids))
+        start = len(decoder.ids)
         new = decoder.feed(partial.token_ids)
+        if self.fmt is None or self.post is None:  # a stop search only: nothing to post
+            return decoder.ended
+        self.unsent.setdefault(k, start)
         self.values[k] = (partial.logprobs, partial.policy_logprobs, partial.versions)
         now = time.monotonic()
-        due = now - self.posted_at.get(k, -math.inf) >= STREAM_INTERVAL_S
-        if self.fmt is not None and new and self.post is not None and due and not decoder.ended:
+        if new and not decoder.ended and now - self.posted_at.get(k, -math.inf) >= STREAM_INTERVAL_S:
             self.post(("delta", (self.prompt_index, k, self._delta(k, self.unsent.pop(k), self.values[k]))))
             self.posted_at[k] = now
         return decoder.ended
