@@ -21,8 +21,6 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from trl_cb.configs import DEFAULT_OVERLAP_PREFETCH_DEPTH, DEFAULT_PREFETCH_DEPTH
-
 #: Spec key -> (trl_cb config field, parser). The order is the label's order.
 FIELDS: dict[str, tuple[str, Any]] = {
     "depth": ("cb_async_prefetch_depth", int),
@@ -33,15 +31,21 @@ FIELDS: dict[str, tuple[str, Any]] = {
     "is_clip_max": ("cb_importance_sampling_clip_max", float),
     "is_normalize": ("cb_importance_sampling_normalize", lambda v: _parse_bool(v)),
 }
-#: The depth every variant states (the config's default), so every async label names it.
-DEFAULT_DEPTH = DEFAULT_PREFETCH_DEPTH
+
+
+def default_depth(overlap: bool = False) -> int:
+    """The depth every variant states (the config's default), so every async label names it. Imported here, not at
+    the top: `trl_cb.configs` imports TRL's trainer config (seconds), which `learning.py --help` must not pay."""
+    from trl_cb.configs import DEFAULT_OVERLAP_PREFETCH_DEPTH, DEFAULT_PREFETCH_DEPTH
+
+    return DEFAULT_OVERLAP_PREFETCH_DEPTH if overlap else DEFAULT_PREFETCH_DEPTH
 
 
 def backend_default(backend: str, settings: dict[str, Any]) -> dict[str, Any]:
     """`settings` of the default grid (no depth asked for) at `backend`'s own default depth: overlap's config default
-    is 0 (`trl_cb.configs.DEFAULT_OVERLAP_PREFETCH_DEPTH`), every other backend's `DEFAULT_DEPTH`."""
+    is 0 (`trl_cb.configs.DEFAULT_OVERLAP_PREFETCH_DEPTH`), every other backend's `default_depth()`."""
     if backend == "trl_cb_overlap_async":
-        return {**settings, "depth": DEFAULT_OVERLAP_PREFETCH_DEPTH}
+        return {**settings, "depth": default_depth(overlap=True)}
     return settings
 
 
@@ -75,7 +79,7 @@ def parse_spec(spec: str) -> dict[str, Any]:
             settings[key] = none_or(FIELDS[key][1], value.strip())
         except ValueError as err:
             raise ValueError(f"variant {spec!r}: {key}: {err}") from None
-    settings.setdefault("depth", DEFAULT_DEPTH)
+    settings.setdefault("depth", default_depth())
     return settings
 
 
@@ -111,7 +115,7 @@ def grid(
     if staleness_sweep:
         pairs: list[tuple[int, int | None, bool]] = [(s - 1, s, True) for s in staleness_sweep]
     else:
-        pairs = [(d, s, keep_stale) for d in (depths or [DEFAULT_DEPTH]) for s in (staleness or [None])]
+        pairs = [(d, s, keep_stale) for d in (depths or [default_depth()]) for s in (staleness or [None])]
     out = []
     for (depth, bound, keep), mode, lo, hi in itertools.product(
         pairs, is_modes or [None], clip_mins or ["unset"], clip_maxs or ["unset"]

@@ -1,7 +1,11 @@
-"""The `trl-cb` command line: `trl-cb grpo | rloo` (training, `command.py`) and `trl-cb check-model`."""
+"""The `trl-cb` command line: `trl-cb grpo | rloo` (training, `command.py`) and `trl-cb check-model`.
+
+Nothing here imports torch or transformers at import time: `trl-cb --help` and a refused flag answer in about a
+second, the training and check commands import what they run (`trl_cb.offline.tiny.tiny_model_path` builds the tiny
+model's files).
+"""
 
 from ..offline.names import TINY_MODEL_NO_EOS_BIAS
-from ..offline.tiny import tiny_model_path
 from .command import (
     ALGORITHMS,
     LAUNCHED_ENV,
@@ -49,7 +53,6 @@ __all__ = [
     "reward_registry",
     "run_check_model",
     "run_training",
-    "tiny_model_path",
     "train",
     "under_launcher",
 ]

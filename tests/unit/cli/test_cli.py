@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -271,3 +272,28 @@ def test_serve_dispatch(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["serve", "--help"])
     assert info.value.code == 0 and "--api-key" in capsys.readouterr().out
+
+
+def test_package_and_command_help_import_neither_torch_nor_trainers():
+    """`import trl_cb`, its data helpers and `trl-cb --help` start in a fraction of a second: they import none of
+    torch, transformers, datasets or TRL's trainers (~10 s on a 2-core VM); a public name imports them when read."""
+    probe = """
+import sys
+import trl_cb, trl_cb.offline.data
+from trl_cb.cli import main
+try:
+    main(["--help"])
+except SystemExit as exit_:
+    assert exit_.code == 0, exit_.code
+heavy = ("torch", "transformers", "datasets", "trl.trainer")
+print(sorted(m for m in heavy if m in sys.modules), file=sys.stderr)
+trainer = trl_cb.GRPOTrainer  # the control: reading a public name imports what it needs
+print(sorted(m for m in heavy if m in sys.modules), trainer.__name__, file=sys.stderr)
+"""
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    before, after = proc.stderr.strip().splitlines()[-2:]
+    assert before == "[]" and after == "['datasets', 'torch', 'transformers', 'trl.trainer'] GRPOTrainer", proc.stderr
+    assert set(trl_cb.__all__) <= set(dir(trl_cb)) and all(getattr(trl_cb, name) for name in trl_cb.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'GRPOTrainr'"):
+        trl_cb.GRPOTrainr  # noqa: B018
