@@ -12,6 +12,7 @@ import inspect
 import re
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,10 @@ def test_add_request_reads_num_return_sequences_for_forking(model, tokenizer, pr
                 assert result.error is None and len(result.logprobs) == len(result.generated_tokens) == 4
                 got.add(result.request_id)
         assert got == set(ids)
+        # Per-request seeds tell the samples apart by these names (the upstream results carry them).
+        from trl_cb.engine.request_processors import sample_index
+
+        assert sorted(sample_index(rid) for rid in got) == [0, 1, 2]
         assert _upstream.engine_fatal_error(manager) is None
     finally:
         manager.destroy()
@@ -430,10 +435,11 @@ def test_processor_check_compares_types_and_settings_not_counts(model, tokenizer
 def test_generation_config_fields_all_classified():
     """A transformers release adding a GenerationConfig field fails here: classify it in
     `trl_cb/generation_settings.FIELD_RULES` (until then it is refused whenever set)."""
-    from trl_cb.checks.generation_settings import FIELD_RULES, Handling
+    from trl_cb.checks.generation_settings import FIELD_RULES, OPENAI_FIELDS, Handling
 
     assert sorted(f for f in GenerationConfig().to_dict() if f not in FIELD_RULES) == []
-    assert sorted(f for f in FIELD_RULES if f not in GenerationConfig().to_dict()) == []
+    assert sorted(f for f in FIELD_RULES if f not in GenerationConfig().to_dict()) == sorted(OPENAI_FIELDS)
+    assert all(f not in GenerationConfig().to_dict() for f in OPENAI_FIELDS)  # transformers has not added them
     for name, rule in FIELD_RULES.items():
         assert rule.reason and (rule.handling is Handling.REFUSED or rule.neutral(None)), name
 
@@ -1074,6 +1080,44 @@ def test_batch_internals_the_decode_graphs_use(model, tokenizer, monkeypatch):
         assert kwargs["block_table"].dim() == 2
     finally:
         manager.destroy()
+
+
+def test_sliding_window_ring_the_windowed_block_tables_read():
+    """`engine/_upstream_window.py` relies on these: upstream's ring (slot `position % W`, `min(past + query, W)` keys,
+    block ids as a full-attention group's, page views inherited), block tables refused for it upstream, and the
+    cache's decode-path length limit as one table's tokens. Behaviour: tests/unit/checks/test_compat_matrix.py
+    (`test_windowed_families_decode_through_graphs_exactly`) and tests/unit/engine/test_decode_graphs.py."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.generation.continuous_batching.cache_allocators.full_attention import (
+        FullAttentionCacheAllocator,
+    )
+    from transformers.generation.continuous_batching.cache_allocators.sliding_attention import (
+        SlidingAttentionCacheAllocator as Ring,
+    )
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+
+    from trl_cb.engine import _upstream_window
+
+    assert issubclass(Ring, FullAttentionCacheAllocator) and not Ring.supports_block_table
+    assert params(Ring.get_seqlen_k) == ["self", "past_length", "query_length"]
+    assert params(Ring.fill_block_table) == ["self", "request_id", "past_length", "query_length", "block_table"]
+    assert params(Ring.get_cache_for_block_table) == ["self", "layer_idx"]
+    ring = Ring.__new__(Ring)
+    ring.sliding_window, ring.tokens_per_page, ring.block_physical_stride = 8, 4, 40
+    ring.block_table = {"r": [3, 5]}
+    assert [ring.get_seqlen_k(p, 1) for p in (0, 6, 7, 30)] == [1, 7, 8, 8]
+    assert ring._token_indices_to_physical_indices("r", 9 % 8, 1) == [3 * 40 + 1]  # position 9: slot 1, page 0
+    table = torch.full((4,), -1, dtype=torch.int32)
+    with pytest.raises(NotImplementedError):
+        ring.fill_block_table("r", 9, 1, table)
+    _upstream_window.ring_methods(ring, types.SimpleNamespace(use_block_table=True))[0]("r", 9, 1, table)
+    assert table.tolist() == [3 * 10, 5 * 10, -1, -1]  # block id x (stride / page), as a full-attention group's
+    assert params(Ring.needs_new_blocks) == ["self", "request_id", "past_length", "query_length"]
+    assert [ring.needs_new_blocks("r", p, 1) for p in (7, 8, 16, 24)] == [0, 0, 0, 0]  # a full ring: no page more
+    ring.block_table = {"r": [3]}
+    assert [ring.needs_new_blocks("r", p, 1) for p in (3, 4, 12)] == [0, 1, 1]  # the second page, then never a third
+    assert "_infer_max_decode_fast_path_length" in vars(PagedAttentionCache)
+    assert "use_block_table" in inspect.getsource(ContinuousBatchingIOs.prepare_batch_tensors)
 
 
 def test_trl_tool_loop_surface_async_tools_rely_on():

@@ -25,8 +25,8 @@ from typing import Any
 
 from transformers import GenerationConfig, PreTrainedModel
 
-from ..engine.request_processors import RequestProcessorSettings
-from .served_sampling import SERVED_SAMPLING
+from ..engine.request_processors import UNSEEDED, RequestProcessorSettings
+from .served_sampling import MAX_LOGIT_BIAS, SERVED_SAMPLING, logit_bias_pairs
 
 __all__ = [
     "FIELD_RULES",
@@ -36,8 +36,11 @@ __all__ = [
     "check_generation_config",
     "engine_generation_config",
     "eos_token_ids",
+    "MAX_TOP_LOGPROBS",
     "MIN_SAMPLING_TEMPERATURE",
+    "OPENAI_FIELDS",
     "SERVED_FIELDS",
+    "logit_bias_pairs",
     "request_processor_settings",
     "resolve_eos",
     "sampling_signature",
@@ -83,7 +86,8 @@ _LENGTH = (
     "it would be applied at the wrong steps"
 )
 
-#: Every `GenerationConfig` field (transformers 5.23), classified. Anything else that is set is refused.
+#: Every `GenerationConfig` field (transformers 5.23), classified, and OpenAI's `OPENAI_FIELDS`. Anything else that is
+#: set is refused.
 FIELD_RULES: dict[str, FieldRule] = {
     # Length and stopping
     "max_new_tokens": FieldRule(_E, "required: a positive integer, the per-request token budget"),
@@ -121,6 +125,15 @@ FIELD_RULES: dict[str, FieldRule] = {
     "renormalize_logits": FieldRule(_E, "log-softmax of the processed logits (distribution unchanged)"),
     "remove_invalid_values": FieldRule(_E, "nan/inf logits replaced (finite logits unchanged)"),
     "repetition_penalty": FieldRule(_T, "every prompt and completion token of the request penalised", _unset_or(1.0)),
+    # OpenAI's (and vLLM's) sampling fields, not `GenerationConfig`'s own: set as extra attributes (TRL's
+    # `generation_kwargs`, or a rollout server's request), applied per request by trl_cb (engine/request_processors.py)
+    "presence_penalty": FieldRule(_T, "subtracted from every token the completion has used (OpenAI's)", _unset_or(0)),
+    "frequency_penalty": FieldRule(_T, "subtracted per use of each token in the completion (OpenAI's)", _unset_or(0)),
+    "logit_bias": FieldRule(_T, "added to the listed token ids' logits (OpenAI's {id: bias})", _unset_or({})),
+    "seed": FieldRule(
+        _T, "each request samples from its own generator: same prompt and seed, same samples", _unset_or(-1)
+    ),
+    "top_logprobs": FieldRule(_T, "the k likeliest tokens of each sampled distribution (servers)", _unset_or(0)),
     "encoder_repetition_penalty": FieldRule(_R, "encoder-decoder only", _unset_or(1.0)),
     "no_repeat_ngram_size": FieldRule(_R, _HISTORY, _unset_or(0)),
     "encoder_no_repeat_ngram_size": FieldRule(_R, "encoder-decoder only", _unset_or(0)),
@@ -165,6 +178,12 @@ FIELD_RULES: dict[str, FieldRule] = {
     "_from_model_config": FieldRule(_I, "metadata"),
 }
 
+#: Most alternatives per sampled token (`top_logprobs`; vLLM's `max_logprobs` default).
+MAX_TOP_LOGPROBS = 20
+
+#: OpenAI's sampling fields that `GenerationConfig` does not define, honoured as extra attributes of one.
+OPENAI_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias", "seed", "top_logprobs")
+
 #: TRL_CB fields, zeroed in the engine's copy (trl_cb applies them; transformers would drop or misapply them).
 _TRL_CB_FIELDS = tuple(name for name, rule in FIELD_RULES.items() if rule.handling is Handling.TRL_CB)
 
@@ -186,6 +205,12 @@ def _range_problems(cfg: GenerationConfig) -> list[str]:
             f"max_new_tokens must be a positive integer, got {max_new_tokens!r}. Without it the engine generates "
             "until its cache is full and then fails every request."
         )
+    seed = getattr(cfg, "seed", None)
+    if seed is not None and (not _is_int(seed) or not -1 <= seed < 2**63):
+        problems.append(f"seed must be an integer in [0, 2**63) (-1: unseeded), got {seed!r}.")
+    top = getattr(cfg, "top_logprobs", None)
+    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        problems.append(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}.")
     for name in ("min_new_tokens", "min_length", "top_k"):
         value = getattr(cfg, name, None)
         if value is not None and (not _is_int(value) or value < 0):
@@ -203,6 +228,8 @@ def _range_problems(cfg: GenerationConfig) -> list[str]:
         "epsilon_cutoff": (0.0, 1.0, True, False),
         "eta_cutoff": (0.0, 1.0, True, False),
         "repetition_penalty": (0.0, math.inf, False, False),
+        "presence_penalty": (-2.0, 2.0, True, True),
+        "frequency_penalty": (-2.0, 2.0, True, True),
     }
     for name, (low, high, low_in, high_in) in bounds.items():
         value = getattr(cfg, name, None)
@@ -212,7 +239,23 @@ def _range_problems(cfg: GenerationConfig) -> list[str]:
         if not (_is_real(value) and above and (value <= high if high_in else value < high)):
             interval = f"{'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
             problems.append(f"{name} must be a finite number in {interval}, got {value!r}.")
+    problems.extend(_logit_bias_problems(getattr(cfg, "logit_bias", None)))
     return problems
+
+
+def _logit_bias_problems(bias: Any) -> list[str]:
+    if bias is None:
+        return []
+    pairs = bias.items() if isinstance(bias, dict) else bias
+    try:
+        ok = all(_is_int(t) and t >= 0 and _is_real(b) and abs(b) <= MAX_LOGIT_BIAS for t, b in pairs)
+    except (TypeError, ValueError):
+        ok = False
+    if ok:
+        return []
+    return [
+        f"logit_bias must map token ids (integers >= 0) to finite biases in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]."
+    ]
 
 
 def check_generation_config(generation_config: GenerationConfig) -> None:
@@ -285,10 +328,16 @@ def request_processor_settings(generation_config: GenerationConfig) -> RequestPr
     `min_length`; a penalty of 1 is off)."""
     penalty = generation_config.repetition_penalty
     min_new_tokens = int(generation_config.min_new_tokens or 0)
+    bias = getattr(generation_config, "logit_bias", None) or {}
     return RequestProcessorSettings(
         repetition_penalty=None if penalty is None or penalty == 1.0 else float(penalty),
         min_new_tokens=min_new_tokens,
         min_length=0 if min_new_tokens else int(generation_config.min_length or 0),
+        presence_penalty=float(getattr(generation_config, "presence_penalty", None) or 0.0),
+        frequency_penalty=float(getattr(generation_config, "frequency_penalty", None) or 0.0),
+        logit_bias=logit_bias_pairs(bias),
+        seed=UNSEEDED if getattr(generation_config, "seed", None) is None else int(generation_config.seed),
+        top_logprobs=int(getattr(generation_config, "top_logprobs", None) or 0),
     )
 
 

@@ -5,7 +5,7 @@ round, a prompt longer than the cache or the model's positions fails or is cut."
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from transformers import PreTrainedModel
@@ -27,6 +27,15 @@ def check_type(name: str, value: Any, expected: type | tuple[type, ...], optiona
     if not ok:
         names = " or ".join(k.__name__ for k in kinds) + (" or None" if optional else "")
         raise TypeError(f"{name} must be {names}, got {value!r} ({type(value).__name__}).")
+
+
+def validate_token_ids(name: str, token_ids: Iterable[int], module: PreTrainedModel) -> None:
+    """`ValueError` naming `name` if any of `token_ids` (a logit bias's keys, say) is outside the model's vocabulary,
+    where the engine could not apply it."""
+    vocab_size = module.config.get_text_config().vocab_size
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{name} holds token id {bad}, outside the model's vocabulary [0, {vocab_size}).")
 
 
 def validate_prompts(

@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from . import _upstream_sampling as _sampling
 from . import decode_graphs as _graphs
 from . import varlen_attention as attention
 from .guards import deferred_interrupts
-from .request_processors import HistoryProcessor
+from .request_processors import CHILD_MARK, HistoryProcessor
 
 logger = logging.getLogger(__name__)
 _fork_lock = threading.Lock()
@@ -119,7 +119,7 @@ def create_manager(
             longest = hints.max_prompt_length + hints.max_generated_length
             block_tables = backend is not None and _graphs.enable_block_table_decode(manager, longest)
             if backend is not None and not block_tables:
-                logger.info("Sliding-window layers read no block table: decode steps run eagerly, without graphs.")
+                logger.info("This model's layers read no block table: decode steps run eagerly, without graphs.")
             manager.warmup()
             choose_cuda_kernel(manager, model)
             stepper = _upstream_recurrent.new_stepper(manager, model)  # a hybrid's recurrent layers, else None
@@ -174,6 +174,17 @@ def attention_implementation(model: PreTrainedModel) -> str:
     return model.config._attn_implementation
 
 
+def recorded_alternatives(manager: ContinuousBatchingManager) -> Callable[[str], Any] | None:
+    """Where a finished request's `top_logprobs` are taken from (`TopLogprobs.pop`), on an engine that records
+    them; else None."""
+    found = _sampling.request_processor(manager, _sampling.TopLogprobs)
+    return found.pop if found is not None else None
+
+
+#: `add_forked_request`'s `eos_token_id` for requests that EOS does not end (transformers' "no EOS" id).
+NO_EOS = -1
+
+
 def add_forked_request(
     manager: ContinuousBatchingManager,
     input_ids: list[int],
@@ -182,6 +193,7 @@ def add_forked_request(
     max_new_tokens: int,
     processor_kwargs: dict[str, Any] | None = None,
     streaming: bool = False,
+    eos_token_id: int | list[int] | None = None,
 ) -> list[str]:
     """Submit one prompt whose prefill is shared by `num_samples` sampled continuations; return their request ids.
 
@@ -191,25 +203,28 @@ def add_forked_request(
     on the output queue (the children inherit it); the decode fast path then takes those rows the slow way.
     A one-token prompt is submitted as `num_samples` requests under the same ids instead: transformers forks after
     prefilling all but a prompt's last token, which leaves a one-token prompt an empty forward (it fails), and such a
-    prompt has nothing to share.
+    prompt has nothing to share. `eos_token_id`: the requests' own EOS ids (`NO_EOS`: none end them), else the
+    engine's generation config's.
     """
     if len(input_ids) == 1 and num_samples > 1:
-        ids = [request_id] + [f"{request_id}__child#{i}" for i in range(num_samples - 1)]
+        ids = [request_id] + [f"{request_id}{CHILD_MARK}{i}" for i in range(num_samples - 1)]
         for rid in ids:
-            add_forked_request(manager, input_ids, rid, 1, max_new_tokens, processor_kwargs, streaming)
+            add_forked_request(manager, input_ids, rid, 1, max_new_tokens, processor_kwargs, streaming, eos_token_id)
         return ids
     with _fork_lock:
         manager.num_return_sequences = num_samples
         try:
-            stream = {"streaming": True} if streaming else {}  # the call as before unless a caller watches steps
+            # the call as before unless a caller watches steps or sets the EOS
+            extra = {"streaming": True} if streaming else {}
+            extra.update({} if eos_token_id is None else {"eos_token_id": eos_token_id})
             rid = manager.add_request(
-                input_ids, request_id=request_id, max_new_tokens=max_new_tokens, **stream, **(processor_kwargs or {})
+                input_ids, request_id=request_id, max_new_tokens=max_new_tokens, **extra, **(processor_kwargs or {})
             )
         finally:
             manager.num_return_sequences = 1
     if rid is None:
         raise EngineDiedError(f"The continuous batching engine refused request {request_id}: it is stopping.")
-    return [rid] + [f"{rid}__child#{i}" for i in range(num_samples - 1)]
+    return [rid] + [f"{rid}{CHILD_MARK}{i}" for i in range(num_samples - 1)]
 
 
 def reset_prefix_cache(manager: ContinuousBatchingManager) -> None:

@@ -28,16 +28,19 @@ from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.generation.continuous_batching.cache_allocators.full_attention import FullAttentionCacheAllocator
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .paged_decode import REFERENCE_KERNELS, BlockTableLayer, Kernels
+from . import _upstream_geometry, _upstream_window
+from .paged_decode import REFERENCE_KERNELS, BlockTableLayer, Kernels, gather_pages, write_new_keys
 
 __all__ = [
     "ATTENTION_UPDATES_CACHE",
+    "GATHERED_SLOTS_KWARG",
     "KERNELS_ATTR",
     "PagedLayer",
     "block_table_layer",
     "drop_paged_cache_from_outputs",
     "engine_layer",
     "kernels_of",
+    "latent_block_table_read",
     "with_direct_reads",
     "with_read_index_rows",
     "paged_layer",
@@ -56,6 +59,16 @@ _READ_INDEX_ATTR = "_trl_cb_read_index"
 _WRITE_TRASH_KWARG = "_trl_cb_write_trash"
 _KERNEL_KWARG = "_trl_cb_kernels"
 KERNELS_ATTR = "_trl_cb_kernels"
+#: Attention kwarg (ours) of a block-table step: the layer's ring width W where its pages are a sliding-window ring.
+_WINDOW_KWARG = "_trl_cb_window"
+#: Attribute (ours) of a block-table step's new keys: the layer's block-table kwargs, for a KV-shared layer (Gemma
+#: 3n/4), which gets those same keys from its source layer and runs no cache update of its own.
+_BLOCK_TABLE_ATTR = "_trl_cb_block_table"
+#: Attention kwarg (ours) of a latent layer's block-table step: its keys arrive gathered from the pages (and expanded
+#: by the model's layer), this many slots per row (`latent_block_table_read`).
+GATHERED_SLOTS_KWARG = "_trl_cb_gathered_slots"
+_BLOCK_TABLE_KWARGS = ("k_cache", "v_cache", "block_table", "cu_seq_lens_k", _WRITE_TRASH_KWARG, _KERNEL_KWARG,
+                       _WINDOW_KWARG)  # fmt: skip
 
 
 @dataclass
@@ -142,6 +155,7 @@ def with_direct_reads(
     choice. The caller also keeps the cache out of the model's output (`drop_paged_cache_from_outputs`)."""
     if ATTENTION_UPDATES_CACHE:
         return None
+    latent = _upstream_geometry.expands_cached_keys(model.config.get_text_config())  # its layer expands what it reads
 
     def update_with_direct_reads(
         key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict | None = None
@@ -156,9 +170,44 @@ def with_direct_reads(
                 return keys, layer.value_storage.transpose(0, 1)[None]
         if kwargs is not None and kwargs.get("block_table") is not None:
             _mark_block_table_step(cache, layer_idx, kwargs)
+            if latent:
+                update(key_states=key_states, value_states=value_states, layer_idx=layer_idx, kwargs=kwargs)
+                return latent_block_table_read(key_states, value_states, kwargs)
         return update(key_states=key_states, value_states=value_states, layer_idx=layer_idx, kwargs=kwargs)
 
     return update_with_direct_reads
+
+
+def latent_block_table_read(
+    key_states: torch.Tensor,  # (1, 1, R, Dk): this step's latent "keys", one per row
+    value_states: torch.Tensor,  # (1, 1, R, Dv): its rotary "values"
+    kwargs: dict,  # a block-table step's kwargs, filled by upstream's `cache.update` and `_mark_block_table_step`
+) -> tuple[torch.Tensor, torch.Tensor]:  # (1, 1, R * L, Dk), (1, 1, R * L, Dv)
+    """A latent layer's block-table step (5.24): its layer expands what the cache returns, so no kernel may read its
+    pages as keys. Write this step's latents through the block table (zero-padded to the pages' width), return every
+    row's L slots gathered and cut to the widths written; the attention function attends row r to its first
+    `seq_lens[r]` slots (`GATHERED_SLOTS_KWARG`). Shapes fixed by the padded rows and the table: graph-safe."""
+    pages = kwargs["k_cache"]
+    key_width, value_width = key_states.shape[-1], value_states.shape[-1]
+
+    def padded(states: torch.Tensor) -> torch.Tensor:  # (R, 1, width)
+        return torch.nn.functional.pad(states[0].transpose(0, 1), (0, pages.shape[-1] - states.shape[-1]))
+
+    layer = BlockTableLayer(
+        new_keys=padded(key_states),
+        new_values=padded(value_states),
+        key_pages=pages,
+        value_pages=kwargs["v_cache"],
+        block_table=kwargs["block_table"],
+        cu_seq_lens_k=kwargs["cu_seq_lens_k"],
+        write_trash=kwargs[_WRITE_TRASH_KWARG],
+    )
+    write_new_keys(layer)
+    keys, values = gather_pages(layer)  # (R, L, 1, width)
+    rows, slots = keys.shape[:2]
+    kwargs[GATHERED_SLOTS_KWARG] = slots
+    keys = keys[..., :key_width].reshape(1, rows * slots, 1, key_width).transpose(1, 2)
+    return keys, values[..., :value_width].reshape(1, rows * slots, 1, value_width).transpose(1, 2)
 
 
 def block_table_layer(
@@ -173,10 +222,18 @@ def block_table_layer(
     Upstream's `cache.update` fills `kwargs` for a block-table step without writing anything (a flash kernel writes):
     the layer's `block_table` row, its page views `k_cache` / `v_cache` and its `cu_seq_lens_k`. Up to 5.23 the
     attention function gets `cache` and calls it here; from 5.24 the model's layer called it (through
-    `with_direct_reads`, which also hands over the allocator's write-trash row)."""
+    `with_direct_reads`, which also hands over the allocator's write-trash row and ring width). A KV-shared layer ran
+    no update: it reads its source layer's pages, found on the keys it shares (writing that key again is a no-op)."""
     if isinstance(cache, PagedAttentionCache):
         cache.update(key_states=key_states, value_states=value_states, layer_idx=module.layer_idx, kwargs=kwargs)
         _mark_block_table_step(cache, module.layer_idx, kwargs)
+    if "k_cache" in kwargs:
+        setattr(key_states, _BLOCK_TABLE_ATTR, {name: kwargs[name] for name in _BLOCK_TABLE_KWARGS})
+    else:
+        source = getattr(key_states, _BLOCK_TABLE_ATTR, None)
+        if source is None:
+            raise ValueError(f"Layer {module.layer_idx} reads keys in a block-table step that no cache update gave")
+        kwargs = {**kwargs, **source}
     return BlockTableLayer(
         new_keys=key_states[0].transpose(0, 1),
         new_values=value_states[0].transpose(0, 1),
@@ -186,12 +243,15 @@ def block_table_layer(
         cu_seq_lens_k=kwargs["cu_seq_lens_k"],
         write_trash=kwargs[_WRITE_TRASH_KWARG],
         kernel=kwargs[_KERNEL_KWARG].paged,
+        window=kwargs[_WINDOW_KWARG],
     )
 
 
 def _mark_block_table_step(cache: PagedAttentionCache, layer_idx: int, kwargs: dict) -> None:
-    kwargs[_WRITE_TRASH_KWARG] = cache.layer_to_allocator[layer_idx].write_trash_index
+    allocator = cache.layer_to_allocator[layer_idx]
+    kwargs[_WRITE_TRASH_KWARG] = allocator.write_trash_index
     kwargs[_KERNEL_KWARG] = kernels_of(cache)
+    kwargs[_WINDOW_KWARG] = _upstream_window.window_of(allocator)
 
 
 def kernels_of(cache: object) -> Kernels:

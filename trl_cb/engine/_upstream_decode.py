@@ -9,9 +9,9 @@ from its block table), or build them from the plan and the block tables (the fir
 fork), and `_fast_update` takes the rows that go on, leaving the others to upstream's `update_batch`.
 Invariant: a fast step leaves the tensors the forward reads as upstream's path would, and the request states as it
 would once written (tests/unit/engine/test_decode_fast_path.py: same tokens and logprobs, the rows checked per step).
-Where it fits (`fast_path_fits`): synchronous engines with full-attention layers only and no dense mask, in either
-layout: read rows (CPU, unpadded) or block tables (decode graphs, padded). Upstream surface: pinned in
-tests/unit/test_contracts.py, listed in docs/architecture.md ("Upstream surface").
+Where it fits (`fast_path_fits`): synchronous engines without a dense mask, in either layout: read rows (CPU,
+unpadded; one full-attention group) or block tables (decode graphs, padded; full-attention groups and sliding-window
+rings, `_upstream_window`). Upstream surface: tests/unit/test_contracts.py, docs/architecture.md ("Upstream surface").
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from transformers.generation.continuous_batching.requests import (
 from transformers.generation.continuous_batching.scheduler import FIFOScheduler, PrefillFirstScheduler
 
 from . import _upstream_sampling as _sampling
+from . import _upstream_window
 from ._upstream_cache import read_index_rows
 from ._upstream_decode_plan import (
     Batch,
@@ -96,15 +97,22 @@ def fast_path_fits(processor: Any) -> bool:
     """Whether the fast path serves this batch processor (where: the module docstring)."""
     ios, cache, scheduler = processor.inputs_and_outputs, processor.cache, processor.scheduler
     allocators = list(cache.cache_allocators.values())
-    block_tables = ios.block_table.numel() > 0
+    if ios.block_table.numel() > 0:  # every group read through block tables: full attention, sliding-window rings
+        ring = _upstream_window.reads_block_tables
+        layout = all(type(a) is FullAttentionCacheAllocator or ring(a) for a in allocators)
+    else:  # read rows: one full-attention group, unpadded, on the CPU
+        layout = (
+            len(allocators) == 1
+            and type(allocators[0]) is FullAttentionCacheAllocator
+            and cache.read_cache_limit is None
+            and ios.read_index_storage.device.type == "cpu"
+            and not processor.model_runner.pad_inputs
+        )
     return (
-        type(ios) is ContinuousBatchingIOs
+        layout
+        and type(ios) is ContinuousBatchingIOs
         and type(scheduler) in (FIFOScheduler, PrefillFirstScheduler)
-        and len(allocators) == 1
-        and type(allocators[0]) is FullAttentionCacheAllocator
         and ios.attention_mask is None
-        and cache.read_cache_limit is None
-        and (block_tables or (ios.read_index_storage.device.type == "cpu" and not processor.model_runner.pad_inputs))
     )
 
 
@@ -117,7 +125,7 @@ def with_fast_path(
     per step). Counters: `decode_fast_path_stats`. Call only where `fast_path_fits`. `states_read_per_step`: something
     in the step reads the request states (a hybrid's step plan reads positions), so they cannot be written lazily."""
     ios, cache, scheduler = processor.inputs_and_outputs, processor.cache, processor.scheduler
-    allocator = next(iter(cache.cache_allocators.values()))
+    allocators = list(cache.cache_allocators.values())
     block_tables = ios.block_table.numel() > 0
     stats = DecodeFastPathStats()
     # request states written once per request instead of once per step, unless the step or a processor (every row's
@@ -129,15 +137,15 @@ def with_fast_path(
         host = _HostInputs(ios)
 
         def advance(last: Any, batch: list, processors: Any, num_q_tokens: int, max_kv_read: int) -> Any:
-            return _advance_table(ios, allocator, host, last, batch, processors, num_q_tokens)
+            return _advance_table(ios, allocators, host, last, batch, processors, num_q_tokens)
 
     else:
 
         def advance(last: Any, batch: list, processors: Any, num_q_tokens: int, max_kv_read: int) -> Any:
-            return _advance(ios, allocator, last, batch, processors, max_kv_read)
+            return _advance(ios, allocators[0], last, batch, processors, max_kv_read)
 
     return FastPath(
-        fast_scheduler(scheduler, cache, allocator, schedule, stats, last, lazy, block_tables),
+        fast_scheduler(scheduler, cache, allocators, schedule, stats, last, lazy, block_tables),
         _fast_prepare(ios, stats, prepare, block_tables, advance),
         _fast_update(ios, update),
         stats,
@@ -404,7 +412,7 @@ class _HostInputs:
 
 def _advance_table(
     ios: ContinuousBatchingIOs,
-    allocator: FullAttentionCacheAllocator,
+    allocators: list[FullAttentionCacheAllocator],
     host: _HostInputs,
     last: _PreviousTable | None,
     batch: list[FutureRequestState],
@@ -413,28 +421,32 @@ def _advance_table(
 ) -> _PreviousTable:
     """Prepare the block-table step `batch`, padded to `rows`: from `last` when it is a steady continuation of it
     (`_map_rows`: only the table rows of rows at a page start re-read), else from the request states alone (every
-    table row read from the allocator: the first decode step after a prefill or a fork, or after a step the fast path
-    did not prepare). Padding rows: no keys (flat `cu_seq_lens_k`), table rows -1."""
+    table row read from the allocators: the first decode step after a prefill or a fork, or after a step the fast path
+    did not prepare). One table per allocator (a sliding-window ring's too); every group's key count the absolute
+    length (`_upstream_window`). Padding rows: no keys (flat `cu_seq_lens_k`), table rows -1."""
     states, mapped = _rows_of(batch, last)
     n = len(states)
     plan = getattr(batch, "plan", None)
-    table = host.table_np[allocator.index]
     if mapped is not None:
         kept, positions, input_ids = mapped
         # 1) block table rows: the kept rows moved up; a row at a page start re-read (it has a new page, and
         #    completing the previous one may have swapped it for a shared one); padding rows -1
-        if kept is not None:
-            table[:n] = table[kept]
-        table[n : max(rows, last.rows)] = -1
-        host.fill_table_rows(allocator, states, np.flatnonzero(positions % allocator.tokens_per_page == 0).tolist())
+        at_start = np.flatnonzero(positions % allocators[0].tokens_per_page == 0).tolist()
+        for allocator in allocators:
+            table = host.table_np[allocator.index]
+            if kept is not None:
+                table[:n] = table[kept]
+            table[n : max(rows, last.rows)] = -1
+            host.fill_table_rows(allocator, states, at_start)
     else:
         if plan is not None:
             positions, input_ids = plan.past, plan.input_ids
         else:
             positions = np.fromiter((s.position_offset for s in states), np.int64, n)  # (n,)
             input_ids = np.fromiter((s.tokens_to_process[0] for s in states), np.int32, n)  # the token sampled last
-        host.fill_table_rows(allocator, states, range(n))
-        table[n:] = -1
+        for allocator in allocators:
+            host.fill_table_rows(allocator, states, range(n))
+            host.table_np[allocator.index][n:] = -1
     # 2) the request states, as upstream's loop leaves them (a lazy plan's are written when read: `_Pending`)
     _advance_states(batch, states)
     # 3) the small inputs (rows: input ids, positions, cu_seq_lens_q, logits indices, cu_seq_lens_k per layer type)
@@ -455,7 +467,7 @@ def _advance_table(
     # 4) the counters the forward, the graph key and `update_batch` read
     ios.num_q_tokens, ios.max_kv_read, ios.num_request_in_batch = rows, 0, n
     ios.use_block_table = True
-    ios.true_write_sizes, ios.true_read_sizes = [0], [0]
+    ios.true_write_sizes, ios.true_read_sizes = [0] * len(allocators), [0] * len(allocators)
     ios.max_length_q, ios.total_seqlen_q = 1, n
     for layer_type in ios.cumulative_seqlens_k:
         ios.max_length_k[layer_type] = int(positions.max()) + 1

@@ -149,7 +149,7 @@ def write_pending(batch: list | None) -> None:
 def fast_scheduler(
     scheduler: Any,
     cache: Any,
-    allocator: FullAttentionCacheAllocator,
+    allocators: list[FullAttentionCacheAllocator],
     slow: Callable,
     stats: DecodeFastPathStats,
     last: list[Batch | None],
@@ -158,20 +158,20 @@ def fast_scheduler(
 ) -> Callable:
     """`schedule_batch`: the next step continued from the last fast step's plan where it can be, else read from the
     request states (`_steady_batch`, after the lazy states are written), else upstream's. `last[0]`: the last fast
-    batch (None after any other step)."""
-    name = next(key for key, value in cache.cache_allocators.items() if value is allocator)  # `complete_blocks` key
+    batch (None after any other step). `allocators`: the cache's, one group (read rows) or several (block tables)."""
+    name = next(iter(cache.cache_allocators))  # `complete_blocks` key (prefix sharing: one full-attention group)
     # A block-table step reads no key rows (`max_kv_read` 0); a request at the table's length takes upstream's path.
     limit = cache.max_decode_fast_path_length if block_tables else None
 
     def schedule_batch(token_budget: int, cache_budget: int) -> tuple[list | None, bool, int, int]:
         batch, previous = None, last[0]
         if _may_be_steady(scheduler, token_budget) and previous is not None and previous.plan.on is not None:
-            batch = _continued_batch(scheduler, cache, allocator, name, cache_budget, previous, limit)
+            batch = _continued_batch(scheduler, cache, allocators, name, cache_budget, previous, limit)
             stats.continued += bool(batch)
         if not batch:
             write_pending(previous)  # anything below reads the request states
             if batch is None and _may_be_steady(scheduler, token_budget):
-                batch = _steady_batch(scheduler, cache, allocator, name, cache_budget, previous, limit, lazy)
+                batch = _steady_batch(scheduler, cache, allocators, name, cache_budget, previous, limit, lazy)
         last[0] = batch or None
         if not batch:
             return slow(token_budget, cache_budget)
@@ -194,7 +194,7 @@ def _may_be_steady(scheduler: Any, token_budget: int) -> bool:
 def _steady_batch(
     scheduler: Any,
     cache: Any,
-    allocator: FullAttentionCacheAllocator,
+    allocators: list[FullAttentionCacheAllocator],
     name: str,
     cache_budget: int,
     last: Batch | None,
@@ -231,7 +231,7 @@ def _steady_batch(
         plan.pending, plan.slots = _Pending(states), np.arange(n, dtype=np.int64)
     previous = [] if last is None else last
     reuse = _reusable_rows(states, previous)
-    return _planned_batch(cache, allocator, name, cache_budget, plan, previous, reuse, limit)
+    return _planned_batch(cache, allocators, name, cache_budget, plan, previous, reuse, limit)
 
 
 def _reusable_rows(states: list[RequestState], last: list[FutureRequestState]) -> np.ndarray:
@@ -248,7 +248,7 @@ def _reusable_rows(states: list[RequestState], last: list[FutureRequestState]) -
 def _continued_batch(
     scheduler: Any,
     cache: Any,
-    allocator: FullAttentionCacheAllocator,
+    allocators: list[FullAttentionCacheAllocator],
     name: str,
     cache_budget: int,
     last: Batch,
@@ -294,12 +294,12 @@ def _continued_batch(
         slots=None if previous.slots is None else previous.slots if whole else previous.slots[kept],
     )
     rows = np.arange(len(previous.states), dtype=np.int64) if whole else kept
-    return _planned_batch(cache, allocator, name, cache_budget, plan, last, rows, limit)
+    return _planned_batch(cache, allocators, name, cache_budget, plan, last, rows, limit)
 
 
 def _planned_batch(
     cache: Any,
-    allocator: FullAttentionCacheAllocator,
+    allocators: list[FullAttentionCacheAllocator],
     name: str,
     cache_budget: int,
     plan: _Plan,
@@ -319,11 +319,11 @@ def _planned_batch(
         read = np.cumsum(past)
         if read[-1] > cache_budget or (n > 1 and read[-2] >= cache_budget):
             return []
-    page, tables = allocator.tokens_per_page, allocator.block_table
+    page = allocators[0].tokens_per_page  # every group's (the engine's page size)
     for i in np.flatnonzero(past % page == 0).tolist():  # only a row at a page start can need a new page
-        state = states[i]
-        if len(tables.get(state.request_id, ())) * page <= past[i]:
-            state.position_offset = int(past[i])  # what the allocator reads (a lazy state's may be behind)
+        state, position = states[i], int(past[i])
+        if any(a.needs_new_blocks(state.request_id, position, 1) for a in allocators):  # a ring: until it is full
+            state.position_offset = position  # what the allocator reads (a lazy state's may be behind)
             if not cache.can_store_request_tokens(state, 1):
                 return []  # allocation failed: the slow path starves or offloads
     if cache.use_prefix_sharing:

@@ -6,13 +6,13 @@ modules never assign to an engine object (test_upstream_patches.py). Composed, o
 step threads (CPU) > mask placeholder > a hybrid's step plan (`_upstream_recurrent`; its state slots freed and forked
 with the cache's blocks) > decode graphs or eager (`decode_graphs`) > upstream; `_sample`: policy-logprob recorder >
 race sampler or upstream; `maybe_pad_inputs`: decode padding; `prepare_batch_update`: (processed, policy) logprob pairs
-> upstream; `schedule_batch`: steady decode batch > upstream; `prepare_batch_tensors`: steady decode advance > read
-rows by tensor ops (`_upstream_cache`) > upstream; `update_batch`: steady rows inline > forks copied (`_upstream_fork`)
-> upstream; `handle_batch_error` / `fail_all_requests`: lazy request states written > upstream;
-`cache.search_prefix_match`: two prompt tokens left (`_upstream_prefix`) > upstream; `cache.update`: one-gather reads,
-block-table marks > upstream; `_run_generation_loop`: a context (`run_loop_in`); on the classes: block hashes chained
-from the weight epoch (`install_epoch_hashes`), a hybrid's mixer `forward` through its stepper
-(`_upstream_recurrent.routed_forward`). Upstream surface: test_contracts.py.
+> upstream; a sliding-window allocator's block-table methods and key counts (`_upstream_window`); `schedule_batch`:
+steady decode batch > upstream; `prepare_batch_tensors`: steady decode advance > read rows by tensor ops
+(`_upstream_cache`) > upstream; `update_batch`: steady rows inline > forks copied (`_upstream_fork`) > upstream;
+`handle_batch_error` / `fail_all_requests`: lazy states written > upstream; `cache.search_prefix_match`: two prompt
+tokens left (`_upstream_prefix`) > upstream; `cache.update`: one-gather reads, block-table marks > upstream;
+`_run_generation_loop`: a context (`run_loop_in`); on the classes: block hashes chained from the weight epoch
+(`install_epoch_hashes`), a hybrid's mixer `forward` through its stepper. Upstream surface: test_contracts.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,15 @@ import torch
 from transformers import PreTrainedModel
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 
-from . import _upstream_cache, _upstream_decode, _upstream_fork, _upstream_prefix, _upstream_recurrent, openmp
+from . import (
+    _upstream_cache,
+    _upstream_decode,
+    _upstream_fork,
+    _upstream_prefix,
+    _upstream_recurrent,
+    _upstream_window,
+    openmp,
+)
 from . import _upstream_sampling as _sampling
 from . import decode_graphs as _graphs
 from .policy_logprobs import PolicyLogprobRecorder
@@ -66,7 +74,12 @@ def install(manager: ContinuousBatchingManager, model: PreTrainedModel, features
     recorder = features.recorder
 
     # ModelRunner._sample and IOs.prepare_batch_update: what a step samples and hands to the host
-    sample = _sampling.race_sample(runner.return_logprobs) if _sampling.race_sampler_fits(manager) else runner._sample
+    seeded = _sampling.request_processor(manager, _sampling.SeededRows)
+    alternatives = _sampling.request_processor(manager, _sampling.TopLogprobs)
+    race = _sampling.race_sampler_fits(manager)
+    if (seeded or alternatives) and not race:  # they would be dropped silently
+        raise ValueError("seeds and top_logprobs need the engine's sampler uncompiled and sampling (do_sample=True)")
+    sample = _sampling.race_sample(runner.return_logprobs, seeded, alternatives) if race else runner._sample
     prepare_update = ios.prepare_batch_update
     if recorder is not None:
         sample = _sampling.recording_sample(sample, recorder)
@@ -87,6 +100,17 @@ def install(manager: ContinuousBatchingManager, model: PreTrainedModel, features
         compute = _upstream_recurrent.with_step_plan(features.recurrent, ios, compute)
     compute = _with_placeholder_mask(compute, model, features.attention_name)
     compute = _with_step_threads(compute, model)
+
+    # SlidingAttentionCacheAllocator's block-table methods and key counts, and the cache's block-table length limit:
+    # a windowed layer's ring read through block tables (decode graphs; `_upstream_window`)
+    rings = _upstream_window.rings(cache) if ios.block_table.numel() > 0 else []
+    if rings:
+        for ring in rings:
+            ring.fill_block_table, ring.get_cache_for_block_table, ring.get_seqlen_k = _upstream_window.ring_methods(
+                ring, ios
+            )
+            ring.supports_block_table = True
+        cache.max_decode_fast_path_length = _upstream_window.decode_fast_path_length(cache)
 
     # Scheduler.schedule_batch, IOs.prepare_batch_tensors, processor.update_batch: the steady decode path in front
     schedule, prepare, update = scheduler.schedule_batch, ios.prepare_batch_tensors, processor.update_batch

@@ -16,7 +16,7 @@ order; what reads per-step state on the host runs only on a synchronous, uncompi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
@@ -29,10 +29,15 @@ from . import sampler
 from .policy_logprobs import PolicyLogprobRecorder
 from .request_processors import (
     POLICY_LOGPROBS_NEED_SYNC,
+    REQUEST_KWARGS,
     HistoryProcessor,
     RequestHistory,
+    SeededRows,
+    TopLogprobs,
     require_synchronous_engine,
 )
+
+_P = TypeVar("_P")
 
 
 def install_processors(
@@ -46,6 +51,8 @@ def install_processors(
     `record_policy_logprobs`, the recorder before everything (it must see the raw logits). Returns the recorder, to
     be wired in by `_upstream_patches` once warmup has built the batch processor."""
     check_processors_kept(manager, model, generation_config)
+    if manager.continuous_batching_config.per_request_processors:
+        per_request_min_p(manager)
     if request_processors:
         install_request_processors(manager, request_processors)
     if not record_policy_logprobs:
@@ -106,12 +113,12 @@ def _same_setting(a: Any, b: Any) -> bool:
 class PerRequestProcessor(ContinuousBatchingLogitsProcessor):
     """Adapts trl_cb `HistoryProcessor`s to the engine's processor interface, as one engine processor.
 
-    Takes no per-request kwargs and no tensor argument (one zero row, as the interface requires one per processor);
-    it reads each request's history once per step in `prepare_tensor_args`, which the engine calls right before the
-    forward, and applies the processors in order.
+    Takes no tensor argument (one zero row, as the interface requires one per processor); it reads each request's
+    history and own settings (`REQUEST_KWARGS`, which requests may then carry) once per step in `prepare_tensor_args`,
+    which the engine calls right before the forward, and applies the processors in order.
     """
 
-    supported_kwargs: dict[str, type] = {}
+    supported_kwargs: dict[str, type] = REQUEST_KWARGS
     ignored_kwargs: tuple[str, ...] = ()
 
     def __init__(self, processors: Sequence[HistoryProcessor]) -> None:
@@ -130,6 +137,47 @@ class PerRequestProcessor(ContinuousBatchingLogitsProcessor):
         for processor in self.processors:
             scores = processor(scores)
         return scores
+
+
+class PerRequestMinP(ContinuousBatchingLogitsProcessor):
+    """`generate()`'s `MinPLogitsWarper` with each request's own `min_p` (the engine's kwarg, else the warper's): drop
+    the tokens whose probability is below `min_p` x the row's top probability, at the same place among the warpers
+    (after temperature, top-k and top-p). transformers has no per-request version; `per_request_min_p` swaps it in."""
+
+    supported_kwargs: dict[str, type] = {"min_p": float}
+    ignored_kwargs: tuple[str, ...] = ()
+
+    def __init__(self, warper: Any) -> None:
+        self.min_p = float(warper.min_p)
+        self.filter_value = warper.filter_value
+        self.min_tokens_to_keep = warper.min_tokens_to_keep
+
+    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+        int32_tensor.copy_(torch.full_like(int32_tensor, self.min_p, dtype=torch.float32).view(dtype=torch.int32))
+
+    def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
+        values = [r.state.logit_processor_kwargs.get("min_p", self.min_p) for r in requests_with_new_token]
+        return torch.tensor(values, dtype=torch.float32).view(dtype=torch.int32)  # the engine's bulk dtype
+
+    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        min_p = tensor_arg[: scores.size(0)].view(dtype=torch.float32).to(scores.device).unsqueeze(-1)  # (rows, 1)
+        probs = torch.softmax(scores, dim=-1)
+        remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
+        keep = torch.topk(probs, min(self.min_tokens_to_keep, probs.size(-1)), dim=-1).indices
+        return scores.masked_fill(remove.scatter_(-1, keep, False), self.filter_value)
+
+
+def per_request_min_p(manager: ContinuousBatchingManager) -> None:
+    """Replace the engine's `MinPLogitsWarper` (built when its config sets `min_p`) by `PerRequestMinP`, in place, so
+    that requests may carry their own `min_p` (call before warmup, which sizes the tensor arguments)."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    processor_list = manager.logit_processor
+    for i, processor in enumerate(processor_list.logits_processor):
+        if isinstance(processor, MinPLogitsWarper):
+            processor_list.logits_processor[i] = PerRequestMinP(processor)
+            processor_list.tensors_required += 1
+            processor_list.supported_keys.update(PerRequestMinP.supported_kwargs)
 
 
 class PerRequestPolicyLogprobs(ContinuousBatchingLogitsProcessor):
@@ -166,7 +214,16 @@ def _request_history(state: Any) -> RequestHistory:
         prompt_len=prompt_len,
         prefix=state.initial_tokens,
         generated=state.generated_tokens,
+        settings=state.logit_processor_kwargs,
     )
+
+
+def request_processor(manager: ContinuousBatchingManager, kind: type[_P]) -> _P | None:
+    """The engine's trl_cb request processor of class `kind` (`SeededRows`, `TopLogprobs`), if it has one."""
+    for processor in manager.logit_processor.logits_processor:
+        if isinstance(processor, PerRequestProcessor):
+            return next((p for p in processor.processors if isinstance(p, kind)), None)
+    return None
 
 
 def install_request_processors(manager: ContinuousBatchingManager, processors: Sequence[HistoryProcessor]) -> None:
@@ -182,6 +239,7 @@ def install_request_processors(manager: ContinuousBatchingManager, processors: S
         [PerRequestProcessor(processors), *processor_list.logits_processor]
     )
     processor_list.tensors_required += 1
+    processor_list.supported_keys.update(PerRequestProcessor.supported_kwargs)
     processor_list.do_processing = True
 
 
@@ -215,14 +273,20 @@ def race_sampler_fits(manager: ContinuousBatchingManager) -> bool:
     return runner.do_sample and not compiled
 
 
-def race_sample(return_logprobs: bool) -> Callable[[torch.Tensor, torch.Tensor], None]:
+def race_sample(
+    return_logprobs: bool, seeded: SeededRows | None = None, alternatives: TopLogprobs | None = None
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """A `ModelRunner._sample(scores, output_ids)` replacement that samples with `sampler.sample_with_logprobs` and
     writes what the engine's own does, where it does. Internal (pinned by tests/unit/test_contracts.py, which runs both
     samplers on one distribution): scores `(1, rows, vocab)`; the tokens go to `output_ids[0, :rows]` and, with
-    `return_logprobs`, their fp32 logprobs bit-cast to int32 to `output_ids[1, :rows]`."""
+    `return_logprobs`, their fp32 logprobs bit-cast to int32 to `output_ids[1, :rows]`. `seeded`: the step's seeded
+    rows draw from their own generators; `alternatives` records the asking rows' most likely tokens."""
 
     def sample(scores: torch.Tensor, output_ids: torch.Tensor) -> None:
-        tokens, logprobs = sampler.sample_with_logprobs(scores[0])  # (rows,), (rows,)
+        own = seeded.generators if seeded is not None else None
+        tokens, logprobs = sampler.sample_with_logprobs(scores[0], rows=own)  # (rows,), (rows,)
+        if alternatives is not None:
+            alternatives.record(scores[0])
         rows = tokens.size(0)
         output_ids[0, :rows].copy_(tokens)
         if return_logprobs:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 
-from . import _upstream_geometry
+from . import _upstream_cache, _upstream_geometry, _upstream_window
 
 logger = logging.getLogger(__name__)
 
@@ -169,19 +169,20 @@ def graphs_of(manager: ContinuousBatchingManager) -> DecodeGraphs | None:
 def enable_block_table_decode(manager: ContinuousBatchingManager, max_sequence_length: int) -> bool:
     """Before warmup (the batch processor does not exist yet): let decode steps read the cache through a block table
     of `max_sequence_length` tokens per request (upstream offers block tables only to flash kernels and turns them off
-    while resolving the config; `paged_decode` reads them on any device). Returns whether it was enabled: not for
-    sliding-window layers, whose allocator has no block table, nor for a layer that expands what it reads from the
-    cache (latent attention: `_upstream_geometry.expands_cached_keys`). Hybrid models (recurrent layers) never get
-    here: `_upstream_recurrent.check_engine_settings` refuses decode graphs for them first."""
-    from transformers.generation.continuous_batching.cache import ATTN_TYPE_TO_ALLOCATOR, group_layers_by_attn_type
+    while resolving the config; `paged_decode` reads them on any device). Sliding-window layers read their ring of
+    pages through it (`_upstream_window`, synchronous IOs only); a latent layer gets its pages gathered before its
+    layer expands them (`_upstream_cache.latent_block_table_read`; from transformers 5.24, where the layer calls the
+    cache). Returns whether it was enabled: not for a layer type without either allocator. Hybrid models (recurrent
+    layers) never get here: `_upstream_recurrent.check_engine_settings` refuses decode graphs for them first."""
+    from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
 
     config = manager.continuous_batching_config
     text_config = manager.model.config.get_text_config()
-    layer_types = group_layers_by_attn_type(text_config)
+    layer_types = set(group_layers_by_attn_type(text_config))
     if (
-        not all(ATTN_TYPE_TO_ALLOCATOR[t].supports_block_table for t in layer_types)
-        or "sliding_attention" in layer_types
-        or _upstream_geometry.expands_cached_keys(text_config)
+        not layer_types <= {"full_attention", "sliding_attention"}
+        or ("sliding_attention" in layer_types and not _upstream_window.windowed_block_tables_fit(config))
+        or (_upstream_geometry.expands_cached_keys(text_config) and _upstream_cache.ATTENTION_UPDATES_CACHE)
     ):
         return False
     blocks = math.ceil(max_sequence_length / config.page_size) + 1

@@ -21,21 +21,27 @@ import torch
 __all__ = ["exponential_race", "sample_with_logprobs"]
 
 
-def exponential_race(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of `probs` (rows, vocab), non-negative, not necessarily normalised: (rows,) int64."""
+def exponential_race(
+    probs: torch.Tensor, generator: torch.Generator | None = None, rows: dict[int, torch.Generator] | None = None
+) -> torch.Tensor:
+    """One token per row of `probs` (rows, vocab), non-negative, not necessarily normalised: (rows,) int64. `rows`:
+    rows whose draws come from their own generator (a seeded request's) instead."""
     race = torch.empty_like(probs, dtype=torch.float32).uniform_(generator=generator)  # (rows, vocab) U in [0, 1)
+    for row, own in (rows or {}).items():
+        if row < race.size(0):
+            race[row].uniform_(generator=own)
     race.log_().neg_()  # E = -log U ~ Exponential(1), in (0, inf]
     torch.div(probs, race, out=race)  # p / E
     return race.argmax(dim=-1)
 
 
 def sample_with_logprobs(
-    scores: torch.Tensor, generator: torch.Generator | None = None
+    scores: torch.Tensor, generator: torch.Generator | None = None, rows: dict[int, torch.Generator] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of the processed `scores` (rows, vocab) from `softmax(scores)` and return
     `(tokens, logprobs)`: (rows,) int64 and (rows,) float32, the log-probability of each token under the same
-    probabilities (as the engine's own sampler computes it)."""
+    probabilities (as the engine's own sampler computes it); `rows` as `exponential_race`'s."""
     probs = torch.softmax(scores.float(), dim=-1)  # (rows, vocab)
-    tokens = exponential_race(probs, generator)
+    tokens = exponential_race(probs, generator, rows)
     logprobs = probs.gather(1, tokens[:, None]).squeeze(1).log()  # (rows,)
     return tokens, logprobs

@@ -259,6 +259,12 @@ def varlen_paged_attention(
     window = sliding_window if isinstance(sliding_window, int) and sliding_window > 0 else None
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
     if kwargs.get("block_table") is not None:  # a decode step through the block table (graph-safe: `paged_decode`)
+        slots = kwargs.get(_upstream_cache.GATHERED_SLOTS_KWARG)
+        if slots is not None:  # a latent layer: its keys were gathered from the pages, then expanded by the model
+            cu_k = kwargs["cu_seq_lens_k"]  # (`_upstream_cache.latent_block_table_read`)
+            rows_first = [x[0].unflatten(1, (-1, slots)).transpose(0, 1) for x in (key, value)]  # (R, H, L, D) each
+            out = paged_decode.attend_padded(query[0].transpose(0, 1), *rows_first, cu_k[1:] - cu_k[:-1], scaling)
+            return out.unsqueeze(0), None
         table = _upstream_cache.block_table_layer(cache, module, key, value, kwargs)
         return paged_decode.attend(query[0].transpose(0, 1), table, scaling, softcap, sinks).unsqueeze(0), None
     # The engine's keys, its new ones written (by the cache's update here or, from transformers 5.24, in the model)

@@ -188,6 +188,11 @@ class EnginePool:
         self.free_retired()  # before allocating a new cache
         kwargs = dict(self.cb_kwargs)
         settings = choices.settings
+        if settings.top_logprobs and not self.cb_kwargs.get("per_request_processors"):
+            raise ValueError(
+                "top_logprobs: only a rollout server returns the alternatives it records (`trl-cb serve`); a "
+                "generation in process has nowhere to put them: unset it"
+            )
         request_processors = build_request_processors(settings, eos_token_ids(generation_config))
         engine_config = without_trl_cb_fields(generation_config)
         # Truncating or penalising settings: record the trainer-comparable logprob beside the processed one.

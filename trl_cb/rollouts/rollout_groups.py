@@ -69,6 +69,9 @@ class RolloutGroup:
     #: Multi-turn rollouts only: per sample, 1 for model tokens and 0 for tool tokens, and its `Conversation`.
     tool_masks: list[list[int]] | None = None
     conversations: list[Any] | None = None
+    #: Per sample (None where it asked for none), per token: the likeliest tokens of its sampled distribution and
+    #: their logprobs (OpenAI's `top_logprobs`, set by a rollout server's engine: `InFlightGroups.alternatives`).
+    top_logprobs: list[Any] | None = None
 
     @property
     def oldest_version(self) -> int:
@@ -124,6 +127,8 @@ class InFlightGroups:
         self.ended_early: list[str] = []
         self._by_request: dict[str, _Pending] = {}
         self._next_id = 0
+        #: Where a finished request's `top_logprobs` are taken from (the engine's `TopLogprobs.pop`), if anywhere.
+        self.alternatives: Callable[[str], Any] | None = None
 
     def __len__(self) -> int:
         return len(self.pending) + len(self.ready)
@@ -140,10 +145,12 @@ class InFlightGroups:
         max_new_tokens: int,
         processor_kwargs: dict[str, Any] | None = None,
         watcher: SampleWatcher | None = None,
+        eos_token_id: int | list[int] | None = None,
     ) -> None:
         """Fork `group`'s prompt into `num_samples` requests; its samples are filled in when all have finished. With a
         `watcher`, the engine streams every step of these requests and the watcher sees each (and may end a sample
-        early: its tokens so far are its result, and its request is listed in `ended_early`)."""
+        early: its tokens so far are its result, and its request is listed in `ended_early`). `eos_token_id`: the
+        requests' own EOS ids (`_upstream.NO_EOS`: none), else the engine's."""
         request_id = f"a{self._next_id}"
         self._next_id += 1
         rids = _upstream.add_forked_request(
@@ -154,6 +161,7 @@ class InFlightGroups:
             max_new_tokens,
             processor_kwargs,
             streaming=watcher is not None,
+            eos_token_id=eos_token_id,
         )
         pending = _Pending(group, rids, watcher=watcher)
         self.pending.append(pending)
@@ -188,6 +196,7 @@ class InFlightGroups:
                 self.pending.remove(pending)
                 for rid in pending.request_ids:
                     self._by_request.pop(rid, None)
+                    self._take_alternatives(rid)
                 return [rid for rid in pending.request_ids if rid not in pending.outputs]
         return []
 
@@ -229,8 +238,14 @@ class InFlightGroups:
         index = pending.request_ids.index(output.request_id)
         return PartialSample(index, tokens, processed, policy, pending.versions(output.request_id, len(tokens)))
 
+    def _take_alternatives(self, rid: str) -> Any:
+        return self.alternatives(rid) if self.alternatives is not None else None
+
     def _finish(self, pending: _Pending) -> RolloutGroup:
         group = pending.group
+        alternatives = [self._take_alternatives(rid) for rid in pending.request_ids]
+        if any(a is not None for a in alternatives):
+            group.top_logprobs = alternatives
         for rid in pending.request_ids:
             out = pending.outputs[rid]
             del self._by_request[rid]

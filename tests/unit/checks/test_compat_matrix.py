@@ -23,6 +23,7 @@ from tests.model_zoo import REFUSED, SUPPORTED, WINDOW, Arch, tiny_arch_model, t
 from trl_cb import ContinuousBatchingGenerator, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trl_cb.checks import model as compat
 from trl_cb.checks.model import UnsupportedModelError
+from trl_cb.engine._upstream_geometry import LATENT_FAMILIES
 from trl_cb.offline.data import synthetic_gsm8k
 
 TOLERANCE = 1e-4
@@ -127,6 +128,48 @@ def test_logprobs_match_teacher_forcing(arch, tokenizer, special_ids, short_prom
     print(f"\n[matrix] {arch.id}: " + ", ".join(f"{k}: {v:.1e}" for k, v in figures.items()))
 
 
+#: The families whose decode steps read the cache in a layout of their own: sliding-window rings, cached latents.
+GRAPHED_LAYOUTS = [a for a in SUPPORTED if a.windowed or a.model_type in LATENT_FAMILIES]
+
+
+@pytest.mark.parametrize("arch", GRAPHED_LAYOUTS, ids=[a.id for a in GRAPHED_LAYOUTS])
+def test_decode_graphs_are_exact_on_every_cache_layout(arch, tokenizer, special_ids, short_prompts, monkeypatch):
+    """With decode graphs on (CPU fake backend, as on CUDA), each windowed family's sliding layers read their ring of
+    pages through block tables (4-token pages: the 8-token ring spans two pages, every sequence wraps it more than
+    twice), their steady steps prepared by the decode fast path, and each latent family's pages are gathered before its
+    layer expands them. Exact as above; controls: the window removed (windowed families), another prompt."""
+    from tests.graph_fakes import use_fake_graphs
+    from trl_cb.engine import _upstream_decode, decode_graphs, paged_decode
+
+    use_fake_graphs(monkeypatch)
+    windows: set[int | None] = set()
+    attend = paged_decode.attend
+
+    def seen(query, layer, *args, **kwargs):
+        windows.add(layer.window)
+        return attend(query, layer, *args, **kwargs)
+
+    monkeypatch.setattr(paged_decode, "attend", seen)
+    model = tiny_arch_model(arch, len(tokenizer), special_ids)
+    cfg = sampling_config(tokenizer, max_new_tokens=MAX_NEW_TOKENS)
+    with ContinuousBatchingGenerator(model, cfg, {"page_size": 4}) as gen:
+        result = gen.generate(short_prompts, num_generations=G)
+        manager = gen._pool.engine.manager  # noqa: SLF001 - the engine's graphs and fast path
+        graphs = decode_graphs.graphs_of(manager)
+        assert graphs is not None and graphs.replays > 0, "decode steps must replay graphs"
+        fast = _upstream_decode.decode_fast_path_stats(manager)  # every group read through block tables
+        assert (fast is None) == (arch.model_type in LATENT_FAMILIES) and (fast is None or fast.fast > fast.slow)
+    gap = _max_gap(model, short_prompts, result, 1.0)
+    wrong_prompt = _max_gap(model, short_prompts, result, 1.0, shift=1)
+    print(f"\n[graphs] {arch.id}: {gap:.1e}, wrong prompt {wrong_prompt:.1e}")
+    assert gap <= TOLERANCE and wrong_prompt >= CONTROL_GAP
+    if arch.windowed:
+        assert WINDOW in windows, "no sliding layer read its ring through a block table"
+        with _window_removed(model):
+            moved = _max_gap(model, short_prompts, result, 1.0)
+        assert moved >= CONTROL_GAP, f"{arch.id}: removing the window moved the logprobs by only {moved:.2e}"
+
+
 @pytest.mark.parametrize(("arch", "reason"), REFUSED, ids=[a.id for a, _ in REFUSED])
 def test_refused_at_generator_construction(arch, reason, tokenizer, special_ids):
     model = tiny_arch_model(arch, len(tokenizer), special_ids)
@@ -206,6 +249,32 @@ def _trainer_args(kind: str, tmp_path, **overrides):
     )  # fmt: skip
     kwargs.update(overrides)
     return config_cls(**kwargs)
+
+
+GRAPHED_TRAINING = [a for a in GRAPHED_LAYOUTS if a.model_type in ("gemma3_text", "gemma4_text", "deepseek_v3")]
+
+
+@pytest.mark.parametrize("arch", GRAPHED_TRAINING, ids=[a.id for a in GRAPHED_TRAINING])
+def test_grpo_trains_through_decode_graphs_on_every_cache_layout(arch, tokenizer, special_ids, tmp_path, monkeypatch):
+    """GRPO (lr > 0, two steps) with decode graphs on (CPU fake backend, as on CUDA): the engine kept across the
+    optimizer step replays its graphs over sliding-window rings, Gemma 4's KV-shared layers and DeepSeek's gathered
+    latents, and the sampler's logprobs match the trainer's forward at each step."""
+    from tests.graph_fakes import use_fake_graphs
+    from trl_cb.engine import decode_graphs
+
+    use_fake_graphs(monkeypatch)
+    model = tiny_arch_model(arch, len(tokenizer), special_ids)
+    trainer = GRPOTrainer(model=model, reward_funcs=_reward, args=_trainer_args("grpo", tmp_path),
+                          train_dataset=_dataset(), processing_class=tokenizer)  # fmt: skip
+    replays = []
+    step = decode_graphs.DecodeGraphs.step
+    monkeypatch.setattr(decode_graphs.DecodeGraphs, "step", lambda self, *a: replays.append(1) or step(self, *a))
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "sampling/sampling_logp_difference/max" in e]
+    assert len(logs) == 2 and replays, "both steps sampled, decode steps through graphs"
+    worst = max(e["sampling/sampling_logp_difference/max"] for e in logs)
+    print(f"\n[graphs-grpo] {arch.id}: sampling_logp_difference/max {worst:.1e}")
+    assert worst <= TOLERANCE, f"{arch.id}: logged sampling_logp_difference/max = {worst:.2e}"
 
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])

@@ -140,24 +140,34 @@ def test_latent_values_cut_from_their_padded_pages(tokenizer, special_ids, promp
     assert _worst(model, prompts, result, 1.0) >= CONTROL_GAP
 
 
-@pytest.mark.parametrize("model_type", sorted(ARCHS))
-def test_decode_steps_stay_eager_where_graphs_are_on(model_type, tokenizer, special_ids, prompts, monkeypatch):
-    """With decode graphs on (as on CUDA), neither layout reads its pages through block tables: Gemma 4's sliding
-    layers have none, and a latent layer expands what it reads, which a block-table kernel over its pages would
-    skip. Exact as above."""
+@pytest.mark.parametrize(
+    ("model_type", "unwritten"), [("gemma4_text", False), ("deepseek_v3", False), ("deepseek_v3", True)],
+    ids=["gemma4_text", "deepseek_v3", "control-latent-not-written"],
+)  # fmt: skip
+def test_decode_graphs_on_both_layouts(model_type, unwritten, tokenizer, special_ids, prompts, monkeypatch):
+    """With decode graphs on (as on CUDA) both layouts' decode steps replay graphs: Gemma 4's sliding layers read their
+    ring of pages and its global layers their pages through block tables, each group's own shape; DeepSeek's latent
+    pages are gathered before its layer expands them (no kernel reads them as keys). Float64, exact as above, G = 4
+    forked samples past the window; control: a latent step reading its pages without writing its own latent first."""
     from tests.graph_fakes import use_fake_graphs
-    from trl_cb.engine import decode_graphs
+    from trl_cb.engine import _upstream_cache, decode_graphs
 
     use_fake_graphs(monkeypatch)
     model = tiny_arch_model(ARCHS[model_type], len(tokenizer), special_ids, dtype=torch.float64)
     cfg = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=12,
                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    reads = []
+    latent_read = _upstream_cache.latent_block_table_read
+    monkeypatch.setattr(_upstream_cache, "latent_block_table_read", lambda *a: reads.append(1) or latent_read(*a))
+    if unwritten:
+        monkeypatch.setattr(_upstream_cache, "write_new_keys", lambda layer: None)
     with ContinuousBatchingGenerator(model, cfg) as gen:
         result = gen.generate(prompts, num_generations=G)
-        manager = gen._pool.engine.manager  # noqa: SLF001 - the engine's resolved settings
-        assert decode_graphs.graphs_of(manager) is None
-        assert manager.continuous_batching_config.max_blocks_per_request == 0
-    assert _worst(model, prompts, result, 1.0) <= TOLERANCE
+        graphs = decode_graphs.graphs_of(gen._pool.engine.manager)  # noqa: SLF001 - the engine's graphs
+        assert graphs is not None and graphs.replays > 0
+    assert bool(reads) == (model_type in geometry.LATENT_FAMILIES)
+    worst = _worst(model, prompts, result, 1.0)
+    assert worst <= TOLERANCE if not unwritten else worst >= CONTROL_GAP, worst
 
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])

@@ -26,10 +26,20 @@ fits = _upstream_decode.fast_path_fits  # the real rule (tests switch the path o
 
 def _case(request, tokenizer, case: str):
     """`eos`: a peaked model ending samples at many lengths. `shared_pages`: no EOS bias, top_k=1, every sample to
-    the cap, forks of one prompt identical, so their completed pages are de-duplicated."""
+    the cap, forks of one prompt identical, so their completed pages are de-duplicated. `sliding` / `mixed` (block
+    tables only): a 12-token window on every layer / on half of them, so each sample wraps its ring of two 8-token
+    pages several times beside (mixed) a full-attention group's pages."""
     if case == "eos":
         return request.getfixturevalue("sharp_model"), {}
+    if case in WINDOWED:
+        from tests.unit.engine.test_attention import _config, _far_from_uniform
+
+        return _far_from_uniform(_config(WINDOWED[case], tokenizer)), {}
     return tiny_model(tokenizer), {"top_k": 1}
+
+
+#: The windowed cases and the families they take (tests/unit/engine/test_attention.py's configs).
+WINDOWED = {"sliding": "mistral", "mixed": "qwen2-swa"}
 
 
 def _run(model, tokenizer, prompts, monkeypatch, enabled: bool, block_tables: bool = False, **sampling: object):
@@ -56,8 +66,11 @@ def _positions(batch, states) -> list[int]:
     return [s.position_offset - (0 if lazy else 1) for s in states]
 
 
-@pytest.mark.parametrize("layout", ["read_rows", "block_tables"])
-@pytest.mark.parametrize("case", ["eos", "shared_pages"])
+@pytest.mark.parametrize(
+    ("case", "layout"),
+    [(c, layout) for c in ("eos", "shared_pages") for layout in ("read_rows", "block_tables")]
+    + [(c, "block_tables") for c in WINDOWED],
+)
 def test_fast_path_gives_the_slow_paths_tokens_and_logprobs(request, tokenizer, prompts, monkeypatch, case, layout):
     model, sampling = _case(request, tokenizer, case)
     tables = layout == "block_tables"
@@ -153,8 +166,9 @@ def test_every_block_table_step_holds_the_allocators_pages(request, tokenizer, p
     model, sampling = _case(request, tokenizer, case)
     advance, checked = _upstream_decode._advance_table, []
 
-    def compare(ios, allocator, host, last, batch, processors, rows):
-        result = advance(ios, allocator, host, last, batch, processors, rows)
+    def compare(ios, allocators, host, last, batch, processors, rows):
+        result = advance(ios, allocators, host, last, batch, processors, rows)
+        (allocator,) = allocators
         if result is None:
             return None
         states, n = result.states, len(result.states)
@@ -187,8 +201,8 @@ def test_control_a_wrong_table_row_changes_the_samples(sharp_model, tokenizer, p
     """Control for the block-table layout: one page entry off in every fast step is caught by the comparison."""
     advance = _upstream_decode._advance_table
 
-    def wrong(ios, allocator, host, *args):
-        result = advance(ios, allocator, host, *args)
+    def wrong(ios, allocators, host, *args):
+        result = advance(ios, allocators, host, *args)
         if result is not None:  # another page of the cache (one lower, or one higher from page 0)
             ios.block_table[0, 0, 0] += -1 if ios.block_table[0, 0, 0] > 0 else 1
         return result

@@ -64,13 +64,20 @@ def test_graphed_decode_samples_exactly(sharp_model, tokenizer, prompts, monkeyp
         assert _worst(sharp_model, prompts, result, temperature, policy=True) < 1e-4
 
 
-def test_graphs_survive_optimizer_steps(tokenizer, prompts, monkeypatch):
-    """Ten optimizer steps (lr > 0) between rounds, in place: the same graphs replay the new weights, exactly."""
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"], ids=["full-attention", "alternating-window-rings"])
+def test_graphs_survive_optimizer_steps(tokenizer, prompts, monkeypatch, family):
+    """Ten optimizer steps (lr > 0) between rounds, in place: the same graphs replay the new weights, exactly; also
+    with sliding-window rings (Gemma 3's alternating 12-token windows over 4-token pages) kept across the rounds."""
+    from tests.unit.engine.test_attention import _config, _far_from_uniform
+
     use_fake_graphs(monkeypatch)
-    model = tiny_model(tokenizer, eos_logit_bias=4.0, init_std=0.2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    if family == "qwen2":
+        model, cb_kwargs = tiny_model(tokenizer, eos_logit_bias=4.0, init_std=0.2), {}
+    else:
+        model, cb_kwargs = _far_from_uniform(_config(family, tokenizer)), {"page_size": 4}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5 if family == "qwen2" else 0.05)
     cfg = sampling_config(tokenizer)
-    with ContinuousBatchingGenerator(model, cfg) as gen:
+    with ContinuousBatchingGenerator(model, cfg, cb_kwargs) as gen:
         gen.generate(prompts, num_generations=G)
         captured = _graphs(gen).captures
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -187,16 +194,22 @@ def _count_calls(monkeypatch) -> dict[str, int]:
     return calls
 
 
-def test_flash_kernel_calls_sample_exactly(sharp_model, tokenizer, prompts, monkeypatch):
+@pytest.mark.parametrize("windowed", [False, True], ids=["full", "sliding-window-ring"])
+def test_flash_kernel_calls_sample_exactly(sharp_model, tokenizer, prompts, monkeypatch, windowed):
     """How trl_cb calls torch's flash kernel, checked on the CPU against a stand-in written from its documented
-    semantics (tests/fake_flash.py): block-table decode steps (graphed) and packed prefill / mixed steps (eager)."""
+    semantics (tests/fake_flash.py): block-table decode steps (graphed) and packed prefill / mixed steps (eager); a
+    sliding-window model's decode steps read its ring of 4-token pages (12-token window) through the kernel."""
+    from tests.unit.engine.test_attention import _config, _far_from_uniform
+
     use_fake_graphs(monkeypatch)
     use_fake_flash(monkeypatch)
     calls = _count_calls(monkeypatch)
-    with ContinuousBatchingGenerator(sharp_model, sampling_config(tokenizer), {"max_batch_tokens": 16}) as gen:
+    model = _far_from_uniform(_config("mistral", tokenizer)) if windowed else sharp_model
+    cb_kwargs = {"max_batch_tokens": 16, **({"page_size": 4} if windowed else {})}
+    with ContinuousBatchingGenerator(model, sampling_config(tokenizer), cb_kwargs) as gen:
         result = gen.generate(prompts, num_generations=G)
     assert calls["paged"] > 0 and calls["packed"] > 0, calls
-    assert _worst(sharp_model, prompts, result) < 1e-4
+    assert _worst(model, prompts, result) < 1e-4
 
 
 def test_triton_kernel_is_as_exact_as_the_reference_in_bf16(tokenizer, prompts, monkeypatch):
@@ -371,3 +384,56 @@ def test_graphed_decode_honours_a_soft_cap(tokenizer, prompts, monkeypatch, soft
             layer.self_attn.attn_logit_softcapping = None
     worst = _worst(reference, prompts, result)
     assert worst < 1e-4 if softcap else worst > 0.1
+
+
+@pytest.mark.parametrize(
+    ("page_size", "narrowed"), [(5, False), (4, False), (32, False), (5, True)],
+    ids=["ring-3-pages-15-slots", "ring-3-pages-12-slots", "ring-1-page", "control-one-key-dropped"],
+)  # fmt: skip
+def test_a_sliding_window_ring_decodes_through_graphs_exactly(tokenizer, prompts, monkeypatch, page_size, narrowed):
+    """A 12-token window over pages of 5, 4 and 32 tokens (a ring whose last page is part-used, whose pages are exactly
+    the window, and one page wider than the window): graphed decode steps write each key at its ring slot and read the
+    window's keys, exactly, while sequences wrap the ring several times. Control: reading one key fewer than the
+    window (the oldest slot's key dropped) is caught."""
+    from tests.unit.engine.test_attention import _WINDOW, _config, _far_from_uniform
+    from tests.unit.engine.test_attention import _worst as _worst_of
+    from trl_cb.engine import paged_decode
+
+    use_fake_graphs(monkeypatch)
+    if narrowed:
+        visible = paged_decode.BlockTableLayer.visible.fget
+        monkeypatch.setattr(
+            paged_decode.BlockTableLayer, "visible", property(lambda layer: visible(layer).clamp(max=_WINDOW - 1))
+        )
+    cb_kwargs = {"max_batch_tokens": 16, "page_size": page_size}
+    model = _far_from_uniform(_config("mistral", tokenizer))
+    with ContinuousBatchingGenerator(model, sampling_config(tokenizer, max_new_tokens=24), cb_kwargs) as gen:
+        result = gen.generate(prompts, num_generations=2)
+        assert _graphs(gen).replays > 0
+    completions, logprobs = result.completion_ids, result.logprobs
+    assert max(len(prompts[i // 2]) + len(c) for i, c in enumerate(completions)) > 3 * _WINDOW
+    worst = _worst_of(model, prompts, completions, logprobs, 1.0)
+    assert worst < 1e-4 if not narrowed else worst > 0.1, worst
+
+
+def test_sliding_window_rings_under_graphs_with_long_prompts_and_top_p(tokenizer, monkeypatch):
+    """What users set, through graphed decode steps over sliding-window rings: 1,600-token prompts (prefilled in
+    chunks, the ring wrapped ~130 times before the first decode step), T = 0.7 with top-p 0.9, Gemma 3's alternating
+    12-token windows over 16-token pages, G = 2. Exact against teacher forcing with the same warpers; control: the
+    same tokens scored without the window."""
+    from tests.unit.engine.test_attention import _config, _far_from_uniform, _without
+
+    use_fake_graphs(monkeypatch)
+    config = _config("gemma3", tokenizer)
+    config.max_position_embeddings = 4096
+    model = _far_from_uniform(config)
+    generator = torch.Generator().manual_seed(0)
+    long_prompts = torch.randint(3, len(tokenizer), (2, 1600), generator=generator).tolist()
+    cfg = sampling_config(tokenizer, temperature=0.7, top_p=0.9, max_new_tokens=16)
+    with ContinuousBatchingGenerator(model, cfg, {"page_size": 16, "max_batch_tokens": 512}) as gen:
+        result = gen.generate(long_prompts, num_generations=2)
+        assert _graphs(gen).replays > 0
+    assert max(len(c) for c in result.completion_ids) > 8
+    worst = _worst(model, long_prompts, result, 0.7, 0, 0.9)
+    control = _worst(_without(model, "window"), long_prompts, result, 0.7, 0, 0.9)
+    assert worst < 1e-4 and control > 0.1, (worst, control)

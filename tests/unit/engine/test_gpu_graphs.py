@@ -107,3 +107,47 @@ def test_triton_decode_kernel_agrees_with_the_reference_on_cuda():
     for page, heads, kv, dim in [(64, 32, 8, 64), (64, 8, 2, 256), (256, 14, 2, 64)]:
         gap = cuda_kernels._paged_gap(device, torch.bfloat16, page, heads, kv, dim, cuda_kernels.TRITON)
         assert gap < cuda_kernels.TOLERANCE, (page, heads, kv, dim, gap)
+
+
+#: The device the cache-layout test runs on (a CPU run of its body, with tests/graph_fakes.py, checks the test itself).
+DEVICE = "cuda"
+
+
+def _layout_model(family: str, tokenizer) -> torch.nn.Module:
+    """A windowed family of test_attention.py's configs (12-token windows), or a model-zoo layout (Gemma 4,
+    DeepSeek-V3: tests/model_zoo.py); weights far from uniform, fp32."""
+    if family in ("gemma4_text", "deepseek_v3"):
+        from tests.model_zoo import SUPPORTED, tiny_arch_model
+
+        arch = next(a for a in SUPPORTED if a.model_type == family)
+        special = {k: getattr(tokenizer, k) for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
+        return tiny_arch_model(arch, len(tokenizer), special)
+    return _far_from_uniform(_config(family, tokenizer))
+
+
+@pytest.mark.parametrize(
+    ("family", "dtype"),
+    [("mistral", torch.float32), ("mistral", torch.bfloat16), ("gemma3", torch.float32), ("gpt_oss", torch.float32),
+     ("gemma4_text", torch.float32), ("deepseek_v3", torch.float32)],
+    ids=["mistral-fp32", "mistral-bf16", "gemma3", "gpt_oss", "gemma4", "deepseek_v3"],
+)  # fmt: skip
+def test_cuda_graphs_on_every_cache_layout(tokenizer, prompts, family, dtype):
+    """Sliding-window rings (Mistral every layer, Gemma 3 alternating, gpt-oss with sinks), Gemma 4's KV-shared
+    layers of two shapes and DeepSeek-V3's gathered latents under real CUDA graphs, where a host read or a shape that
+    changes between replays fails or goes wrong (the CPU fake replays eagerly): exact in fp32, to the bf16 floor in
+    bf16, on 16-token pages the sequences wrap, across three optimizer steps (lr > 0) without a re-capture."""
+    model = _layout_model(family, tokenizer).to(DEVICE, dtype)
+    tolerance = 1e-4 if dtype == torch.float32 else BF16_TOLERANCE
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    with ContinuousBatchingGenerator(model, sampling_config(tokenizer), {"page_size": 16}) as gen:
+        for _ in range(3):
+            result = gen.generate(prompts, num_generations=G)
+            assert _worst(model, prompts, result) < tolerance
+            ids = torch.tensor([prompts[0]], device=DEVICE)
+            model.train()
+            model(ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            model.eval()
+        graphs = _graphs(gen)
+        assert graphs is not None and graphs.replays > 0 and graphs.invalidations == 0
