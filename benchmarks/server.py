@@ -83,18 +83,17 @@ def fake_group(prompt: list[int], n: int, tokens: int, seed: int) -> Any:
     return group
 
 
-def serve_fake(port: int, text: bool = False) -> None:
+def serve_fake(port: int, text: bool = False, gil_switch_interval_ms: float | None = None) -> None:
     """`--serve-fake PORT`: a real server app on uvicorn whose engine finishes every group at once (`fake_group`);
     with `text` (`--fake-text`) it has the tiny tokenizer, so OpenAI answers carry decoded text. A watched group (a
     stream) is fed to its watchers one token per sample per step on a thread of its own, as the engine's loop does,
     then finished."""
     import torch
-    import uvicorn
 
     from trl_cb.offline.tiny import tiny_model, tiny_tokenizer
     from trl_cb.rollouts.rollout_groups import PartialSample
     from trl_cb.serving.engine_loop import Ticket
-    from trl_cb.serving.server import create_app
+    from trl_cb.serving.server import create_app, serve
 
     torch.set_num_threads(1)
     tokenizer = tiny_tokenizer()
@@ -111,7 +110,7 @@ def serve_fake(port: int, text: bool = False) -> None:
                 ticket.watcher(PartialSample(k, ids[:step], lps, lps, group.versions[k][:step]))
         ticket.finish(group)
 
-    def submit(prompts, n, config, on_done=None, watchers=None):
+    def submit(prompts, n, config, on_done=None, watchers=None, ignore_eos=False):
         watchers = watchers or [None] * len(prompts)
         tickets = [Ticket(list(p), n, config, on_done=on_done, watcher=w) for p, w in zip(prompts, watchers)]
         for seed, ticket in enumerate(tickets):
@@ -125,11 +124,11 @@ def serve_fake(port: int, text: bool = False) -> None:
         return tickets
 
     app.state.engine_loop.submit = submit
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    serve(app, "127.0.0.1", port, gil_switch_interval_ms=gil_switch_interval_ms)  # as `trl-cb serve` runs it
 
 
 @contextlib.contextmanager
-def fake_server(text: bool = False) -> Iterator[str]:
+def fake_server(text: bool = False, gil_switch_interval_ms: float | None = None) -> Iterator[str]:
     """A `--serve-fake` server process (`text`: with the tokenizer) on a free loopback port; yields its URL once
     `/health` answers from it (waited for while it progresses, `launch.wait_until_serving`; its exit or a stall fails
     at once with its log's tail)."""
@@ -143,7 +142,14 @@ def fake_server(text: bool = False) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     with tempfile.NamedTemporaryFile(prefix="trl-cb-fake-serve-", suffix=".log") as log:
         proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve-fake", str(port), *(["--fake-text"] if text else [])],
+            [
+                sys.executable,
+                __file__,
+                "--serve-fake",
+                str(port),
+                *(["--fake-text"] if text else []),
+                *([f"--gil-switch-interval-ms={gil_switch_interval_ms}"] if gil_switch_interval_ms else []),
+            ],  # fmt: skip
             env={**os.environ, "PYTHONPATH": str(common.ROOT), "OMP_NUM_THREADS": "1"},
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -368,17 +374,32 @@ def scale(args: argparse.Namespace) -> Iterator[tuple[tuple[str, str], dict[str,
     return controller(args, groups_in_flight=args.scale_groups)
 
 
+@contextlib.contextmanager
+def openai_server(args: argparse.Namespace) -> Iterator[str]:
+    """The `openai` part's server: the fake (`--openai-engine fake`) or `trl-cb serve --model MODEL` (`real`)."""
+    if args.openai_engine == "fake":
+        with fake_server(text=True, gil_switch_interval_ms=args.gil_switch_interval_ms) as url:
+            yield url
+        return
+    from trl_cb.serving.launch import local_rollout_server
+
+    switch = ["--gil-switch-interval-ms", str(args.gil_switch_interval_ms)] if args.gil_switch_interval_ms else []
+    with local_rollout_server(args.model, threads=args.server_threads, extra_args=switch) as server:
+        yield server.url
+
+
 def openai_json(args: argparse.Namespace) -> Iterator[tuple[tuple[str, str], dict[str, Any]]]:
     """`--openai-clients` threads, each sending `--openai-requests` OpenAI JSON completions back to back (all at once:
-    the answers are built concurrently), on the fake engine with the tokenizer; `/health` latency meanwhile."""
+    the answers are built concurrently), on the fake engine with the tokenizer (`--openai-engine real`: `trl-cb serve
+    --model MODEL`, whose engine thread samples every token); `/health` latency meanwhile."""
     prompts, n, tokens = args.openai_shape
     route, body = "/v1/completions", {"prompt": [[5] * 8] * prompts, "n": n, "max_tokens": tokens, "logprobs": 0}
     if args.openai_stream:  # streamed chat (one prompt per request): every sample's text comes in its last chunk here
         route, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": n, "stream": True,
                                                "max_tokens": tokens, "logprobs": True}  # fmt: skip
     body["return_token_ids"] = True
-    with fake_server(text=True) as url:
-        requests.post(url + route, json=body, timeout=600).raise_for_status()  # the fake groups built
+    with openai_server(args) as url:
+        requests.post(url + route, json=body, timeout=600).raise_for_status()  # the fake groups (the engine) built
         walls: list[float] = []
         sizes: list[int] = []
         lock = threading.Lock()
@@ -405,7 +426,7 @@ def openai_json(args: argparse.Namespace) -> Iterator[tuple[tuple[str, str], dic
             elapsed = time.perf_counter() - started
     assert len(walls) == args.openai_clients * args.openai_requests, "a client failed (its traceback is above)"
     shape = f"chat stream 1x{n}x{tokens}" if args.openai_stream else f"{prompts}x{n}x{tokens}"
-    yield ("openai", f"{args.openai_clients} clients {shape}"), {
+    yield ("openai", f"{args.openai_clients} clients {shape} {args.openai_engine}"), {
         "clients": args.openai_clients, "requests": len(walls), "mib": statistics.median(sizes) / 2**20,
         "request_wall_s": statistics.median(walls), "requests_per_s": len(walls) / elapsed, **health_stats(latencies),
         "headline": health_stats(latencies)["health_p99_ms"], "headline_unit": "ms /health p99",
@@ -506,6 +527,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--openai-stream", action="store_true", help="openai: streamed chat completions (n x tokens each) instead"
     )
     g.add_argument(
+        "--openai-engine", choices=["fake", "real"], default="fake",
+        help="openai: the fake engine, or `trl-cb serve --model MODEL` (`--server-threads`)",
+    )  # fmt: skip
+    g.add_argument(
         "--openai-shape", type=int, nargs=3, default=[16, 8, 256], metavar=("PROMPTS", "N", "TOKENS"), help="openai"
     )
     g = p.add_argument_group("real server (load, mixed)")
@@ -517,6 +542,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--prompt-len", type=int, default=24)
     g.add_argument("--server-threads", type=int, default=1)
+    p.add_argument(
+        "--gil-switch-interval-ms", type=float, default=None,
+        help="openai: the fake server's GIL hand-over interval (`trl-cb serve --gil-switch-interval-ms`)",
+    )  # fmt: skip
     p.add_argument("--serve-fake", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--fake-text", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--poll-health", default=None, help=argparse.SUPPRESS)
@@ -549,7 +578,7 @@ def print_table(points: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.serve_fake is not None:
-        serve_fake(args.serve_fake, text=args.fake_text)
+        serve_fake(args.serve_fake, text=args.fake_text, gil_switch_interval_ms=args.gil_switch_interval_ms)
         return {}
     if args.poll_health is not None:
         poll_health(args.poll_health)

@@ -36,6 +36,16 @@ def continuous_batching_config(text: str) -> dict[str, Any]:
     return config
 
 
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from exc
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -70,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-num-seqs", type=int, default=256, help="most sequences generating at once (more requests queue)"
+    )
+    parser.add_argument(
+        "--gil-switch-interval-ms",
+        type=positive_float,
+        default=None,
+        help="the interpreter's GIL hand-over interval (Python's default: 5 ms); lower answers /health and short "
+        "requests sooner while answers are built, at some throughput (docs/benchmarks.md)",
     )
     parser.add_argument(
         "--max-body-bytes",
@@ -124,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     app = build_app(args)
     try:
-        serve(app, args.host, args.port, timeout_graceful_shutdown=1)  # SIGINT: queued requests answered 503 first
+        switch = args.gil_switch_interval_ms
+        serve(app, args.host, args.port, timeout_graceful_shutdown=1, gil_switch_interval_ms=switch)  # SIGINT: 503s
     finally:
         app.state.engine_loop.close()
     # Nothing is left to save; the interpreter's teardown (torch, thread pools) takes ~5 s on CPU, which would break

@@ -33,6 +33,7 @@ from transformers import GenerationConfig
 
 from ..checks.generation_settings import sampling_signature
 from ..engine import _upstream, _upstream_prefix
+from ..engine._upstream import NO_EOS
 from ..engine.sizing import Workload
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.inflight_update import paused_for_weight_update
@@ -62,6 +63,7 @@ class Ticket:
     n: int
     config: GenerationConfig
     processor_kwargs: dict[str, Any] = field(default_factory=dict)  # per-request warper settings, set when scheduled
+    ignore_eos: bool = False  # the engine requests get no EOS id
     passed: int = 0  # groups admitted ahead of it while it waited for a rebuild (bounded: `_next`)
     plan: tuple[Any, GenerationConfig, Any] | None = None  # (warpers, engine config, signature), cached
     group: RolloutGroup | None = None
@@ -166,12 +168,14 @@ class EngineLoop:
         config: GenerationConfig,
         on_done: Callable[[Ticket], None] | None = None,
         watchers: list[Callable[[PartialSample], bool]] | None = None,
+        ignore_eos: bool = False,
     ) -> list[Ticket]:
         """Queue each prompt as a group of `n` samples; `on_done(ticket)` runs (on the engine loop) as each ends, in
-        whatever order they finish; `watchers[i]`, if set, sees every step of prompt i's samples (`Ticket.watcher`)."""
+        whatever order they finish; `watchers[i]`, if set, sees every step of prompt i's samples (`Ticket.watcher`).
+        With `ignore_eos`, EOS does not end the samples (only their budget, or a watcher, does)."""
         watchers = watchers or [None] * len(prompts)
         tickets = [
-            Ticket(list(prompt), n, config, on_done=on_done, watcher=watcher)
+            Ticket(list(prompt), n, config, on_done=on_done, watcher=watcher, ignore_eos=ignore_eos)
             for prompt, watcher in zip(prompts, watchers, strict=True)
         ]
         self._post(lambda: self._waiting.extend(tickets))
@@ -314,7 +318,8 @@ class EngineLoop:
             max_new = int(ticket.config.max_new_tokens)
             group = RolloutGroup(row=ticket, prompt_ids=ticket.prompt_ids, submitted_version=self.version)
             watcher = _guarded(ticket) if ticket.watcher is not None else None
-            self._groups.submit(self._manager, group, ticket.n, max_new, ticket.processor_kwargs, watcher)
+            eos = NO_EOS if ticket.ignore_eos else None
+            self._groups.submit(self._manager, group, ticket.n, max_new, ticket.processor_kwargs, watcher, eos)
 
     def _plan(self, ticket: Ticket) -> tuple[frozenset[str], GenerationConfig, Any]:
         """(warpers, engine config, signature) of `ticket` on the current engine (`_plan_of`, cached)."""
@@ -339,6 +344,7 @@ class EngineLoop:
         if previous is not None and (signature == self._signature or self.per_request):  # grow, never thrash
             workload = workload.union(previous)
         self._manager = self.generator.engine_for(self.model, workload, share_prefixes=self.share_prefixes)
+        self._groups.alternatives = _upstream.recorded_alternatives(self._manager)
         self._signature, self._workload = signature, workload
         self.stats.engine_builds += 1
         if self.paused:
@@ -390,6 +396,7 @@ class EngineLoop:
             self._pause_hold = None
         if self._manager is not None:
             self._manager = None
+            self._groups.alternatives = None
             self.generator.close()
 
 

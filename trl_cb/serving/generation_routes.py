@@ -24,7 +24,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 from transformers import GenerationConfig
 
-from ..checks.inputs import validate_prompts
+from ..checks.inputs import validate_prompts, validate_token_ids
 from ..rollouts.generator import ContinuousBatchingGenerator
 from ..rollouts.rollout_groups import RolloutGroup, oldest_version
 from .engine_loop import EngineLoop, ServerShuttingDown, Ticket
@@ -34,7 +34,7 @@ from .metrics import RequestCounters
 from .openai_protocol import ChatCompletionRequest, OpenAICompletionRequest, context_overflow
 from .openai_serving import OpenAIServing
 from .prompt_scoring import PromptScores, refuse_unscorable
-from .protocol import Choice, CompletionRequest, PackedColumns, StreamLine, value_runs
+from .protocol import IGNORE_EOS, Choice, CompletionRequest, PackedColumns, StreamLine, value_runs
 from .request_flow import RequestFlow, refusal
 from .responses_api import ResponsesRequest, respond
 from .vllm_generate import GenerateRequest, generate
@@ -75,6 +75,9 @@ class Generation:
             raise context_overflow(self.max_model_len, longest, max_new_tokens)
         try:
             validate_prompts(prompts, self.model, max_new_tokens, self.engine_config)
+            sampling = dict(sampling)
+            ignore_eos = bool(sampling.pop(IGNORE_EOS, False))
+            validate_token_ids("logit_bias", (t for t, _ in sampling.get("logit_bias", ())), self.model)
             config = GenerationConfig(do_sample=True, max_new_tokens=max_new_tokens, **sampling, **self.defaults)
             self.generator.checked_generation_config(config)  # refuses settings the engine cannot apply exactly
         except ValueError as exc:
@@ -82,7 +85,9 @@ class Generation:
             raise HTTPException(status_code=400, detail=str(exc)) from exc
         self.counters.prompt_tokens += sum(len(prompt) for prompt in prompts)
         try:
-            return self.engine_loop.submit(prompts, n, config, on_done=on_done, watchers=watchers)
+            return self.engine_loop.submit(
+                prompts, n, config, on_done=on_done, watchers=watchers, ignore_eos=ignore_eos
+            )
         except ServerShuttingDown as exc:
             raise refusal(exc) from exc
 
@@ -118,7 +123,8 @@ def generation_router(gen: Generation) -> APIRouter:
         require_model(body.model, gen.model_name)
         prompts = await run_in_threadpool(converted, lambda: body.prompt_ids(gen.tokenizer), gen.counters)
         if body.encoding == "json":
-            scored = None if body.prompt_logprobs is None else gen.scorer(prompts, body.prompt_logprobs)
+            top = body.scored_positions()
+            scored = None if top is None else gen.scorer(prompts, top)
             return await gen.openai.completion(gen.flows(request), body, prompts, scored)
         return await rollout_answer(gen, body.rollout_request(prompts), request)
 

@@ -52,6 +52,8 @@ class DecodedSample:
     weight_version: int | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # chat: parsed OpenAI tool calls
     content: str | None = None  # chat: the message's text once tool calls are parsed out
+    #: per token (asked with `logprobs: k` / `top_logprobs: k`): the k likeliest tokens, as (text, logprob, bytes)
+    alternatives: list[list[tuple[str, float, bytes | None]]] | None = None
 
 
 def rl_fields(sample: DecodedSample, rl: bool) -> dict[str, Any]:
@@ -72,7 +74,7 @@ def completion_choice(index: int, sample: DecodedSample, logprobs: bool, rl: boo
         values = {
             "tokens": sample.pieces,
             "token_logprobs": sample.logprobs,
-            "top_logprobs": [{piece: lp} for piece, lp in zip(sample.pieces, sample.logprobs)],
+            "top_logprobs": _completion_top(sample),
             "text_offset": sample.offsets,
         }
     choice = {"index": index, "text": sample.text, "logprobs": values, "finish_reason": sample.finish_reason}
@@ -80,6 +82,19 @@ def completion_choice(index: int, sample: DecodedSample, logprobs: bool, rl: boo
     if rl and prompt is not None:
         choice["prompt_token_ids"] = prompt
     return choice
+
+
+def _completion_top(sample: DecodedSample) -> list[dict[str, float]]:
+    """Per token, vLLM's completion `top_logprobs`: the sampled token's text and logprob, then its alternatives'."""
+    if sample.alternatives is None:
+        return [{piece: lp} for piece, lp in zip(sample.pieces, sample.logprobs)]
+    tops = []
+    for piece, lp, alternatives in zip(sample.pieces, sample.logprobs, sample.alternatives, strict=True):
+        top = {piece: lp}
+        for text, value, _ in alternatives:
+            top.setdefault(text, value)
+        tops.append(top)
+    return tops
 
 
 def chat_logprobs(sample: DecodedSample) -> dict:
@@ -90,6 +105,11 @@ def chat_logprobs(sample: DecodedSample) -> dict:
         {"token": piece, "logprob": lp, "bytes": list(own), "top_logprobs": []}
         for piece, lp, own in zip(sample.pieces, sample.logprobs, sample.token_bytes)
     ]
+    for entry, alternatives in zip(content, sample.alternatives or [], strict=False):
+        entry["top_logprobs"] = [
+            {"token": text, "logprob": value, "bytes": None if own is None else list(own)}
+            for text, value, own in alternatives
+        ]
     return {"content": content}
 
 

@@ -4,8 +4,8 @@
 Requests own their conversions (as vLLM's do): `prompt_ids(tokenizer)` (texts, token ids, or messages rendered with
 the served model's chat template and `tools`; chat's `tokens` is the exact prompt, prime-rl's token-in chat) and
 `sampling()` (what the engine applies). OpenAI fields the server cannot honour exactly are refused with 422 naming
-them (`echo`, `suffix`, `best_of` > 1, logprob alternatives, penalties, `logit_bias`, a forced `tool_choice`, a JSON
-`response_format`, `seed`), never ignored; fields that change nothing sampled (`user`, `metadata`) are accepted.
+them (a streamed `echo`, `suffix`, `best_of` > 1, logprob alternatives, a forced `tool_choice`, a JSON
+`response_format`), never ignored; the sampling fields (penalties, `seed`, ...) are `protocol.ServedSampling`'s.
 Every rule of `protocol.py` holds too: unknown fields, non-finite numbers, a temperature under 0.01 -> 422.
 
 Answers (`openai_answers.py`) are OpenAI's objects (`text` / `message`, `logprobs` in OpenAI's shape,
@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..checks.served_sampling import served_names
+from ..checks.generation_settings import MAX_TOP_LOGPROBS
 from .prompt_scoring import MAX_PROMPT_LOGPROBS
 from .protocol import (
     MAX_N,
@@ -74,25 +74,13 @@ class OpenAISampling(DecodedSamplingRequest):
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
-    seed: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     return_token_ids: bool | None = None
 
     @model_validator(mode="after")
     def _honoured(self) -> OpenAISampling:
-        refused = [name for name in ("presence_penalty", "frequency_penalty") if getattr(self, name)]
-        refused += ["logit_bias"] if self.logit_bias else []
-        refused += ["seed"] if self.seed is not None else []
-        if refused:
-            raise ValueError(
-                f"{refused}: not applied by this server (it samples with {served_names()}; a per-request "
-                "seed cannot be honoured in a shared continuous batch); unset them"
-            )
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
@@ -112,7 +100,8 @@ class OpenAICompletionRequest(OpenAISampling):
         | Annotated[list[PromptIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     )
     max_tokens: int | None = Field(default=DEFAULT_COMPLETION_MAX_TOKENS, ge=1, le=MAX_TOKENS)
-    logprobs: int | None = Field(default=None, ge=0, le=0)  # the sampled token's only: no alternatives
+    #: the sampled token's logprob, and its `logprobs` likeliest alternatives (`top_logprobs`)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1, le=1)
@@ -125,10 +114,14 @@ class OpenAICompletionRequest(OpenAISampling):
 
     @model_validator(mode="after")
     def _completion_honoured(self) -> OpenAICompletionRequest:
-        if self.prompt_logprobs is not None and (self.stream or self.encoding != "json"):
-            raise ValueError("prompt_logprobs is answered in one JSON object: unset stream and encoding")
-        if self.echo or self.suffix:
-            raise ValueError("echo and suffix are not supported; unset them")
+        if (self.prompt_logprobs is not None or self.echo) and (self.stream or self.encoding != "json"):
+            raise ValueError("prompt_logprobs and echo are answered in one JSON object: unset stream and encoding")
+        if self.suffix:
+            raise ValueError("suffix is not supported (no fill-in-the-middle); unset it")
+        if self.logprobs and (self.stream or self.encoding != "json"):
+            raise ValueError("logprobs > 0 (alternatives) is answered in one JSON object: unset stream and encoding")
+        if self.echo and not self.detokenize:
+            raise ValueError("echo puts the prompt's text in the answer: unset echo or detokenize=false")
         if self.encoding != "json" and (self.stream or self.stops() or self.stop_token_ids or self.text_prompts()):
             raise ValueError(
                 f"encoding={self.encoding!r} takes token-id prompts only, without stream, stop or stop_token_ids"
@@ -141,6 +134,17 @@ class OpenAICompletionRequest(OpenAISampling):
         """The completion-token limit under its one name inside trl_cb (`GenerationConfig`'s): `max_tokens`, or
         OpenAI's default."""
         return DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+
+    def sampling(self) -> dict[str, Any]:
+        """`DecodedSamplingRequest.sampling()`, with `top_logprobs` where `logprobs` asks for alternatives."""
+        return {**super().sampling(), **({"top_logprobs": self.logprobs} if self.logprobs else {})}
+
+    def scored_positions(self) -> int | None:
+        """How many alternatives the prompt's scoring needs at each position: `prompt_logprobs`, 0 for `echo` with
+        `logprobs` (the prompt tokens' own logprobs), None when nothing is scored."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return 0 if self.echo and self.logprobs is not None else None
 
     def text_prompts(self) -> bool:
         return isinstance(self.prompt, str) or isinstance(self.prompt[0], str)
@@ -268,7 +272,7 @@ class ChatCompletionRequest(OpenAISampling):
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=0)  # the sampled token's only: no alternatives
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
     response_format: dict[Literal["type"], Literal["text"]] | None = None
     metadata: dict[str, str] | None = None
     store: Literal[False] | None = None
@@ -279,9 +283,15 @@ class ChatCompletionRequest(OpenAISampling):
     def _chat_honoured(self) -> ChatCompletionRequest:
         if not self.messages and self.tokens is None:
             raise ValueError("messages (or tokens) must not be empty")
+        if self.top_logprobs and (not self.logprobs or self.stream):
+            raise ValueError("top_logprobs needs logprobs=true, and is answered in one JSON object: unset stream")
         check_finite(self.tools or [], "tools")
         check_finite(self.chat_template_kwargs or {}, "chat_template_kwargs")
         return self
+
+    def sampling(self) -> dict[str, Any]:
+        """`DecodedSamplingRequest.sampling()`, with `top_logprobs` where the request asks for alternatives."""
+        return {**super().sampling(), **({"top_logprobs": self.top_logprobs} if self.top_logprobs else {})}
 
     def max_new_tokens(self) -> int:
         """The completion-token limit under its one name inside trl_cb: `max_completion_tokens` (OpenAI's current

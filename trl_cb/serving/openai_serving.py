@@ -186,8 +186,23 @@ def finished_sample(ctx: AnswerContext, group: RolloutGroup, k: int, prompt: lis
         content=text,
         weight_version=oldest_version([group.versions[k][:n]], group.submitted_version),
     )
+    if group.top_logprobs is not None and group.top_logprobs[k] is not None:
+        sample.alternatives = [_alternatives(ctx, ids, values) for ids, values in group.top_logprobs[k][:n]]
     _finish(ctx, sample, decoder, prompt)
     return sample
+
+
+def _alternatives(ctx: AnswerContext, ids: list[int], values: list[float]) -> list[tuple[str, float, bytes | None]]:
+    """One token's alternatives as (text, logprob, bytes): each token's own text and bytes; without a tokenizer
+    (`detokenize: false`), vLLM's `token_id:<id>` and no bytes."""
+    if ctx.tokenizer is None:
+        return [(f"token_id:{t}", v, None) for t, v in zip(ids, values, strict=True)]
+    out = []
+    for t, v in zip(ids, values, strict=True):
+        text = ctx.tokenizer.decode([t], skip_special_tokens=False)
+        own = ctx.vocabulary.of(t, text, False) if ctx.vocabulary is not None else text.encode("utf-8")
+        out.append((text, v, own))
+    return out
 
 
 def _finish(ctx: AnswerContext, sample: DecodedSample, decoder: SampleDecoder, prompt: list[int]) -> None:
@@ -354,6 +369,12 @@ class OpenAIServing:
             vocabulary, frozenset(body.stop_token_ids or ()),
         )  # fmt: skip
 
+    def streamed_flow(self, flows: Flows, body: Any, ctx: AnswerContext, prompt: list[int]) -> RequestFlow:
+        """One prompt's flow whose watcher posts each sample's new tokens, decoded, as `("delta", (0, k, sample))`
+        (a `DecodedSample` of those tokens), at most one per `STREAM_INTERVAL_S` (for other routes' event streams)."""
+        flow, _ = self.flow(flows, body, ctx, [prompt], _ChunkFormat({}, body.n, chat=True))
+        return flow
+
     def flow(
         self, flows: Flows, body: Any, ctx: AnswerContext, prompts: list[list[int]], fmt: _ChunkFormat | None = None
     ) -> tuple[RequestFlow, list[_StreamWatcher]]:
@@ -390,7 +411,8 @@ class OpenAIServing:
             flow.cancel()  # nobody will read the samples
             raise
         groups = await all_groups(flow, len(prompts))
-        answer = await self.off_loop(completion_answer, ctx, head, body.n, prompts, groups, scores)
+        shown = (scores, body.prompt_logprobs is not None, bool(body.echo))
+        answer = await self.off_loop(completion_answer, ctx, head, body.n, prompts, groups, *shown)
         return Response(answer, media_type="application/json")
 
     async def chat(self, flows: Flows, body: ChatCompletionRequest, prompt: list[int]) -> Response:
@@ -439,12 +461,18 @@ def completion_answer(
     prompts: list[list[int]],
     groups: dict[int, RolloutGroup],
     scores: tuple[PromptScores, int] | None = None,
+    prompt_logprobs: bool = True,
+    echo: bool = False,
 ) -> bytes:
     """The whole completion answer's JSON: every sample of every prompt decoded (`finished_sample`), encoded; with
-    `scores`, each choice carries its prompt's `prompt_logprobs` (with `return_token_ids`, their weight version)."""
+    `prompt_logprobs`, each choice carries its prompt's `prompt_logprobs` from `scores` (with `return_token_ids`,
+    their weight version); with `echo`, each choice's text (and logprobs) starts with its prompt's (`echoed`)."""
     samples = [(i, k, finished_sample(ctx, groups[i], k, prompts[i])) for i in sorted(groups) for k in range(n)]
     choices = [completion_choice(i * n + k, s, ctx.logprobs, ctx.rl, prompts[i]) for i, k, s in samples]
-    if scores is not None:
+    if echo:
+        for (i, _, _), choice in zip(samples, choices, strict=True):
+            echoed(ctx, choice, prompts[i], scores[0][i][0] if scores is not None else None)
+    if scores is not None and prompt_logprobs:
         values, version = scores
         entries = {i: prompt_logprob_entries(prompts[i], values[i], ctx.tokenizer) for i in sorted(groups)}
         for (i, _, _), choice in zip(samples, choices, strict=True):
@@ -453,6 +481,26 @@ def completion_answer(
                 choice["prompt_logprobs_weight_version"] = version
     generated = sum(len(s.token_ids) for _, _, s in samples)
     return dump({**head, "choices": choices, "usage": usage(sum(map(len, prompts)), generated)})
+
+
+def echoed(ctx: AnswerContext, choice: dict[str, Any], prompt: list[int], values: list[float] | None) -> None:
+    """OpenAI's `echo` on a completion choice: the prompt's text before the sample's; with logprobs, the prompt's
+    tokens before the sample's (`None` for the first, then each token's logprob under the served policy, `values`:
+    the prompt's scoring, `prompt_scoring.py`), their offsets in the echoed text."""
+    decoder = SampleDecoder(ctx.tokenizer, [], False, ctx.skip_special, set(), ctx.vocabulary)
+    decoder.feed(prompt)
+    text = decoder.visible(final=True)
+    choice["text"] = text + choice["text"]
+    logprobs = choice["logprobs"]
+    if logprobs is None or values is None:
+        return
+    pieces, offsets, _ = decoder.pieces(0, len(prompt))
+    given = [None, *values]
+    logprobs["tokens"] = pieces + logprobs["tokens"]
+    logprobs["token_logprobs"] = given + logprobs["token_logprobs"]
+    top = [None if lp is None else {piece: lp} for piece, lp in zip(pieces, given, strict=True)]
+    logprobs["top_logprobs"] = top + logprobs["top_logprobs"]
+    logprobs["text_offset"] = offsets + [len(text) + offset for offset in logprobs["text_offset"]]
 
 
 def chat_answer(ctx: AnswerContext, head: dict[str, Any], n: int, prompt: list[int], group: RolloutGroup) -> bytes:

@@ -17,10 +17,10 @@ import struct
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from ..checks.generation_settings import FIELD_RULES, MIN_SAMPLING_TEMPERATURE, settings_servers_cannot_apply
-from ..checks.served_sampling import SERVED_SAMPLING, served_names
+from ..checks.served_sampling import SERVED_SAMPLING, ServedSetting, served_names
 
 #: Most prompts one completion request may carry.
 MAX_PROMPTS = 1024
@@ -114,10 +114,16 @@ class _ServedSamplingRules(SamplingRequest):
         return greedy_or_sampling(temperature)
 
     def sampling(self) -> dict[str, Any]:
-        """The engine's sampling settings of this request: `GREEDY` for temperature 0, else each served setting's
-        value (`off` when unset)."""
+        """The engine's sampling settings of this request: each served setting's value (`off` when unset), with
+        `GREEDY`'s for temperature 0 (penalties and biases still apply first: greedy over the penalised logits)."""
         values = {s.name: s.request_value(getattr(self, s.name)) for s in SERVED_SAMPLING}
-        return dict(GREEDY) if values["temperature"] == 0 else values
+        return {**values, **GREEDY} if values["temperature"] == 0 else values
+
+
+def _served_field(setting: ServedSetting) -> Any:
+    """A row's request field: unset (None) by default, within the row's bounds, also read under its `alias`."""
+    alias = AliasChoices(setting.name, setting.alias) if setting.alias else None
+    return Field(default=None, validation_alias=alias, **setting.bounds)
 
 
 #: Every request body's served sampling fields, one per `SERVED_SAMPLING` row (unset: off; the row's bounds, 422
@@ -126,9 +132,12 @@ ServedSampling = create_model(
     "ServedSampling",
     __base__=_ServedSamplingRules,
     __module__=__name__,
-    **{s.name: (s.kind | None, Field(default=None, **s.bounds)) for s in SERVED_SAMPLING},  # type: ignore[call-overload]
+    **{s.name: (s.kind | None, _served_field(s)) for s in SERVED_SAMPLING},  # type: ignore[call-overload]
 )
 
+
+#: The key of `sampling()` that asks for a sample that EOS does not end (the engine request gets no EOS id).
+IGNORE_EOS = "ignore_eos"
 
 #: Most stop strings per request, and their longest length (characters); most stop token ids (vLLM's).
 MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 256
@@ -144,6 +153,20 @@ class DecodedSamplingRequest(ServedSampling):  # type: ignore[misc,valid-type]
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    ignore_eos: bool = False  # vLLM's: EOS does not end the sample (it may still be sampled)
+
+    @model_validator(mode="after")
+    def _stops_after_min_tokens(self) -> DecodedSamplingRequest:
+        if self.min_new_tokens and self.stop_token_ids:
+            raise ValueError(
+                "min_tokens with stop_token_ids: the server holds back EOS for min_tokens, not stop_token_ids "
+                "(vLLM holds back both); send one of them"
+            )
+        return self
+
+    def sampling(self) -> dict[str, Any]:
+        """`ServedSampling.sampling()`, with `IGNORE_EOS: True` where the request set `ignore_eos`."""
+        return {**super().sampling(), **({IGNORE_EOS: True} if self.ignore_eos else {})}
 
     def stops(self) -> list[str]:
         """The stop strings as one list (the request may send one string, a list, or none)."""

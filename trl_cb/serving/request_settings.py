@@ -16,9 +16,13 @@ from typing import Any
 
 from transformers import GenerationConfig
 
-from ..checks.served_sampling import SERVED_SAMPLING
+from ..checks.served_sampling import SERVED_SAMPLING, ServedSetting
 
-__all__ = ["engine_settings", "only_temperature", "warpers_needed"]
+__all__ = ["PER_REQUEST", "engine_settings", "only_temperature", "warpers_needed"]
+
+#: Everything a request may carry to the engine: the served sampling settings, and what the engine records for it
+#: without changing the distribution (`top_logprobs`, asked on the wire as OpenAI's `logprobs: k` / `top_logprobs`).
+PER_REQUEST: tuple[ServedSetting, ...] = (*SERVED_SAMPLING, ServedSetting("top_logprobs", int, off=0, placeholder=1))
 
 
 def warpers_needed(config: GenerationConfig, vocab_size: int) -> frozenset[str]:
@@ -26,8 +30,8 @@ def warpers_needed(config: GenerationConfig, vocab_size: int) -> frozenset[str]:
     (a temperature other than 1, a top_k under the vocabulary, a top_p under 1)."""
     return frozenset(
         setting.name
-        for setting in SERVED_SAMPLING
-        if setting.warper_value(getattr(config, setting.name), vocab_size) != setting.warper_off(vocab_size)
+        for setting in PER_REQUEST
+        if setting.warper_value(getattr(config, setting.name, None), vocab_size) != setting.warper_off(vocab_size)
     )
 
 
@@ -38,10 +42,9 @@ def engine_settings(
     needs): each warper's setting moves to the request, the engine's config gets its placeholder; a warper the engine
     lacks gets the off value (the request does not need it)."""
     engine_config = copy.deepcopy(config)
-    engine_config.update(
-        **{s.name: s.engine_placeholder(vocab_size) if s.name in warpers else s.off for s in SERVED_SAMPLING}
-    )
-    kwargs = {s.name: s.warper_value(getattr(config, s.name), vocab_size) for s in SERVED_SAMPLING}
+    for s in PER_REQUEST:  # setattr, not `update()`: OpenAI's fields are extra attributes `update()` skips
+        setattr(engine_config, s.name, s.engine_placeholder(vocab_size) if s.name in warpers else s.engine_off())
+    kwargs = {s.name: s.warper_value(getattr(config, s.name, None), vocab_size) for s in PER_REQUEST}
     return engine_config, {name: kwargs[name] for name in sorted(warpers)}
 
 
@@ -50,5 +53,5 @@ def only_temperature(kwargs: dict[str, Any], vocab_size: int) -> bool:
     off: top-k keeps the whole vocabulary, top-p 1 keeps every token of non-zero probability): then its processed
     logprob is `log_softmax(logits / T)` itself, which the server reports for both, as an engine without placeholders
     would (`_upstream_sampling.output_logprobs`)."""
-    off = {s.name: s.warper_off(vocab_size) for s in SERVED_SAMPLING if s.name != "temperature"}
+    off = {s.name: s.warper_off(vocab_size) for s in PER_REQUEST if s.name != "temperature"}
     return bool(kwargs) and all(kwargs.get(name, value) == value for name, value in off.items())

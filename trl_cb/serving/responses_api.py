@@ -7,17 +7,19 @@ chat messages, the function tools become chat tools, and `OpenAIServing`'s chat 
 tool calls (TRL's parser). The answer's `output` is a `message` item (`output_text`) and a `function_call` item per
 parsed call; `status` is `incomplete` (`max_output_tokens`) when the sample ran out of tokens. Invariants: every
 token is a sampled token with its recorded logprob (`include: ["message.output_text.logprobs"]`); with
-`return_token_ids` the RL fields of the chat route ride on the response. Refused (422, naming them): streaming, stored
-state (`previous_response_id`, `conversation`), non-function tools, non-text input, `n` other than 1.
+`return_token_ids` the RL fields of the chat route ride on the response. With `stream`, OpenAI's `response.*` events
+(`_ResponseEvents`). Refused (422, naming them): stored state (`previous_response_id`, `conversation`), non-function
+tools, non-text input, `n` other than 1.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..rollouts.rollout_groups import RolloutGroup
@@ -32,7 +34,7 @@ from .openai_protocol import (
     Text,
     check_finite,
 )
-from .openai_serving import AnswerContext, Flows, OpenAIServing, all_groups, finished_sample
+from .openai_serving import EVENT_STREAM, AnswerContext, Flows, OpenAIServing, all_groups, finished_sample
 from .protocol import MAX_TOKENS
 from .protocol import _Strict as Strict
 
@@ -126,8 +128,6 @@ class ResponsesRequest(OpenAISampling):
 
     @model_validator(mode="after")
     def _responses_honoured(self) -> ResponsesRequest:
-        if self.stream:
-            raise ValueError("stream is not served on /v1/responses: unset it, or stream /v1/chat/completions")
         if self.previous_response_id is not None or self.conversation is not None:
             raise ValueError("this server stores no responses: send the whole conversation in `input`")
         if self.n != 1:
@@ -181,18 +181,31 @@ def response_object(
 ) -> bytes:
     """The `response` object's JSON for the group's one sample."""
     sample = finished_sample(ctx, group, 0, prompt)
-    output = _output_items(sample, ctx.logprobs)
-    incomplete = sample.finish_reason == "length"
+    return dump(_response(ctx, body, model, prompt, sample, f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"))
+
+
+def _response(
+    ctx: AnswerContext,
+    body: ResponsesRequest,
+    model: str,
+    prompt: list[int],
+    sample: DecodedSample | None,
+    response_id: str,
+    message_id: str,
+) -> dict[str, Any]:
+    """The `response` object of `sample` (None: the response still in progress, no output yet)."""
+    incomplete = sample is not None and sample.finish_reason == "length"
+    status = "in_progress" if sample is None else "incomplete" if incomplete else "completed"
     answer: dict[str, Any] = {
-        "id": f"resp_{uuid.uuid4().hex}",
+        "id": response_id,
         "object": "response",
         "created_at": int(time.time()),
         "model": model,
-        "status": "incomplete" if incomplete else "completed",
+        "status": status,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "error": None,
         "instructions": body.instructions,
-        "output": output,
+        "output": [] if sample is None else _output_items(sample, ctx.logprobs, message_id),
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "tool_choice": body.tool_choice or "auto",
         "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
@@ -200,20 +213,20 @@ def response_object(
         "top_p": body.top_p,
         "max_output_tokens": body.max_output_tokens,
         "metadata": body.metadata or {},
-        "usage": {
+        "usage": None if sample is None else {
             "input_tokens": len(prompt),
             "input_tokens_details": {"cached_tokens": 0},
             "output_tokens": len(sample.token_ids),
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": len(prompt) + len(sample.token_ids),
         },
-    }
-    if ctx.rl:
+    }  # fmt: skip
+    if ctx.rl and sample is not None:
         answer.update(prompt_token_ids=prompt, **rl_fields(sample, rl=True))
-    return dump(answer)
+    return answer
 
 
-def _output_items(sample: DecodedSample, logprobs: bool) -> list[dict[str, Any]]:
+def _output_items(sample: DecodedSample, logprobs: bool, message_id: str) -> list[dict[str, Any]]:
     """A `message` item with the text (when there is text, or nothing else), then a `function_call` per call."""
     items: list[dict[str, Any]] = []
     if sample.content or not sample.tool_calls:
@@ -221,7 +234,7 @@ def _output_items(sample: DecodedSample, logprobs: bool) -> list[dict[str, Any]]
         if logprobs:
             part["logprobs"] = chat_logprobs(sample)["content"]
         message = {"type": "message", "role": "assistant", "status": "completed", "content": [part]}
-        items.append({"id": f"msg_{uuid.uuid4().hex}", **message})
+        items.append({"id": message_id, **message})
     for call in sample.tool_calls:
         function = call["function"]
         item = {"type": "function_call", "call_id": call["id"], "name": function["name"], "status": "completed"}
@@ -229,12 +242,114 @@ def _output_items(sample: DecodedSample, logprobs: bool) -> list[dict[str, Any]]
     return items
 
 
+class _ResponseEvents:
+    """One streamed response's server-sent events, in OpenAI's order and shapes, numbered (`sequence_number`):
+    `response.created` and `.in_progress`; the message item opened (`output_item.added`, `content_part.added`) with
+    the first text, then `output_text.delta` per posted piece (with `include` logprobs: its tokens'); at the end the
+    text, part and item done, a `function_call` item per parsed call (`function_call_arguments.delta` / `.done`), and
+    `response.completed` with the whole response (its `status` may be incomplete), item ids as streamed. With tools
+    offered the text is held back to the end, where tool calls are parsed out of it (as the chat stream does)."""
+
+    def __init__(self, ctx: AnswerContext, body: ResponsesRequest, model: str, prompt: list[int]) -> None:
+        self.ctx, self.body, self.model, self.prompt = ctx, body, model, prompt
+        self.response_id, self.message_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+        self.sequence = 0
+        self.opened = False  # the message item and its text part announced
+        self.sent = ""  # the text sent in deltas so far
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + dump(payload) + b"\n\n"
+
+    def start(self) -> list[bytes]:
+        snapshot = _response(self.ctx, self.body, self.model, self.prompt, None, self.response_id, self.message_id)
+        return [
+            self.event("response.created", response=snapshot),
+            self.event("response.in_progress", response=snapshot),
+        ]
+
+    def delta(self, piece: DecodedSample) -> list[bytes]:
+        """A posted piece of the sample (its new tokens and text)."""
+        if self.ctx.tools or not piece.text:
+            return []
+        events = self._open()
+        self.sent += piece.text
+        return events + [self._text_delta(piece.text, chat_logprobs(piece)["content"] if self.ctx.logprobs else [])]
+
+    def finish(self, sample: DecodedSample) -> list[bytes]:
+        """The rest, once the whole `sample` is known (`finished_sample`)."""
+        response = _response(self.ctx, self.body, self.model, self.prompt, sample, self.response_id, self.message_id)
+        events: list[bytes] = []
+        for index, item in enumerate(response["output"]):
+            if item["type"] == "message":
+                part = item["content"][0]
+                events += self._open()
+                rest = part["text"][len(self.sent) :] if part["text"].startswith(self.sent) else ""
+                if rest or (self.ctx.logprobs and not self.sent and part.get("logprobs")):
+                    events.append(self._text_delta(rest, part.get("logprobs", []) if not self.sent else []))
+                ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+                done = {"text": part["text"], **({"logprobs": part["logprobs"]} if "logprobs" in part else {})}
+                events.append(self.event("response.output_text.done", **ids, **done))
+                events.append(self.event("response.content_part.done", **ids, part=part))
+            else:
+                added = {**item, "status": "in_progress", "arguments": ""}
+                events.append(self.event("response.output_item.added", output_index=index, item=added))
+                ids = {"item_id": item["id"], "output_index": index}
+                events.append(self.event("response.function_call_arguments.delta", **ids, delta=item["arguments"]))
+                events.append(self.event("response.function_call_arguments.done", **ids, arguments=item["arguments"]))
+            events.append(self.event("response.output_item.done", output_index=index, item=item))
+        # `response.completed` also when `status` is incomplete: the SDK's accumulator and the Agents SDK take the
+        # final response from that event only (`response.incomplete` would leave them without one)
+        return events + [self.event("response.completed", response=response)]
+
+    def _open(self) -> list[bytes]:
+        if self.opened:
+            return []
+        self.opened = True
+        item = {"id": self.message_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+        part = {"type": "output_text", "text": "", "annotations": []}
+        ids = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        return [
+            self.event("response.output_item.added", output_index=0, item=item),
+            self.event("response.content_part.added", **ids, part=part),
+        ]
+
+    def _text_delta(self, text: str, logprobs: list[Any]) -> bytes:
+        ids = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        return self.event("response.output_text.delta", **ids, delta=text, logprobs=logprobs)
+
+
+async def _streamed(
+    serving: OpenAIServing, flow: Any, events: _ResponseEvents, prompt: list[int]
+) -> AsyncIterator[bytes]:
+    """The event stream of one response (`_ResponseEvents`); a failure after it began is an `error` event."""
+    for event in events.start():
+        yield event
+    try:
+        async for kind, payload in flow:
+            if kind == "delta":
+                for event in events.delta(payload[2]):
+                    yield event
+                continue
+            sample = await serving.off_loop(finished_sample, events.ctx, payload[1], 0, prompt)
+            for event in events.finish(sample):
+                yield event
+    except Exception as exc:  # the request failed after the stream began: said in the stream
+        message = str(getattr(exc, "detail", exc))[:500]
+        yield events.event("error", code=str(getattr(exc, "status_code", 500)), message=message, param=None)
+
+
 async def respond(
     serving: OpenAIServing, flows: Flows, body: ResponsesRequest, chat: ChatCompletionRequest, prompt: list[int]
 ) -> Response:
     """Sample the response (`chat`, `prompt`: `body.chat_prompt`'s, built by the route) and answer it, built off the
-    event loop like every whole answer."""
+    event loop like every whole answer, or streamed as events (`stream`)."""
     ctx = serving.context(chat, logprobs=bool(chat.logprobs), tools=chat.offered_tools())
+    if body.stream:
+        flow = serving.streamed_flow(flows, chat, ctx, prompt)
+        events = _ResponseEvents(ctx, body, serving.model_name, prompt)
+        return StreamingResponse(_streamed(serving, flow, events, prompt), media_type=EVENT_STREAM)
     flow, _ = serving.flow(flows, chat, ctx, [prompt])
     groups = await all_groups(flow, 1)
     answer = await serving.off_loop(response_object, ctx, body, serving.model_name, prompt, groups[0])

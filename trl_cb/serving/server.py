@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -112,15 +113,26 @@ def _answer_refusals(app: FastAPI, counters: RequestCounters) -> None:
         return JSONResponse(status_code=exc.status_code, content=exc.body)
 
 
-def serve(app: FastAPI, host: str, port: int, timeout_graceful_shutdown: float = 1.0) -> None:
+def serve(
+    app: FastAPI,
+    host: str,
+    port: int,
+    timeout_graceful_shutdown: float = 1.0,
+    gil_switch_interval_ms: float | None = None,
+) -> None:
     """Run `app` (from `create_app`) on uvicorn until SIGINT or SIGTERM.
 
     On the signal the engine shuts down first (`EngineLoop.shut_down`: every queued or running group, also on a
     paused server, is answered 503 with `Retry-After` while the HTTP server still answers), then uvicorn stops, waiting
     at most `timeout_graceful_shutdown` seconds for the answers to go out. Without that first step uvicorn would
-    cancel the waiting requests at its timeout and answer them 500.
+    cancel the waiting requests at its timeout and answer them 500. `gil_switch_interval_ms`: the interpreter's GIL
+    hand-over interval for this process (`sys.setswitchinterval`; Python's default is 5 ms): the event loop waits up
+    to about that long behind each busy thread (the engine's, the answers'), docs/benchmarks.md measures the trade.
     """
     import uvicorn
+
+    if gil_switch_interval_ms is not None:
+        sys.setswitchinterval(gil_switch_interval_ms / 1000)
 
     class _EngineFirst(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:  # uvicorn's signal handler, on the event loop's thread

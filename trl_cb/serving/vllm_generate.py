@@ -20,9 +20,8 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import Response
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from ..checks.served_sampling import served_names
 from ..rollouts.rollout_groups import RolloutGroup
 from .openai_answers import DecodedSample, dump, usage
 from .openai_serving import AnswerContext, Flows, OpenAIServing, all_groups, finished_sample
@@ -46,23 +45,6 @@ class VLLMSamplingParams(DecodedSamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=1)  # the sampled token's only: no alternatives
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-
-    @model_validator(mode="after")
-    def _honoured(self) -> VLLMSamplingParams:
-        refused = [name for name in ("presence_penalty", "frequency_penalty") if getattr(self, name)]
-        refused += [name for name in ("seed",) if getattr(self, name) is not None]
-        refused += [name for name in ("ignore_eos", "min_tokens") if getattr(self, name)]
-        if refused:
-            raise ValueError(
-                f"{refused}: not applied by this server's token-in route (it samples with {served_names()}, "
-                "stopping at EOS, stop_token_ids and stop strings); unset them"
-            )
-        return self
 
     @property
     def return_token_ids(self) -> bool:

@@ -141,7 +141,7 @@ class RemoteRollouts:
         """The `/v1/completions` sampling fields of the trainer's generation config (every served setting, `off`
         when the config leaves it unset)."""
         config = self.trainer.generation_config
-        served = {s.name: s.request_value(getattr(config, s.name)) for s in SERVED_SAMPLING}
+        served = {s.name: s.wire_value(getattr(config, s.name, None)) for s in SERVED_SAMPLING}
         return {"max_tokens": config.max_new_tokens, **served}
 
     def push_weights(self) -> int:

@@ -78,32 +78,43 @@ def test_unset_fields_are_off_and_temperature_zero_is_greedy():
         OpenAICompletionRequest(prompt="x"),
     ):
         assert body.sampling() == off
-    assert VLLMSamplingParams(temperature=0, top_k=5).sampling() == GREEDY
+    assert VLLMSamplingParams(temperature=0, top_k=5).sampling() == {**off, **GREEDY}
+    greedy_penalised = VLLMSamplingParams(temperature=0, repetition_penalty=1.5).sampling()
+    assert greedy_penalised == {**off, **GREEDY, "repetition_penalty": 1.5}  # penalties still apply
     assert VLLMSamplingParams(top_k=-1).sampling()["top_k"] == 0  # vLLM's "every token"
 
 
 def test_the_trainer_sends_every_served_setting():
     config = GenerationConfig(max_new_tokens=7, temperature=0.7, top_k=None, top_p=0.9)
     sent = RemoteRollouts(SimpleNamespace(generation_config=config)).sampling()
-    assert sent == {"max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 0}
+    off = {s.name: s.wire_value(None) for s in SERVED_SAMPLING}
+    assert sent == {**off, "max_tokens": 7, "temperature": 0.7, "top_p": 0.9, "top_k": 0}
+    config.update(repetition_penalty=1.3, min_p=0.05)
+    config.logit_bias = {5: -2.0}  # not a GenerationConfig field: an extra attribute (as TRL sets generation_kwargs)
+    sent = RemoteRollouts(SimpleNamespace(generation_config=config)).sampling()
+    assert (sent["repetition_penalty"], sent["min_p"], sent["logit_bias"]) == (1.3, 0.05, {"5": -2.0})
+    assert CompletionRequest(prompt=[[1]], **sent).sampling()["logit_bias"] == ((5, -2.0),)  # read back as sent
     assert set(NAMES) <= sent.keys()
 
 
 def test_the_refusal_rule_serves_exactly_the_table():
     assert set(NAMES) <= SERVED_FIELDS
     assert settings_servers_cannot_apply({name: 0.5 for name in NAMES}) == []
-    assert settings_servers_cannot_apply({"min_p": 0.1}) == ["min_p"]  # not in the table: refused
-    assert served_names() == "temperature, top_p and top_k"
+    assert settings_servers_cannot_apply({"typical_p": 0.5}) == ["typical_p"]  # not in the table: refused
+    assert served_names() == ", ".join(NAMES[:-1]) + f" and {NAMES[-1]}"
 
 
 def test_the_engine_warpers_follow_the_table():
     config = GenerationConfig(do_sample=True, temperature=0.7, top_k=500, top_p=0.9)
     assert warpers_needed(config, VOCAB) == {"temperature", "top_p"}  # top_k past the vocabulary masks nothing
     engine_config, kwargs = engine_settings(config, frozenset(NAMES), VOCAB)
-    assert kwargs == {"temperature": 0.7, "top_k": VOCAB, "top_p": 0.9}
+    off = {s.name: s.off for s in SERVED_SAMPLING}
+    assert kwargs == {**off, "temperature": 0.7, "top_k": VOCAB, "top_p": 0.9}  # every processor's value, per request
     assert (engine_config.temperature, engine_config.top_k, engine_config.top_p) == (0.5, VOCAB, 0.5)
+    assert (engine_config.min_p, engine_config.repetition_penalty, engine_config.logit_bias) == (0.5, 2.0, ((0, 1.0),))
     off_engine, none = engine_settings(GenerationConfig(), frozenset(), VOCAB)
     assert none == {} and (off_engine.temperature, off_engine.top_k, off_engine.top_p) == (1.0, 0, 1.0)
+    assert off_engine.min_p is None  # transformers builds a min-p warper whenever min_p is set, even to 0
     assert only_temperature({"temperature": 0.7, "top_k": VOCAB, "top_p": 1.0}, VOCAB)
     assert not only_temperature({"temperature": 0.7, "top_k": 5}, VOCAB)
 

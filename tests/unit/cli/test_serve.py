@@ -45,7 +45,15 @@ def test_bad_continuous_batching_config_exits_before_loading(monkeypatch, capsys
 
 
 @pytest.mark.parametrize(
-    "argv", [["--dtype", "int8"], ["--port", "http"], ["--max-body-bytes", "0"], ["--max-body-bytes", "1MB"]]
+    "argv",
+    [
+        ["--dtype", "int8"],
+        ["--port", "http"],
+        ["--max-body-bytes", "0"],
+        ["--max-body-bytes", "1MB"],
+        ["--gil-switch-interval-ms", "0"],
+        ["--gil-switch-interval-ms", "nan"],
+    ],
 )
 def test_bad_options_exit_before_loading(capsys, argv):
     with pytest.raises(SystemExit) as info:
@@ -84,3 +92,24 @@ def test_options_reach_the_server(dtype):
         assert response.status_code == 200 and len(response.json()["choices"]) == 2
         too_large = {"prompt": [[5] * 2000], "max_tokens": 4}  # > 4096 bytes of JSON
         assert requests.post(url + "/v1/completions", json=too_large, headers=auth, timeout=60).status_code == 413
+
+
+def test_the_gil_switch_interval_reaches_the_interpreter(monkeypatch):
+    """`--gil-switch-interval-ms` is what `serving.server.serve` sets before uvicorn runs (restored here)."""
+    import sys
+
+    import uvicorn
+
+    from trl_cb.serving.server import serve as run
+
+    args = serve.build_parser().parse_args(["--model", "trl-cb/tiny", "--gil-switch-interval-ms", "0.5"])
+    before, seen = sys.getswitchinterval(), []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: seen.append(sys.getswitchinterval()))
+    try:
+        run(object(), "127.0.0.1", free_port(), gil_switch_interval_ms=args.gil_switch_interval_ms)
+        assert seen == [pytest.approx(0.0005)]
+        sys.setswitchinterval(before)
+        run(object(), "127.0.0.1", free_port())  # unset: the interpreter's own, untouched
+        assert seen[-1] == pytest.approx(before)
+    finally:
+        sys.setswitchinterval(before)

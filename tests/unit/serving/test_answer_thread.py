@@ -56,7 +56,7 @@ def url(tokenizer) -> Iterator[str]:
     app = create_app(tiny_model(tokenizer), tokenizer=tokenizer)
     ids = [(9 + 7 * t) % 400 + 20 for t in range(TOKENS)]
 
-    def submit(prompts, n, config, on_done=None, watchers=None):
+    def submit(prompts, n, config, on_done=None, watchers=None, ignore_eos=False):
         tickets = [Ticket(list(p), n, config, on_done=on_done) for p in prompts]
         for ticket in tickets:
             group = RolloutGroup(row=None, prompt_ids=ticket.prompt_ids, submitted_version=0)
@@ -78,7 +78,7 @@ def streaming_url(tokenizer) -> Iterator[str]:
     app = create_app(tiny_model(tokenizer), tokenizer=tokenizer)
     ids = [(9 + 7 * t) % 400 + 20 for t in range(TOKENS)]
 
-    def submit(prompts, n, config, on_done=None, watchers=None):
+    def submit(prompts, n, config, on_done=None, watchers=None, ignore_eos=False):
         tickets = [Ticket(list(p), n, config, on_done=on_done) for p in prompts]
 
         def engine() -> None:

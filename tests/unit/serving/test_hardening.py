@@ -175,10 +175,11 @@ def test_temperature_at_the_floor_samples(server, prompts):
 @pytest.mark.parametrize(
     ("extra", "field"),
     [
-        ({"repetition_penalty": 1.2}, "repetition_penalty"),
-        ({"min_p": 0.1}, "min_p"),
-        ({"min_new_tokens": 4}, "min_new_tokens"),
-        ({"typical_p": 0.5}, "typical_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),  # served, but outside its bounds
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_new_tokens": -1}, "min_new_tokens"),
+        ({"typical_p": 0.5}, "typical_p"),  # not served
+        ({"epsilon_cutoff": 0.1}, "epsilon_cutoff"),
         ({"no_such_field": 1}, "no_such_field"),
     ],
 )
@@ -303,17 +304,18 @@ def test_openai_routes_refuse_on_headers(server, path):
             "content",
         ),
         (CHAT_PATH, {**CHAT, "tool_choice": "required"}, 422, "tool_choice"),
-        (CHAT_PATH, {**CHAT, "logprobs": True, "top_logprobs": 3}, 422, "top_logprobs"),
-        (CHAT_PATH, {**CHAT, "seed": 7}, 422, "seed"),
-        (CHAT_PATH, {**CHAT, "presence_penalty": 0.5}, 422, "presence_penalty"),
-        (CHAT_PATH, {**CHAT, "logit_bias": {"5": 3.0}}, 422, "logit_bias"),
+        (CHAT_PATH, {**CHAT, "logprobs": True, "top_logprobs": 21}, 422, "top_logprobs"),
+        (CHAT_PATH, {**CHAT, "top_logprobs": 3}, 422, "top_logprobs"),  # without logprobs: true
+        (CHAT_PATH, {**CHAT, "seed": -2}, 422, "seed"),
+        (CHAT_PATH, {**CHAT, "presence_penalty": 2.5}, 422, "presence_penalty"),
+        (CHAT_PATH, {**CHAT, "logit_bias": {"5": 300.0}}, 422, "logit_bias"),
         (CHAT_PATH, {**CHAT, "response_format": {"type": "json_object"}}, 422, "response_format"),
         (CHAT_PATH, {**CHAT, "stop": ["x"] * 17}, 422, "stop"),
-        (CHAT_PATH, {**CHAT, "min_p": 0.1}, 422, "min_p"),
+        (CHAT_PATH, {**CHAT, "min_p": -0.1}, 422, "min_p"),
         (CHAT_PATH, {**CHAT, "model": "gpt-4o"}, 404, "model"),
         (TOKENS_PATH, {"tokens": [5, 10**7], "max_tokens": 4}, 400, "vocabulary"),
         (TOKENS_PATH, {"tokens": [5, 10**7], "max_tokens": 4, "stream": True}, 400, "vocabulary"),
-        (COMPLETIONS, {"prompt": "hi", "logprobs": 3}, 422, "logprobs"),
+        (COMPLETIONS, {"prompt": "hi", "logprobs": 3, "stream": True}, 422, "logprobs"),
         (COMPLETIONS, {"prompt": "hi", "best_of": 2}, 422, "best_of"),
         (COMPLETIONS, {"prompt": "hi", "suffix": "x"}, 422, "suffix"),
         (COMPLETIONS, {"prompt": "hi", "stream_options": {"include_usage": True}}, 422, "stream_options"),
@@ -321,7 +323,7 @@ def test_openai_routes_refuse_on_headers(server, path):
         (COMPLETIONS, {"prompt": "hi", "detokenize": False, "stop": "x"}, 422, "stop"),
         (COMPLETIONS, {"prompt": [[5, 10**7]], "stream": True}, 400, "vocabulary"),
         ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 422, "exactly one"),
-        (RESPONSES, {"input": "hi", "stream": True}, 422, "stream"),
+        (RESPONSES, {"input": "hi", "top_logprobs": 2}, 422, "top_logprobs"),
         (RESPONSES, {"input": "hi", "n": 2}, 422, "n must be 1"),
         (
             RESPONSES,

@@ -411,3 +411,35 @@ def test_temperature_0_is_greedy_with_the_trainers_logprobs(served, tokenizer):
     assert any(c.model_extra["token_ids"] != ids[0] for c in sampled.choices), "control: T=1 sampled the argmax"
     refused = requests.post(url + "/v1/completions", json={"prompt": PROMPT, "temperature": 0.001}, headers=AUTH)
     assert refused.status_code == 422 and "greedy" in refused.text and "0.001" not in refused.text
+
+
+def test_echo_puts_the_prompt_before_the_sample(served, tokenizer, prompts):
+    """OpenAI's `echo`: the text starts with the prompt's; with `logprobs`, the prompt's tokens come first, `None`
+    then each one's logprob under the served policy (teacher forcing, temperature 1), offsets into the echoed text;
+    the sample's tokens follow, exact as without echo. Streaming it is refused (422)."""
+    client, url, reference = served
+    answer = client.completions.create(
+        model=MODEL, prompt=[prompts[0]], n=2, max_tokens=5, temperature=TEMPERATURE, logprobs=0, echo=True,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    prompt_text = tokenizer.decode(prompts[0], skip_special_tokens=True)
+    with torch.no_grad():
+        rows = torch.log_softmax(reference(torch.tensor([prompts[0]])).logits[0, :-1].float(), dim=-1)
+        hot = torch.log_softmax(reference(torch.tensor([prompts[0]])).logits[0, :-1].float() / TEMPERATURE, dim=-1)
+    exact = rows.gather(1, torch.tensor(prompts[0][1:])[:, None])[:, 0]
+    control = hot.gather(1, torch.tensor(prompts[0][1:])[:, None])[:, 0]  # the sampling temperature: far off
+    for choice in answer.choices:
+        ids = choice.model_extra["token_ids"]
+        values = choice.logprobs.token_logprobs
+        assert choice.text == prompt_text + decoded(tokenizer, ids)
+        assert len(values) == len(prompts[0]) + len(ids) and values[0] is None
+        assert (torch.tensor(values[1 : len(prompts[0])]) - exact).abs().max().item() <= TOL
+        assert (torch.tensor(values[1 : len(prompts[0])]) - control).abs().max().item() > 1e-2
+        check_exact(reference, tokenizer, prompts[0], ids, values[len(prompts[0]) :], decoded(tokenizer, ids))
+        assert "".join(choice.logprobs.tokens) == choice.text
+        assert [choice.text[o:] for o in choice.logprobs.text_offset[:1]] == [choice.text]
+    plain = client.completions.create(model=MODEL, prompt="Natalia", max_tokens=3, echo=True)
+    assert plain.choices[0].text.startswith("Natalia") and plain.choices[0].logprobs is None
+    body = {"model": MODEL, "prompt": "x", "echo": True, "stream": True}
+    refused = requests.post(url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert refused.status_code == 422 and "echo" in refused.text

@@ -1,7 +1,8 @@
 """OpenAI's Responses API (`/v1/responses`, `responses_api.py`) through the official `openai` client, as the Agents
 SDK calls it: a text input with instructions (its prompt is the chat template's rendering of the system and user
 messages; its logprobs exact against teacher forcing, with the wrong-temperature control), a function-calling turn and
-the next turn with the tool's output sent back as input items, and the refusals (422, naming what is not served).
+the next turn with the tool's output sent back as input items, both streamed too (OpenAI's `response.*` events, read
+by the SDK's own accumulator), and the refusals (422, naming what is not served).
 """
 
 from __future__ import annotations
@@ -60,12 +61,11 @@ def test_a_function_call_and_the_turn_with_its_output(scripted):  # noqa: F811
 @pytest.mark.parametrize(
     "fields, named",
     [
-        ({"stream": True}, "stream"),
         ({"previous_response_id": "resp_1"}, "stores no responses"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"seed": 2**63}, "seed"),
         ({"temperature": 0.001}, "greedy"),
     ],
 )
@@ -73,3 +73,43 @@ def test_what_is_not_served_is_refused(served, fields, named):  # noqa: F811
     _, url, _ = served
     answer = requests.post(url + "/v1/responses", json={"model": MODEL, "input": "hi", **fields}, headers=AUTH)
     assert answer.status_code == 422 and named in answer.text, answer.text
+
+
+def test_a_streamed_response_arrives_in_order_and_adds_up(served, tokenizer):  # noqa: F811
+    """`stream: true`, read by the SDK's own stream accumulator (it rebuilds the response from the events and checks
+    their order and indices): the text deltas concatenate to the final text, the logprobs are exact, the events are
+    numbered 0, 1, 2, ... (how many deltas depends on the machine's speed: the first piece at once, then at most
+    one per 20 ms, the rest at the end)."""
+    client, _, reference = served
+    kinds, numbers, deltas = [], [], []
+    with client.responses.stream(
+        model=MODEL, input=QUESTION, max_output_tokens=24, temperature=TEMPERATURE,
+        include=["message.output_text.logprobs"], extra_body={"return_token_ids": True},
+    ) as stream:  # fmt: skip
+        for event in stream:
+            kinds.append(event.type)
+            numbers.append(event.sequence_number)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+        final = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed" and numbers == list(range(len(numbers)))
+    assert "".join(deltas) == final.output_text
+    assert deltas or not final.output_text  # text (a sample may end at EOS at once: then none) came as deltas
+    messages = [{"role": "user", "content": QUESTION}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    part = final.output[0].content[0]
+    check_exact(reference, tokenizer, list(prompt), final.model_extra["token_ids"], [t.logprob for t in part.logprobs],
+                part.text)  # fmt: skip
+
+
+def test_a_streamed_function_call(scripted):  # noqa: F811
+    """With tools, the text is held back and parsed: the stream carries the `function_call` item and its arguments."""
+    client, _, _ = scripted
+    user = {"role": "user", "content": "What is 3 times 4?"}
+    with client.responses.stream(model="scripted", input=[user], tools=[MULTIPLY_TOOL], max_output_tokens=16) as s:
+        kinds = [event.type for event in s]
+        final = s.get_final_response()
+    calls = [item for item in final.output if item.type == "function_call"]
+    assert len(calls) == 1 and json.loads(calls[0].arguments) == {"a": 3, "b": 4}
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"

@@ -75,7 +75,7 @@ def test_api_key_required(server, headers):
     ("body", "status", "reason"),
     [
         ({"prompt": [[5, 6]], "max_tokens": 0}, 422, "max_tokens"),
-        ({"prompt": [[5, 6]], "max_tokens": 4, "echo": True}, 422, "echo"),
+        ({"prompt": [[5, 6]], "max_tokens": 4, "echo": True, "stream": True}, 422, "echo"),
         ({"prompt": [[5, 6]], "max_tokens": 10**6}, 422, "max_tokens"),
         ({"prompt": [[5, 6]] * 5000, "max_tokens": 4}, 422, "prompt"),
         ({"prompt": [[5] * 40_000], "max_tokens": 4}, 422, "prompt"),
@@ -170,10 +170,18 @@ def test_lora_push_serves_the_merged_weights(server, local_model, prompts):
         sender.close()
 
 
-@pytest.mark.parametrize("kind", ["grpo", "rloo"])
-def test_trainer_trains_on_server_rollouts(server, tokenizer, tmp_path, kind):
+#: Sampling settings the trainer sends its servers, beside the defaults: TRL's own and OpenAI's (`generation_kwargs`).
+PENALISED = {"repetition_penalty": 1.2, "min_p": 0.05, "generation_kwargs": {"presence_penalty": 0.5}}
+
+
+@pytest.mark.parametrize(("kind", "settings"), [("grpo", {}), ("rloo", {}), ("grpo", PENALISED)],
+                         ids=["grpo", "rloo", "grpo-penalised"])  # fmt: skip
+def test_trainer_trains_on_server_rollouts(server, tokenizer, tmp_path, kind, settings):
+    """Two steps on a server's rollouts, one weight push each; the trainer's logprobs of the server's samples equal
+    the server's policy logprobs (so the pushes landed), also under penalties the server applies per request (the
+    trainer's IS quantity stays `log_softmax(logits / T)`, not the penalised distribution's)."""
     _, url = server
-    trainer = make_trainer(kind, tokenizer, tmp_path, cb_server_urls=[url], cb_server_api_key=KEY)
+    trainer = make_trainer(kind, tokenizer, tmp_path, cb_server_urls=[url], cb_server_api_key=KEY, **settings)
     start = time.monotonic()
     trainer.train()
     print(f"\n2-step {kind} on the server: {time.monotonic() - start:.1f} s")
@@ -186,12 +194,15 @@ def test_trainer_trains_on_server_rollouts(server, tokenizer, tmp_path, kind):
     gaps = [entry["sampling/sampling_logp_difference/max"] for entry in logs]
     print(f"trainer vs server logprob max|d| per step: {gaps}")
     assert max(gaps) < FP32_LOGPROB_TOL
+    sent = trainer.rollouts.remote.sampling()
+    expected = (1.2, 0.05, 0.5) if settings else (1.0, 0.0, 0.0)  # what the server was asked to apply
+    assert (sent["repetition_penalty"], sent["min_p"], sent["presence_penalty"]) == expected
 
 
 def test_settings_the_api_does_not_carry_are_refused(server, tokenizer, tmp_path):
     _, url = server
-    trainer = make_trainer("grpo", tokenizer, tmp_path, cb_server_urls=[url], repetition_penalty=1.2)
-    with pytest.raises(ValueError, match=r"cannot apply \[.repetition_penalty.\]"):
+    trainer = make_trainer("grpo", tokenizer, tmp_path, cb_server_urls=[url], generation_kwargs={"typical_p": 0.9})
+    with pytest.raises(ValueError, match=r"cannot apply \[.typical_p.\]"):
         trainer.train()
 
 
