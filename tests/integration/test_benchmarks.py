@@ -117,6 +117,24 @@ def test_decode_kernels_and_step_profile_write_their_json(tmp_path):
     assert abs(points[0]["kernels"] - points[1]["kernels"]) <= 0.05 * points[0]["kernels"], points
 
 
+def test_train_after_round_quick_writes_every_round(tmp_path):
+    """`train_after_round.py --quick`: each round's passes before and after a CB round, their ratio, the median ratio
+    and its spread in the JSON; a GPU device refused (the target is a CPU one)."""
+    script = str(ROOT / "benchmarks" / "train_after_round.py")
+    proc = run(script, "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = tmp_path.glob("train_after_round-*.json")
+    document = json.loads(path.read_text())
+    assert document["complete"] and [p["key"] for p in document["points"]] == [[0], [1]]
+    for point in document["points"]:
+        assert point["before_ms"] > 0 and point["after_ms"] > 0
+        assert math.isclose(point["ratio"], point["after_ms"] / point["before_ms"])
+    low, high = document["spread"]
+    assert low <= document["median_ratio"] <= high
+    refused = run(script, "--device", "cuda")
+    assert refused.returncode == 2 and "a CPU one" in refused.stderr
+
+
 def test_engine_step_bad_flags_fail_clearly():
     script = str(ROOT / "benchmarks" / "engine_step.py")
     proc = run(script, "--rows", "12", "--samples-per-prompt", "8", timeout=120)

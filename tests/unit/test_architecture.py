@@ -307,6 +307,34 @@ def test_architecture_doc_lists_every_module():
     assert module_table(one_less) != listed  # control: a module the list does not match is caught
 
 
+def diagram_names(doc: str) -> dict[str, set[str]]:
+    """The modules docs/architecture.md's layer diagram names per subpackage (`cli`, `serving`, ...)."""
+    block = doc[doc.index("flowchart TD") : doc.index("```", doc.index("flowchart TD"))]
+    named = {}
+    for package, names in re.findall(r'\w+\["(\w+)/<br/>([^"]+)"\]', block):
+        named[package] = {n.strip() for n in re.split(r"·|<br/>", names) if n.strip()}
+    return named
+
+
+def test_the_layer_diagram_names_every_module():
+    """The diagram's boxes list each subpackage's modules, all of them and no removed one. Control: a diagram without
+    one module fails."""
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+
+    def missing(named: dict[str, set[str]]) -> dict[str, set[str]]:
+        off = {}
+        for package, names in named.items():
+            actual = {p.stem for p in (PACKAGE / package).glob("*.py") if p.stem not in ("__init__", "__main__")}
+            if names != actual:
+                off[package] = names ^ actual
+        return off
+
+    named = diagram_names(doc)
+    assert {"cli", "trainers", "rollouts", "serving", "checks", "engine"} <= named.keys()
+    assert missing(named) == {}, "docs/architecture.md's layer diagram is stale"
+    assert missing({**named, "serving": named["serving"] - {"engine_loop"}}) == {"serving": {"engine_loop"}}
+
+
 def write_module_table() -> None:
     """Regenerate docs/architecture.md's module list in place."""
     path = PACKAGE.parent / "docs" / "architecture.md"
