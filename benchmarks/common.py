@@ -104,6 +104,27 @@ def finish_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
             p.error(f"--{name}: no such file: {path}")
 
 
+#: `max_memory_percent` of TRL's own CB path when its config leaves it unset (`GRPOConfig.__post_init__`).
+NATIVE_MEMORY_PERCENT = 0.5
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def add_native_memory_option(p: argparse.ArgumentParser) -> None:
+    """`--native-memory-percent`: the `trl_native` backend's `max_memory_percent`. TRL's default (0.5) is the
+    benchmark's; on a CPU it sizes the cache from half the RAM, allocated afresh every round (half a minute per
+    round on a 24 GB VM), so a smoke test that only checks the orchestration may pass a small one (recorded)."""
+    p.add_argument(
+        "--native-memory-percent", type=_fraction, default=NATIVE_MEMORY_PERCENT,
+        help=f"trl_native's max_memory_percent (default {NATIVE_MEMORY_PERCENT}, TRL's own)",
+    )  # fmt: skip
+
+
 def without_native_for_hybrids(model: str, backends: list[str]) -> list[str]:
     """`backends` less `trl_native` for a hybrid preset (transformers' own CB engine refuses its layers), said so."""
     if model in HYBRID_PRESETS and "trl_native" in backends:

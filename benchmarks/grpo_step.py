@@ -3,7 +3,7 @@
     pip install -e . && python benchmarks/grpo_step.py    # tiny Qwen2, CPU, GSM8K-like: 8 prompts x G=8, <= 256 tokens
     python benchmarks/grpo_step.py --workload short       # the earlier default: 8 prompts x 4 completions x 48 tokens
     python benchmarks/grpo_step.py --trainers grpo --steps 10 --max-completion-length 128
-    python benchmarks/grpo_step.py --quick                        # ~3 min (every backend once), smoke test
+    python benchmarks/grpo_step.py --quick                        # 1.5-3 min (every backend once), smoke test
     python benchmarks/grpo_step.py --model small                  # 8 layers x 256 wide: compute-heavier
     python benchmarks/grpo_step.py --trainers grpo --backends trl_cb --background-load 0 2   # quiet vs loaded
     python benchmarks/grpo_step.py --device cuda --model llama-1b-random --trainers grpo --max-completion-length 512
@@ -12,7 +12,7 @@ Backends, same workload and settings in one run, each (trainer, backend) in its 
 benchmarks/common.py):
 - `generate`:   TRL's trainer, `use_transformers_continuous_batching=False` (left-padded `model.generate`).
 - `trl_native`: TRL's trainer with its own `use_transformers_continuous_batching=True` (new manager every step,
-                no logprobs, no IS correction).
+                no logprobs, no IS correction; `max_memory_percent` TRL's 0.5 unless `--native-memory-percent`).
 - `trl_cb`:     trl_cb's trainer with the flag on (persistent engine, logprobs, IS correction).
 - `trl_cb_async`: the same with `cb_async_generation=True` (engine fed ahead of the trainer, bounded staleness).
 - `trl_cb_overlap_async`: the same with `cb_async_overlap=True`: the engine also generates during the trainer's forward
@@ -121,12 +121,14 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
             served = common.served_model(model, tokenizer, spec["server_threads"], spec["device"], spec["dtype"])
             server = {"cb_server_urls": [stack.enter_context(served)]}
         torch.set_num_threads(spec["trainer_threads"] if backend in SERVER_BACKENDS else spec["threads"])
+        native = {"max_memory_percent": spec["native_memory_percent"]}  # TRL's own CB path: its default unless set
         args = config_cls(
             output_dir=spec["output_dir"], per_device_train_batch_size=spec["prompts"] * spec["num_generations"],
             num_generations=spec["num_generations"], max_completion_length=spec["max_completion_length"],
             max_steps=spec["warmup"] + spec["steps"], learning_rate=1e-4, beta=0.0, bf16=cuda, use_cpu=not cuda,
             report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True, seed=spec["seed"],
             use_transformers_continuous_batching=backend != "generate",
+            **({"transformers_continuous_batching_config": native} if backend == "trl_native" else {}),
             **(_async_fields(spec) if backend.endswith("_async") else {}), **server,
         )  # fmt: skip
         return _train(spec, args, trainer_cls, model, tokenizer)
@@ -202,6 +204,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trainers", nargs="+", default=list(TRAINERS), choices=TRAINERS)
     p.add_argument("--backends", nargs="+", default=None, choices=BACKENDS, help="default: all on CPU; see above")
+    common.add_native_memory_option(p)
     p.add_argument("--model", default=None, choices=common.PRESETS, help="default: tiny (CPU), llama-1b-random (CUDA)")
     p.add_argument(
         "--background-load", type=int, nargs="+", default=[0],
@@ -370,6 +373,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "max_staleness": args.max_staleness, "prefetch_depth": args.prefetch_depth, "threads": args.threads,
                 "server_threads": args.server_threads, "trainer_threads": args.trainer_threads, "reward": args.reward,
                 "engine_threads": engine_threads, "output_dir": f"/tmp/trl_cb_bench_{kind}_{backend}",
+                "native_memory_percent": args.native_memory_percent,
             }  # fmt: skip
             with common.background_load(load):
                 try:

@@ -1,7 +1,8 @@
 """The seed comparison: rollouts of GSM8K-shaped rounds with trl_cb, TRL's native CB call and plain `generate()`.
 
     pip install -e . && python benchmarks/gsm8k.py            # offline default: tiny Qwen2, CPU, 4-6 min on 2 cores
-    python benchmarks/gsm8k.py --quick                        # ~1 min, for smoke tests
+    python benchmarks/gsm8k.py --quick                        # 1-1.5 min, for smoke tests
+    python benchmarks/gsm8k.py --quick --native-memory-percent 0.02   # ~35 s: TRL's CB path sized from 2% of RAM
     python benchmarks/gsm8k.py --model small --num-generations 32 64   # 8 layers x 256 wide, CPU: compute-heavier
     python benchmarks/gsm8k.py --model llama-1b-random --device cuda --max-new-tokens 512 --num-generations 8 32 64
     python benchmarks/gsm8k.py --model tiny-qwen3.5     # Qwen3.5's hybrid layout (qwen3.5-0.8b-random: GPU size)
@@ -13,7 +14,7 @@ the tokenizer has a chat template; `--data-file` / `--dataset` replace it.
 Backends (same prompts and sampling settings; `top_k` set explicitly because `generate()` adds top_k=50 if unset):
 - `generate`: left-padded `model.generate`, as TRL's default path calls it (one padded batch of P x N rows).
 - `trl_native`: `model.generate_batch` as TRL's built-in CB path calls it: a fresh manager every round,
-  `max_memory_percent=0.5`, no cache sizing, no logprobs, train mode restored after it.
+  `max_memory_percent=0.5` (`--native-memory-percent`), no cache sizing, no logprobs, train mode restored after it.
 - `trl_cb`: trl_cb's `ContinuousBatchingGenerator` (persistent, workload-sized, prefill shared per prompt, logprobs);
   `--cb-config JSON` adds engine settings (`transformers_continuous_batching_config` keys).
 - `trl_cb_no_graphs`: the same with `{"use_cuda_graph": false}` (CUDA: the decode steps without CUDA graphs).
@@ -125,7 +126,7 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
         elif backend == "trl_native":
             outputs = model.generate_batch(
                 rows, generation_config=gen_cfg, progress_bar=False,
-                continuous_batching_config=ContinuousBatchingConfig(max_memory_percent=0.5),
+                continuous_batching_config=ContinuousBatchingConfig(max_memory_percent=spec["native_memory_percent"]),
             )  # fmt: skip
             model.train()  # TRL puts the model back in train mode after every CB call
             completions = [o.generated_tokens for o in outputs.values()]
@@ -169,6 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per point (after one warm-up round)")
     p.add_argument("--backends", nargs="+", default=None, choices=BACKENDS, help="default: see above")
     p.add_argument("--cb-config", type=json.loads, default={}, help="engine settings (JSON) for the trl_cb backends")
+    common.add_native_memory_option(p)
     p.add_argument(
         "--eos-logit-bias", type=float, default=None,
         help="random presets: EOS logit boost (default: per preset; llama-1b-random: the calibrated tail)",
@@ -273,7 +275,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "backend": backend, "num_generations": n, "repeats": args.repeats, "model": args.model,
                 "device": args.device, "dtype": args.dtype, "prompts_per_round": args.prompts_per_round,
                 "max_new_tokens": args.max_new_tokens, "seed": args.seed, "data_file": args.data_file,
-                "dataset": args.dataset, "cb_config": args.cb_config, **model,
+                "dataset": args.dataset, "cb_config": args.cb_config,
+                "native_memory_percent": args.native_memory_percent, **model,
             }  # fmt: skip
             fresh = backend == "trl_native" and args.device == "cpu"  # its unsized cache leaves the process slow
             try:
